@@ -1,0 +1,138 @@
+"""The parameter server: merge a validated result into the server weights in Redis.
+
+VC-ASGD (papers' eq. 1): ``W_s <- a_e*W_s + (1-a_e)*W_c``; MOP replaces the model's
+weights (a = 0). The merge is numpy on one flat float32 buffer: no TensorFlow here.
+Each call is idempotent (the "unit assimilated" mark is committed with the merge),
+so BOINC's at-least-once calls and a late original result of a re-issued unit never
+merge twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.common.errors import ResultRejected
+from server.common.spec import JobSpec, spec_from_json
+from server.common.store import JobStore
+from server.validator.checks import ValidResult, validate_result
+
+
+@dataclass
+class AssimilationOutcome:
+    """What happened to one result: merged, duplicate or rejected (with reason)."""
+
+    status: str  # "merged" | "duplicate" | "rejected" | "failed"
+    unit: str
+    version: int = 0
+    reason: str = ""
+    retries: int = 0
+
+
+def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
+    """``a*ws + (1-a)*wc`` computed in place in ``ws`` as ``a*(ws - wc) + wc``: three
+    passes over float32 and no 20 MB temporary."""
+    if alpha == 0.0:
+        ws[:] = wc
+        return ws
+    ws -= wc
+    ws *= np.float32(alpha)
+    ws += wc
+    return ws
+
+
+def alpha_for(spec: JobSpec, epoch: int) -> float:
+    """The merge weight of the server copy for a unit of ``epoch``."""
+    return spec.vcasgd.alpha_for(epoch) if spec.mode == "vcasgd" else 0.0
+
+
+def assimilate_valid(
+    store: JobStore, spec: JobSpec, res: ValidResult, strict: bool | None = None
+) -> AssimilationOutcome:
+    """Merge an already validated result (idempotent; atomic with its mark)."""
+    unit = res.unit
+    info = store.unit_info(unit) or {}
+    epoch = int(info.get("epoch", 0))
+    model = str(info.get("model", "0"))
+    alpha = alpha_for(spec, epoch)
+    bound = spec.validation.max_update_norm
+    rejected: list[str] = []
+
+    def combine(ws: np.ndarray) -> np.ndarray | None:
+        if ws.size != res.weights.flat.size:
+            rejected.append(f"server weights have {ws.size} values, result {res.weights.flat.size}")
+            return None
+        if bound is not None:
+            dist = float(np.linalg.norm(res.weights.flat - ws))
+            if not np.isfinite(dist) or dist > bound:
+                rejected.append(f"update distance {dist:.4g} from the server weights exceeds the bound {bound:.4g}")
+                return None
+        return merge_into(ws, res.weights.flat, alpha)
+
+    m = res.metrics
+    record: dict[str, Any] = {
+        "epoch": epoch,
+        "shard": info.get("shard"),
+        "alpha": alpha,
+        "base_version": res.weights.base_version,
+        "examples_seen": res.weights.examples_seen,
+        "val_acc": m.get("val_acc"),
+        "val_loss": m.get("val_loss"),
+        "train_loss": m.get("train_loss"),
+        "train_acc": m.get("train_acc"),
+        "train_s": m.get("train_s"),
+        "wall_s": m.get("wall_s"),
+        "host": m.get("host"),
+    }
+    use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
+    out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
+    if rejected:
+        store.record_rejection(unit, str(m.get("result", "")), rejected[0])
+        return AssimilationOutcome("rejected", unit, out.version, rejected[0], out.retries)
+    if out.applied and spec.mode == "mop" and res.weights.optimizer is not None:
+        # MOP hops the optimizer state with the model. Tagged with the weights version it
+        # belongs to: a crash before this write only means the next unit starts a fresh
+        # optimizer (the generator ignores a blob of another version), never a wrong one.
+        store.r.set(store.k("opt", model), res.weights.optimizer.to_bytes(out.version))
+    status = "merged" if out.applied else "duplicate"
+    return AssimilationOutcome(status, unit, out.version, retries=out.retries)
+
+
+def assimilate_files(
+    store: JobStore, paths: Sequence[str | Path], spec: JobSpec | None = None, result_name: str = ""
+) -> AssimilationOutcome:
+    """Validate then merge a result given by its files (the BOINC entry point's core).
+
+    A rejected result is recorded in Redis and reported as ``rejected``; a transient
+    fault (Redis down) propagates as :class:`~server.common.errors.StoreUnavailable`.
+    """
+    if spec is None:
+        spec = spec_from_json(store.spec_json())
+    try:
+        res = validate_result(paths, store, spec.units.max_upload_bytes)
+    except ResultRejected as e:
+        unit = ""
+        try:
+            from server.validator.checks import peek_identity
+
+            unit = peek_identity(paths)[1]
+        except ResultRejected:
+            pass
+        store.record_rejection(unit, result_name, e.reason)
+        return AssimilationOutcome("rejected", unit, reason=e.reason)
+    if store.is_assimilated(res.unit):
+        return AssimilationOutcome("duplicate", res.unit, store.version(res.weights.model))
+    return assimilate_valid(store, spec, res)
+
+
+def assimilate_error(store: JobStore, unit: str, reason: str) -> AssimilationOutcome:
+    """A unit that failed for good (BOINC's ``--error`` call): record it, once."""
+    info = store.unit_info(unit)
+    if info is None:
+        return AssimilationOutcome("rejected", unit, reason=f"unknown unit {unit!r}")
+    store.mark_failed(unit, reason, int(info.get("epoch", 0)))
+    return AssimilationOutcome("failed", unit, reason=reason)

@@ -1,0 +1,339 @@
+"""MOP work generator: model selection with model hopper parallelism on any job system.
+
+The set S of configurations comes from a search procedure (grid, random, successive
+halving, Hyperband, PBT); the data is shuffled once and cut into ``p`` partitions; a
+workunit trains one model on one partition for one sub-epoch, starting from the model's
+latest weights, and the assimilator *replaces* the model's weights (a merge with a = 0).
+The :class:`~server.work_generator.mop.scheduler.MOPScheduler` decides which units may
+exist (pull mode): never two units of one model in flight, each model visits each
+partition once per epoch, and a partition's units only run on hosts that hold it (a host
+hint for the local backend; sticky files plus locality scheduling on BOINC).
+
+State (scheduler, configurations, per-model epoch results) lives in Redis and is saved in
+the same transaction that registers new units, so a restarted generator continues without
+duplicating or skipping a unit. A unit given up by the job system goes back to Q and is
+created again under a new name (``..._r<attempt>``); a late result of the old attempt is
+still merged at most once (the assimilated mark is per unit name) but no longer counts.
+
+Configuration parameters split into training settings (``learning_rate``/``lr``,
+``batch_size``, ``optimizer``, ``momentum``, ``local_epochs``: sent to clients as
+``hyper``) and everything else, passed to the model builder as keyword arguments
+(architecture, regularisation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from server.backends.base import JobSystem, RetryLimits
+from server.common.errors import BoincDLError, ModelError
+from server.common.spec import JobSpec
+from server.common.store import JobStore
+from server.common.weights import OptimizerState, WeightsFile, write_weights
+from server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON, Workunit, unit_name
+from server.work_generator.mop.scheduler import Assignment, MOPScheduler
+from server.work_generator.mop.search import Config, SearchProcedure, make_search
+from server.work_generator.prepare import JobFiles
+from server.work_generator.vcasgd import FINISHED, unit_seed
+
+log = logging.getLogger(__name__)
+
+TRAINING_KEYS = ("learning_rate", "lr", "batch_size", "optimizer", "momentum", "local_epochs")
+
+
+def split_params(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(training hyper-parameters, model-builder arguments) of a configuration."""
+    hyper = {k: v for k, v in params.items() if k in TRAINING_KEYS}
+    model_args = {k: v for k, v in params.items() if k not in TRAINING_KEYS}
+    return hyper, model_args
+
+
+def model_file(files: JobFiles, model: str) -> Path:
+    return files.dir / f"{files.job}__model_{model}.keras"
+
+
+def build_search(spec: JobSpec) -> SearchProcedure:
+    """The search procedure the spec names (deterministic for its seed)."""
+    m = spec.mop
+    assert m is not None
+    return make_search(m.search, m.param_grid, epochs=spec.training.epochs, budget=m.budget, seed=spec.seed,
+                       **m.search_options)
+
+
+class MOPWorkGenerator:
+    """Creates MOP units through a :class:`JobSystem`; closes epochs and runs the search."""
+
+    def __init__(self, store: JobStore, spec: JobSpec, job_dir: Path, backend: JobSystem,
+                 availability: dict[str, set[int]] | None, host_of: dict[str, int] | None = None,
+                 search_path: Path | None = None):
+        self.store, self.spec, self.backend = store, spec, backend
+        self.files = JobFiles(Path(job_dir).resolve(), spec.name)
+        assert spec.mop is not None
+        self.p = spec.mop.partitions
+        self.availability = availability
+        self.host_of = host_of or {}
+        self.search_path = search_path
+        self.limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
+        self._evaluators: dict[str, Any] = {}
+        self.search = build_search(spec)
+        self.sched = self._load_or_start()
+
+    # ---- Redis state ---------------------------------------------------------------------
+    def _configs(self) -> dict[str, dict[str, Any]]:
+        raw = self.store.r.hgetall(self.store.k("configs"))
+        return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def _config(self, cid: str) -> dict[str, Any]:
+        """One configuration's record (a single HGET: this is on the unit-creation path)."""
+        cur = self.store.r.hget(self.store.k("configs"), cid)
+        return json.loads(cur) if cur else {}
+
+    def _set_config(self, cid: str, **fields: Any) -> None:
+        d = self._config(cid)
+        d.update(fields)
+        self.store.r.hset(self.store.k("configs"), cid, json.dumps(d))
+
+    def _results(self) -> dict[int, dict[str, dict[str, Any]]]:
+        raw = self.store.r.hgetall(self.store.k("mop_results"))
+        return dict(sorted((int(k), json.loads(v)) for k, v in raw.items()))
+
+    def _save(self, pipe: Any | None = None) -> None:
+        (pipe or self.store.r).set(self.store.k("mop_sched"), json.dumps(self.sched.to_state()))
+
+    def _load_or_start(self) -> MOPScheduler:
+        raw = self.store.r.get(self.store.k("mop_sched"))
+        if raw is not None:
+            # Restart: rebuild the search by replaying the recorded epoch results.
+            self.search.replay(self._results().items())
+            return MOPScheduler.from_state(json.loads(raw))
+        configs = self.search.initial()
+        live = [c.id for c in configs if self._add_model(c, None)]
+        if not live:
+            raise BoincDLError("no configuration could be built; see `boinc-dl status` for the reasons")
+        sched = MOPScheduler(live, self.p, self.availability, seed=self.spec.seed)
+        sched.start_epoch()
+        self.store.set_meta(epoch=1)
+        self.sched = sched
+        self._save()
+        return sched
+
+    # ---- models ----------------------------------------------------------------------------
+    def _add_model(self, cfg: Config, parent: str | None) -> bool:
+        """Build a configuration's model file and initial weights (or clone the parent's).
+
+        A configuration whose model cannot be built is recorded as failed with its reason;
+        the others go on.
+        """
+        from server.common.keras_model import build_model, configure_tf, get_flat, model_fingerprint
+
+        hyper, model_args = split_params(cfg.params)
+        args = {**self.spec.model_args, **model_args}
+        self._set_config(cfg.id, params=cfg.params, parent=parent, status="running", hyper=hyper,
+                         model_args=args, added_epoch=self.search.epoch + 1)
+        path = model_file(self.files, cfg.id)
+        try:
+            tf = configure_tf()
+            if parent is not None and self._config(parent).get("model_args") == args:
+                # PBT clone with the same architecture: start from the parent's latest weights.
+                src = model_file(self.files, parent)
+                path.write_bytes(src.read_bytes())
+                model = tf.keras.models.load_model(path, compile=False)
+                flat, _ = self.store.get_weights(parent)
+            else:
+                tf.keras.utils.set_random_seed(self.spec.seed)
+                model = build_model(self.spec.model, args, self.search_path)
+                tmp = path.with_name(f".tmp.{path.name}")
+                model.save(tmp)
+                tmp.replace(path)
+                model = tf.keras.models.load_model(path, compile=False)
+                flat = get_flat(model)
+            fp = model_fingerprint(model)
+        except (ModelError, ValueError, TypeError, OSError) as e:
+            reason = str(e) if isinstance(e, ModelError) else f"{type(e).__name__}: {e}"
+            self._set_config(cfg.id, status="failed", reason=reason)
+            log.warning("configuration %s failed: %s", cfg.id, reason)
+            return False
+        self.store.init_weights(cfg.id, flat, fp)
+        return True
+
+    def evaluator(self, model: str) -> Any:
+        if model not in self._evaluators:
+            from server.work_generator.evaluate import Evaluator
+
+            self._evaluators[model] = Evaluator(model_file(self.files, model), self.files.val,
+                                                self.spec.training.loss)
+        return self._evaluators[model]
+
+    # ---- units -----------------------------------------------------------------------------
+    def _unit(self, a: Assignment) -> str:
+        return unit_name(self.spec.name, a.epoch, a.partition, a.model, a.attempt - 1)
+
+    def _optimizer_state(self, model: str, version: int) -> OptimizerState | None:
+        blob = self.store.r.get(self.store.k("opt", model))
+        if blob is None:
+            return None
+        try:
+            state, v = OptimizerState.from_bytes(blob)
+        except (ValueError, KeyError, OSError):
+            return None
+        return state if v == version else None
+
+    def _weights_path(self, model: str) -> tuple[int, Path]:
+        flat, version = self.store.get_weights(model)
+        path = self.files.weights(model, version)
+        if not path.exists():
+            write_weights(path, WeightsFile(flat, self.store.fingerprint(model), job=self.spec.name,
+                                            model=model, base_version=version,
+                                            optimizer=self._optimizer_state(model, version)))
+        return version, path
+
+    def _describe(self, a: Assignment) -> Workunit:
+        cfg = self._config(a.model)
+        t = self.spec.training
+        version, wpath = self._weights_path(a.model)
+        name = self._unit(a)
+        wu = Workunit(
+            job=self.spec.name, unit=name, mode="mop", epoch=a.epoch, model=a.model, shard=a.partition,
+            weights_version=version,
+            training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
+                      "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
+            hyper=cfg.get("hyper", {}),
+            # The seed depends on (model, epoch, partition), not the attempt: a re-run unit
+            # reproduces the lost one.
+            seed=unit_seed(self.spec.seed + zlib.crc32(a.model.encode()) % 100_003, a.epoch, a.partition),
+            checkpoint_every_s=self.spec.units.checkpoint_every_s,
+        )
+        wu.files = {WU_JSON: str(self.files.wu_json(name)), MODEL: str(model_file(self.files, a.model)),
+                    WEIGHTS_IN: str(wpath), DATA: str(self.files.shard(a.partition)), VAL: str(self.files.val)}
+        if self.availability is not None and self.host_of:
+            wu.hosts = sorted({self.host_of[w] for w, ps in self.availability.items() if a.partition in ps})
+        return wu
+
+    def _poll_results(self) -> None:
+        """Feed finished and given-up units back to the scheduler (Algorithm 2 / Q')."""
+        flight = self.sched.in_flight()
+        if not flight:
+            return
+        names = [self._unit(a) for a in flight]
+        done = self.store.r.hmget(self.store.k("assimilated"), names)
+        failed = self.store.r.hmget(self.store.k("failed"), names)
+        changed = False
+        for a, name, d, f in zip(flight, names, done, failed, strict=True):
+            if d is not None:
+                changed |= self.sched.complete(a.model, a.partition, a.attempt, a.epoch)
+                self.store.r.rpush(self.store.k("mop_log"), json.dumps(a.to_json()))
+            elif f is not None:
+                log.warning("unit %s failed for good (%s): back to the queue", name, f.decode())
+                changed |= self.sched.fail(a.model, a.partition, a.attempt, a.epoch)
+        if changed:
+            self._save()
+
+    def _issue(self) -> None:
+        # At most one unit per model is in flight anyway; a job system with known slots
+        # (local) also bounds it by its capacity.
+        cap = self.backend.capacity or len(self.sched.models)
+        room = cap - len(self.sched.in_flight())
+        if room <= 0:
+            return
+        new = self.sched.issue(room)
+        if not new:
+            return
+        wus = [self._describe(a) for a in new]
+        with self.store.r.pipeline(transaction=True) as p:
+            for a, wu in zip(new, wus, strict=True):
+                Path(wu.files[WU_JSON]).write_text(wu.to_json())
+                info = {"epoch": a.epoch, "shard": a.partition, "model": a.model, "attempt": a.attempt,
+                        "weights_version": wu.weights_version, "created_at": time.time(), "files": wu.files,
+                        "hosts": wu.hosts}
+                p.hsetnx(self.store.k("units"), wu.unit, json.dumps(info))
+                p.hset(self.store.k("unit_state"), wu.unit, "created")
+                p.hincrby(self.store.k("epoch", a.epoch), "created", 1)
+                p.hsetnx(self.store.k("epoch", a.epoch), "started_at", time.time())
+            self._save(p)
+            p.execute()
+        for wu in wus:
+            self.backend.submit(wu, self.limits)
+            self.store.transition_unit(wu.unit, "created", "in_progress")
+
+    def recover(self, resubmit_in_progress: bool = False) -> int:
+        """Submit the scheduler's in-flight units again (a job system that lost its queue)."""
+        n = 0
+        states = self.store.unit_states()
+        for a in self.sched.in_flight():
+            name = self._unit(a)
+            if states.get(name) == "created" or (resubmit_in_progress and states.get(name) == "in_progress"):
+                info = self.store.unit_info(name) or {}
+                wu = self._describe(a)
+                if info.get("files") and Path(info["files"][WEIGHTS_IN]).exists():
+                    wu.files = dict(info["files"])
+                    wu.weights_version = int(info.get("weights_version", wu.weights_version))
+                Path(wu.files[WU_JSON]).write_text(wu.to_json())
+                self.backend.submit(wu, self.limits)
+                self.store.transition_unit(name, "created", "in_progress")
+                n += 1
+        return n
+
+    # ---- epochs ----------------------------------------------------------------------------
+    def _close_epoch(self) -> None:
+        epoch = self.sched.epoch
+        results: dict[str, dict[str, Any]] = {}
+        for m in self.sched.models:
+            flat, version = self.store.get_weights(m)
+            loss, acc = self.evaluator(m).evaluate(flat)
+            results[m] = {"val_acc": acc, "val_loss": loss, "version": version,
+                          "visits": self.sched.visit_order(m, epoch)}
+        self.store.r.hset(self.store.k("mop_results"), epoch, json.dumps(results))
+        decision = self.search.on_epoch_end(epoch, results)
+        summary = {"val_acc": max((r["val_acc"] for r in results.values()), default=0.0),
+                   "models": len(results), "stopped": decision.stop, "added": [c.id for c, _ in decision.add],
+                   "ended_at": time.time(), "elapsed_s": time.time() - float(self.store.meta().get("created_at", 0))}
+        self.store.finish_epoch(epoch, summary)
+        self.store.set_meta(closed_epoch=epoch, latest_val_acc=summary["val_acc"])
+        configs = self._configs()
+        for m in decision.stop:
+            if configs.get(m, {}).get("status") == "failed":
+                continue  # never built: keep its own reason
+            self._set_config(m, status="finished" if decision.done else "stopped",
+                             reason=decision.reasons.get(m, ""), stopped_epoch=epoch)
+        live = [m for m in self.sched.models if m not in set(decision.stop)]
+        for cfg, parent in decision.add:
+            if self._add_model(cfg, parent):
+                live.append(cfg.id)
+        log.info("MOP epoch %d closed: best val_acc %.4f, %d models live", epoch, summary["val_acc"], len(live))
+        if decision.done or self.search.done or not live or epoch >= self.spec.training.epochs:
+            for m in live:
+                self._set_config(m, status="finished")
+            self._save()
+            self.store.set_meta(status="done", finished_at=time.time(),
+                                reason=f"{epoch} epochs done" if epoch >= self.spec.training.epochs
+                                else "search finished")
+            return
+        self.sched.start_epoch(live)
+        self.store.set_meta(epoch=self.sched.epoch)
+        self._save()
+
+    def step(self) -> bool:
+        """One pass: absorb results, close the epoch when complete, create units."""
+        meta = self.store.meta()
+        if meta.get("status") in FINISHED:
+            return False
+        self._poll_results()
+        if self.sched.epoch_done():
+            self._close_epoch()
+            if self.store.meta().get("status") in FINISHED:
+                return False
+        self._issue()
+        return True
+
+    def visit_orders(self) -> dict[str, dict[int, list[int]]]:
+        """Recorded partition order of every model per epoch (for reproducibility)."""
+        out: dict[str, dict[int, list[int]]] = {}
+        for e, res in self._results().items():
+            for m, r in res.items():
+                out.setdefault(m, {})[e] = r.get("visits", [])
+        return out

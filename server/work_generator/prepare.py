@@ -1,0 +1,137 @@
+"""Job preparation: the files every workunit of a job shares, and its initial state.
+
+Writes into ``job_dir/files/`` the model definition, the validation split and one
+``.npz`` per data subset (VC-ASGD) or partition (MOP) — all deterministic for the
+spec's seed, so they can be rebuilt identically — and records the job, the model
+fingerprint and the initial weights (version 0) in Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.common.datasets import Dataset, load_dataset, save_npz, split_shards
+from server.common.errors import BoincDLError
+from server.common.spec import JobSpec, spec_to_json
+from server.common.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """Physical names of a job's shared input files (unique per job across a project)."""
+
+    job_dir: Path
+    job: str
+
+    @property
+    def dir(self) -> Path:
+        return self.job_dir / "files"
+
+    @property
+    def model(self) -> Path:
+        return self.dir / f"{self.job}__model.keras"
+
+    @property
+    def val(self) -> Path:
+        return self.dir / f"{self.job}__val.npz"
+
+    def shard(self, k: int) -> Path:
+        return self.dir / f"{self.job}__shard{k:04d}.npz"
+
+    def weights(self, model: str, version: int) -> Path:
+        return self.dir / f"{self.job}__m{model}_v{version:07d}.h5"
+
+    def wu_json(self, unit: str) -> Path:
+        return self.dir / f"{unit}.json"
+
+
+def n_shards(spec: JobSpec) -> int:
+    """Subsets per epoch (VC-ASGD) or data partitions (MOP)."""
+    if spec.mode == "mop":
+        assert spec.mop is not None
+        return spec.mop.partitions
+    return spec.vcasgd.n_subsets
+
+
+def write_data_files(spec: JobSpec, files: JobFiles, data: Dataset | None = None) -> Dataset:
+    """(Re)write the validation split and the shard files from the spec's dataset."""
+    files.dir.mkdir(parents=True, exist_ok=True)
+    data = data or load_dataset(spec.dataset, spec.seed)
+    shards = split_shards(len(data.x_train), n_shards(spec), spec.seed)
+    save_npz(files.val, data.x_val, data.y_val)
+    for k, idx in enumerate(shards):
+        save_npz(files.shard(k), data.x_train[idx], data.y_train[idx])
+    return data
+
+
+def build_initial_model(spec: JobSpec, files: JobFiles, search_path: Path | None = None):  # noqa: ANN201
+    """Build the model (seeded), save it as the job's model file and reload it from there.
+
+    Reloading makes tensor names those every client will see when it loads the same
+    file, so fingerprints match across processes.
+    """
+    from server.common.keras_model import build_model, configure_tf
+
+    tf = configure_tf()
+    tf.keras.utils.set_random_seed(spec.seed)
+    model = build_model(spec.model, spec.model_args, search_path)
+    files.dir.mkdir(parents=True, exist_ok=True)
+    tmp = files.model.with_name(f".tmp.{files.model.name}")
+    model.save(tmp)
+    tmp.replace(files.model)
+    return tf.keras.models.load_model(files.model, compile=False)
+
+
+def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = False,
+                search_path: Path | None = None) -> JobFiles:
+    """Create the job's shared files and Redis record; with ``resume``, reuse them.
+
+    A job that already exists in Redis is an error unless ``resume`` (then missing
+    files are rebuilt from the spec, deterministically).
+    """
+    from server.common.keras_model import get_flat, model_fingerprint
+
+    files = JobFiles(Path(job_dir).resolve(), spec.name)
+    if store.exists():
+        if not resume:
+            raise BoincDLError(
+                f"job {spec.name!r} already exists (in {job_dir}); continue it with --resume, "
+                "or give the job another name"
+            )
+        stored = store.spec_json()
+        if stored != spec_to_json(spec):
+            log.warning("the spec differs from the one the job was started with; using the stored one")
+        if not files.val.exists() or not all(files.shard(k).exists() for k in range(n_shards(spec))):
+            write_data_files(spec, files)
+        if not files.model.exists():
+            raise BoincDLError(f"job {spec.name!r}: its model file {files.model} is missing")
+        return files
+    if resume:
+        log.info("nothing to resume for job %s: starting it", spec.name)
+    data = write_data_files(spec, files)
+    meta = {"n_train": int(len(data.x_train)), "n_val": int(len(data.x_val)), "n_shards": n_shards(spec),
+            "job_dir": str(files.job_dir), "epoch": 1,
+            # where the model builder module lives (MOP builds one model per configuration later)
+            "search_path": str(search_path or "")}
+    if spec.mode == "mop":
+        # One model per configuration: the MOP generator builds them (a configuration that
+        # cannot be built fails alone).
+        store.create(spec_to_json(spec), spec.mode, {}, meta)
+        return files
+    model = build_initial_model(spec, files, search_path)
+    fp = model_fingerprint(model)
+    out_shape = tuple(model.outputs[0].shape[1:]) if model.outputs else ()
+    in_shape = tuple(model.inputs[0].shape[1:]) if model.inputs else ()
+    if in_shape and tuple(data.x_train.shape[1:]) != tuple(in_shape):
+        raise BoincDLError(
+            f"model input shape {in_shape} does not match the dataset's features {data.x_train.shape[1:]}"
+        )
+    if out_shape and out_shape[-1] < data.n_classes:
+        raise BoincDLError(f"model has {out_shape[-1]} outputs but the dataset has {data.n_classes} classes")
+    store.create(spec_to_json(spec), spec.mode, {"0": fp}, {**meta, "n_params": fp.n_params})
+    store.init_weights("0", get_flat(model))
+    return files

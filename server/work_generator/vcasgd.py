@@ -1,0 +1,353 @@
+"""VC-ASGD work generator: epochs of data-subset workunits, fed with fresh weights.
+
+Each epoch's training data is cut into ``n_subsets`` subsets; a workunit is (server
+weights W_s at some version, one subset, training settings). The generator keeps a
+bounded window of units in flight so that every new unit starts from the freshest
+server weights: one weights file is written per weights version and shared by all
+units created from it, never copied per unit.
+
+All of its state is in Redis (counters per epoch, unit records), so a restarted
+generator continues without duplicating or skipping a unit: ``register_unit`` is
+idempotent and a unit registered but not yet submitted (crash in between) is
+submitted again by :meth:`VCASGDWorkGenerator.recover`.
+
+Epochs are pipelined: units of epoch e+1 are created as soon as every subset of
+epoch e has been created, so slots never idle at an epoch's tail. Epoch e is
+*closed* when each of its subsets is assimilated or given up on; the server weights
+are then evaluated on the validation split (they may already hold a few merges of
+epoch e+1 — the price of not idling; the per-unit spread comes from the clients'
+own validation accuracies of epoch e).
+
+Re-issue policy (``vcasgd.reissue``): with ``same`` a timed-out unit is re-issued by
+the job system with its original inputs (BOINC's behaviour). With ``fresh`` the job
+system asks the generator (:meth:`VCASGDWorkGenerator.service_regenerations`, polled
+by :meth:`~VCASGDWorkGenerator.step`) to rebuild it from the freshest server weights
+under the name ``<unit>_r<n>`` (on BOINC: cancel the old workunit, create the new
+one). The unit's *identity* — the name written into ``wu.json`` and hence into the
+result, and the key of its "assimilated" mark — stays the subset's unit, so exactly
+one result is merged per (epoch, subset): the first to reach an assimilator wins and
+every later one, such as the late original, is a duplicate.
+
+Redis outages: store calls retry for the store's window; a step that still fails
+with :class:`~server.common.errors.StoreUnavailable` is retried with backoff by
+:meth:`~VCASGDWorkGenerator.step` itself (up to ``max_outage_s``), which then
+re-submits any unit registered but not yet handed to the job system.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.backends.base import JobSystem, RetryLimits
+from server.common.errors import StoreUnavailable
+from server.common.spec import JobSpec
+from server.common.store import JobStore
+from server.common.weights import WeightsFile, write_weights
+from server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON, Workunit, unit_name
+from server.work_generator.prepare import JobFiles, n_shards
+
+log = logging.getLogger(__name__)
+
+FINISHED = ("done", "failed", "cancelled")
+
+
+def unit_seed(seed: int, epoch: int, shard: int) -> int:
+    """A distinct, reproducible seed per unit."""
+    return (seed * 1_000_003 + epoch * 10_007 + shard) % (2**31 - 1)
+
+
+class VCASGDWorkGenerator:
+    """Creates VC-ASGD workunits through a :class:`JobSystem` and closes epochs."""
+
+    def __init__(self, store: JobStore, spec: JobSpec, job_dir: Path, backend: JobSystem,
+                 window: int | None = None, evaluator: Any | None = None, max_outage_s: float = 600.0):
+        self.store = store
+        self.spec = spec
+        self.files = JobFiles(Path(job_dir).resolve(), spec.name)
+        self.backend = backend
+        self.window = window or spec.vcasgd.window or backend.capacity or 8
+        self.n = n_shards(spec)
+        self.model = "0"
+        self.fp = store.fingerprint(self.model)
+        self._evaluator = evaluator
+        self._weights_file: tuple[int, Path] | None = None
+        self.limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
+        self.started = float(store.meta().get("created_at", time.time()))
+        #: How long :meth:`step` keeps retrying through a Redis outage before raising.
+        self.max_outage_s = max_outage_s
+        self._outage_since: float | None = None
+        self._backoff = 0.1
+        self.reissue = spec.vcasgd.reissue
+        set_policy = getattr(backend, "set_reissue_policy", None)
+        if callable(set_policy):
+            set_policy(self.reissue)
+
+    # ---- state ----------------------------------------------------------------------------
+    def _meta_int(self, meta: dict[str, str], key: str, default: int) -> int:
+        try:
+            return int(float(meta.get(key, default)))
+        except ValueError:
+            return default
+
+    def status(self) -> str:
+        return self.store.meta().get("status", "running")
+
+    def evaluator(self) -> Any:
+        if self._evaluator is None:
+            from server.work_generator.evaluate import Evaluator
+
+            self._evaluator = Evaluator(self.files.model, self.files.val, self.spec.training.loss)
+        return self._evaluator
+
+    # ---- units ----------------------------------------------------------------------------
+    def _weights_path(self) -> tuple[int, Path]:
+        """The file holding the current server weights (written once per version)."""
+        flat, version = self.store.get_weights(self.model)
+        if self._weights_file and self._weights_file[0] == version:
+            return self._weights_file
+        path = self.files.weights(self.model, version)
+        if not path.exists():
+            write_weights(path, WeightsFile(flat, self.fp, job=self.spec.name, model=self.model,
+                                            unit="", base_version=version))
+        self._weights_file = (version, path)
+        return self._weights_file
+
+    def _describe(self, epoch: int, shard: int, version: int, wpath: Path, attempt: int = 0) -> Workunit:
+        """The unit of (epoch, shard) from weights ``version``; ``attempt`` > 0 for a
+        regenerated one (its own ``wu.json`` file, same unit identity)."""
+        t = self.spec.training
+        name = unit_name(self.spec.name, epoch, shard, self.model)
+        wu = Workunit(
+            job=self.spec.name, unit=name, mode="vcasgd", epoch=epoch, model=self.model, shard=shard,
+            weights_version=version,
+            training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
+                      "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
+            seed=unit_seed(self.spec.seed, epoch, shard),
+            checkpoint_every_s=self.spec.units.checkpoint_every_s,
+        )
+        wu.files = {
+            WU_JSON: str(self.files.wu_json(unit_name(self.spec.name, epoch, shard, self.model, attempt))),
+            MODEL: str(self.files.model),
+            WEIGHTS_IN: str(wpath),
+            DATA: str(self.files.shard(shard)),
+            VAL: str(self.files.val),
+        }
+        return wu
+
+    def _submit(self, wu: Workunit) -> None:
+        Path(wu.files[WU_JSON]).write_text(wu.to_json())
+        self.backend.submit(wu, self.limits)
+        self.store.transition_unit(wu.unit, "created", "in_progress")
+
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.spec.seed, epoch]).permutation(self.n)
+
+    def _create_next(self) -> bool:
+        """Create one unit if the job has one left to create; False if not."""
+        meta = self.store.meta()
+        epoch = self._meta_int(meta, "epoch", 1)
+        while True:
+            created = int(self.store.epoch_counts(epoch).get("created", 0))
+            if created < self.n:
+                break
+            if epoch >= self.spec.training.epochs or meta.get("stopping") == "1":
+                return False
+            epoch += 1
+            self.store.set_meta(epoch=epoch)
+        shard = int(self._shard_order(epoch)[created])
+        version, wpath = self._weights_path()
+        wu = self._describe(epoch, shard, version, wpath)
+        info = {"epoch": epoch, "shard": shard, "model": self.model, "weights_version": version,
+                "created_at": time.time(), "files": wu.files}
+        if not self.store.register_unit(wu.unit, info, epoch):
+            log.warning("unit %s was already registered; resubmitting it", wu.unit)
+        self._submit(wu)
+        return True
+
+    def recover(self, resubmit_in_progress: bool = False) -> int:
+        """Submit units registered but never submitted (a crash between the two).
+
+        With ``resubmit_in_progress`` (a job system that lost its queue, such as a
+        restarted local backend), units in flight are submitted again too; their
+        merges stay exactly-once thanks to the assimilated marks.
+        """
+        states = self.store.unit_states()
+        wanted = {"created"} | ({"in_progress"} if resubmit_in_progress else set())
+        n = 0
+        for unit, state in sorted(states.items()):
+            if state not in wanted:
+                continue
+            info = self.store.unit_info(unit)
+            if not info:
+                continue
+            wu = self._describe(int(info["epoch"]), int(info["shard"]), int(info["weights_version"]),
+                                Path(info["files"][WEIGHTS_IN]), 0)
+            wu.unit = unit
+            wu.files = dict(info["files"])
+            if not Path(wu.files[WEIGHTS_IN]).exists():
+                version, wpath = self._weights_path()
+                wu.weights_version, wu.files[WEIGHTS_IN] = version, str(wpath)
+            self.store.transition_unit(unit, "in_progress", "created")
+            self._submit(wu)
+            n += 1
+        return n
+
+    # ---- re-issue with fresh weights -------------------------------------------------------
+    def regenerate(self, unit: str, attempt: int) -> tuple[Workunit, str] | None:
+        """Rebuild ``unit`` from the current server weights as attempt ``attempt``.
+
+        Returns the new workunit (same identity, fresh weights, its own ``wu.json``) and
+        its job-system name ``<unit>_r<attempt>``, or None if the unit is finished. The
+        unit's Redis record is updated first, so a restarted generator re-submits the
+        regenerated inputs, not the stale ones.
+        """
+        info = self.store.unit_info(unit)
+        state = self.store.unit_states().get(unit, "")
+        if not info or state in ("assimilated", "failed", "cancelled"):
+            return None
+        attempt = max(attempt, int(info.get("attempt", 0)) + 1)
+        epoch, shard = int(info["epoch"]), int(info["shard"])
+        version, wpath = self._weights_path()
+        wu = self._describe(epoch, shard, version, wpath, attempt)
+        Path(wu.files[WU_JSON]).write_text(wu.to_json())
+        info.update(attempt=attempt, weights_version=version, files=wu.files, regenerated_at=time.time())
+        self.store.call(lambda: self.store.r.hset(self.store.k("units"), unit, json.dumps(info)))
+        return wu, unit_name(self.spec.name, epoch, shard, self.model, attempt)
+
+    def service_regenerations(self) -> int:
+        """Answer the job system's requests to regenerate lost units (``fresh`` policy)."""
+        requests = getattr(self.backend, "regeneration_requests", None)
+        if self.reissue != "fresh" or not callable(requests):
+            return 0
+        n = 0
+        for unit, attempts in requests():
+            made = self.regenerate(unit, attempts + 1)
+            if made is None:
+                self.backend.cancel(unit)  # finished meanwhile: nothing to re-issue
+                continue
+            wu, name = made
+            if self.backend.resubmit_regenerated(unit, wu, name):  # type: ignore[attr-defined]
+                n += 1
+                log.info("unit %s regenerated from weights v%d as %s", unit, wu.weights_version, name)
+        if n:
+            self.store.incr_counter("regenerated", n)
+        return n
+
+    def in_flight(self) -> int:
+        meta = self.store.meta()
+        closed = self._meta_int(meta, "closed_epoch", 0)
+        current = self._meta_int(meta, "epoch", 1)
+        total = 0
+        for e in range(closed + 1, current + 1):
+            c = self.store.epoch_counts(e)
+            total += int(c.get("created", 0) - c.get("assimilated", 0) - c.get("failed", 0))
+        return total
+
+    # ---- epochs ---------------------------------------------------------------------------
+    def _epoch_summary(self, epoch: int, counts: dict[str, float]) -> dict[str, Any]:
+        flat, version = self.store.get_weights(self.model)
+        t0 = time.perf_counter()
+        loss, acc = self.evaluator().evaluate(flat)
+        eval_s = time.perf_counter() - t0
+        # The epoch's units by name (marks are per subset, regenerated units included): no
+        # need to read every unit record of the job at each epoch end.
+        units = [unit_name(self.spec.name, epoch, k, self.model) for k in range(self.n)]
+        recs = self.store.call(lambda: self.store.r.hmget(self.store.k("assimilated"), units))
+        vals = [json.loads(r).get("val_acc") for r in recs if r]
+        accs = [v for v in vals if v is not None]
+        now = time.time()
+        return {
+            "val_acc": acc,
+            "val_loss": loss,
+            "version": version,
+            "units_ok": int(counts.get("assimilated", 0)),
+            "units_failed": int(counts.get("failed", 0)),
+            "client_val_acc_mean": float(np.mean(accs)) if accs else None,
+            "client_val_acc_std": float(np.std(accs)) if accs else None,
+            "client_val_acc_min": float(np.min(accs)) if accs else None,
+            "client_val_acc_max": float(np.max(accs)) if accs else None,
+            "started_at": counts.get("started_at"),
+            "ended_at": now,
+            "elapsed_s": now - self.started,
+            "eval_s": eval_s,
+            "alpha": self.spec.vcasgd.alpha_for(epoch),
+        }
+
+    def close_epochs(self) -> list[int]:
+        """Close every finished epoch in order; stop the job when it is done."""
+        closed_now: list[int] = []
+        while True:
+            meta = self.store.meta()
+            if meta.get("status") in FINISHED:
+                return closed_now
+            e = self._meta_int(meta, "closed_epoch", 0) + 1
+            c = self.store.epoch_counts(e)
+            done = c.get("assimilated", 0) + c.get("failed", 0)
+            if c.get("created", 0) < self.n or done < self.n:
+                return closed_now
+            summary = self._epoch_summary(e, c)
+            self.store.finish_epoch(e, summary)
+            self.store.set_meta(closed_epoch=e, latest_val_acc=summary["val_acc"])
+            closed_now.append(e)
+            log.info("epoch %d closed: val_acc %.4f (%d ok, %d failed)", e, summary["val_acc"],
+                     summary["units_ok"], summary["units_failed"])
+            target = self.spec.training.target_accuracy
+            if c.get("failed", 0) and self.spec.vcasgd.give_up_policy == "fail":
+                self._finish("failed", f"epoch {e}: {int(c['failed'])} unit(s) failed for good")
+            elif target is not None and summary["val_acc"] >= target:
+                self._finish("done", f"target accuracy {target} reached at epoch {e}")
+            elif e >= self.spec.training.epochs:
+                self._finish("done", f"{e} epochs done")
+
+    def _finish(self, status: str, reason: str) -> None:
+        """End the job: cancel units still in flight (of later epochs) and record why."""
+        self.store.set_meta(stopping=1)
+        for unit, state in self.store.unit_states().items():
+            if state in ("created", "in_progress"):
+                self.backend.cancel(unit)
+                self.store.transition_unit(unit, state, "cancelled")
+        self.store.set_meta(status=status, finished_at=time.time(), reason=reason)
+        log.info("job %s %s: %s", self.spec.name, status, reason)
+
+    def step(self) -> bool:
+        """One pass: close finished epochs, answer re-issue requests, fill the window.
+
+        False once the job is finished. A Redis outage longer than the store's retry
+        window does not escape: the step backs off and returns True (try again), and
+        the first step after the outage re-submits units registered but never handed
+        to the job system. Only an outage longer than ``max_outage_s`` raises.
+        """
+        try:
+            if self._outage_since is not None:
+                n = self.recover()
+                if n:
+                    log.info("after the Redis outage: %d registered unit(s) submitted again", n)
+            more = self._step()
+        except StoreUnavailable as e:
+            now = time.monotonic()
+            if self._outage_since is None:
+                self._outage_since = now
+            if now - self._outage_since > self.max_outage_s:
+                raise
+            log.warning("work generator: %s; retrying in %.1f s", e, self._backoff)
+            time.sleep(self._backoff)
+            self._backoff = min(self._backoff * 2, 5.0)
+            return True
+        self._outage_since, self._backoff = None, 0.1
+        return more
+
+    def _step(self) -> bool:
+        self.close_epochs()
+        if self.status() in FINISHED:
+            return False
+        self.service_regenerations()
+        free = self.window - self.in_flight()
+        while free > 0 and self._create_next():
+            free -= 1
+        return True
