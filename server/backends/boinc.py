@@ -1,0 +1,391 @@
+"""The BOINC job system: stage input files, create workunits with ``bin/create_work``.
+
+Facts from BOINC's source that shape this driver (``tools/create_work.cpp``,
+``tools/backend_lib.cpp``, ``tools/process_input_template.cpp``):
+
+* create_work runs in the project directory (it finds ``config.xml`` and ``cgi-bin/``
+  there) and reads the templates relative to it; the result template path is stored in
+  the workunit record and read again for every result the transitioner creates.
+* With ``--stdin`` each line describes one job but accepts only ``--wu_name``,
+  ``--wu_template``, ``--result_template``, ``--command_line``, ``--remote_file``,
+  ``--target_host``, ``--target_user``, ``--priority`` and physical file names;
+  deadlines and retry limits are per call. So units are batched per (job, limits)
+  and every call passes ``--delay_bound``, ``--min_quorum``, ``--target_nresults``,
+  ``--max_error_results``, ``--max_total_results`` and ``--max_success_results``:
+  the defaults (1 everywhere, 7 days on release 1.6; quorum 2 on 1.2) either never
+  re-issue a lost unit or replicate every unit.
+* Limits must satisfy error <= total, success <= total, target <= success, or
+  create_work refuses the job.
+* The batched insert is one SQL statement: a single duplicate name fails the whole
+  call, so units already created (recorded in Redis after each successful call) are
+  skipped, and a failed batch that reports a duplicate is retried unit by unit.
+
+Inputs are staged once into the download hierarchy (``download/<hash>/<name>``, the
+layout of ``dir_hier_path``, with the ``.md5`` cache file), either natively or with
+``bin/stage_file --copy``. BOINC files are immutable: a name already staged with other
+content is an error (except a unit's own description for a unit not created yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from server.backends.base import JobSystem, RetryLimits
+from server.boinc import artifacts
+from server.boinc.project import APP_NAME, BoincProject, BoincSettings
+from server.common.errors import BoincDLError
+from server.common.spec import JobSpec, spec_from_json
+from server.common.store import JobStore
+from server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit, parse_unit_name
+
+log = logging.getLogger(__name__)
+
+#: Characters allowed in physical file and workunit names (they go through create_work's
+#: whitespace/quote tokenizer, SQL and URLs unescaped).
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
+TOOL_TIMEOUT_S = 600.0
+
+
+class BoincToolError(BoincDLError):
+    """A BOINC tool (create_work, stage_file, cancel_jobs) failed."""
+
+    def __init__(self, message: str, returncode: int | None = None, stderr: str = ""):
+        super().__init__(message)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+@dataclass
+class _Pending:
+    wu: Workunit
+    limits: RetryLimits
+
+
+def file_md5(path: Path) -> tuple[str, int]:
+    """(md5 hex, size) of a file, read in 1 MiB blocks."""
+    h = hashlib.md5()
+    n = 0
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            n += len(block)
+    return h.hexdigest(), n
+
+
+def created_key(store: JobStore) -> str:
+    """Redis set of the job's workunits known to exist in BOINC's database."""
+    return store.k("boinc", "created")
+
+
+def staged_key(store: JobStore) -> str:
+    """Redis set of the physical names the job staged into the download hierarchy."""
+    return store.k("boinc", "staged")
+
+
+class BoincJobSystem(JobSystem):
+    """Creates and cancels workunits of one BOINC project (see module docstring)."""
+
+    def __init__(self, project: BoincProject | str | Path, r: redis.Redis,
+                 settings: BoincSettings | None = None, batch_size: int | None = None):
+        self.project = project if isinstance(project, BoincProject) else BoincProject(project)
+        self.project.require()
+        self.r = r
+        self.settings = settings or self.project.settings
+        self.batch_size = batch_size or self.settings.batch_size
+        self.capacity = self.settings.capacity
+        self._pending: list[_Pending] = []
+        self._staged: dict[str, str] = {}  # physical name -> md5 (verified this process)
+        self._md5_cache: dict[tuple[str, int, int], tuple[str, int]] = {}
+        self._specs: dict[str, JobSpec] = {}
+
+    # ---- JobSystem ------------------------------------------------------------------------
+    def submit(self, wu: Workunit, limits: RetryLimits) -> None:
+        """Queue a unit for the next create_work batch (flushed when the batch is full)."""
+        missing = [n for n in artifacts.INPUT_ORDER if n not in wu.files]
+        if missing:
+            raise BoincDLError(f"unit {wu.unit}: no input file for {', '.join(missing)}")
+        if not SAFE_NAME.match(wu.unit):
+            raise BoincDLError(f"unit name {wu.unit!r} is not a valid BOINC workunit name")
+        if self.is_created(wu.job, wu.unit):
+            log.info("unit %s already exists in BOINC; not creating it again", wu.unit)
+            return
+        self._pending = [p for p in self._pending if p.wu.unit != wu.unit]
+        self._pending.append(_Pending(wu, limits))
+        if len(self._pending) >= self.batch_size:
+            self.flush()
+
+    def cancel(self, unit: str) -> None:
+        """Cancel a unit: drop it if still queued, ``bin/cancel_jobs --name`` if created."""
+        before = len(self._pending)
+        self._pending = [p for p in self._pending if p.wu.unit != unit]
+        if len(self._pending) != before:
+            return
+        parsed = parse_unit_name(unit)
+        if parsed and not self.is_created(parsed["job"], unit):
+            log.debug("cancel %s: never created in BOINC", unit)
+            return
+        proc = self._run(["bin/cancel_jobs", "--name", unit], check=False)
+        if proc.returncode == 0:
+            log.info("cancelled workunit %s", unit)
+        elif "No workunit named" in proc.stderr:
+            log.warning("cancel %s: BOINC has no such workunit", unit)
+        else:
+            raise BoincToolError(
+                f"bin/cancel_jobs --name {unit} failed (exit {proc.returncode}): {_tail(proc.stderr)}",
+                proc.returncode, proc.stderr)
+
+    def stop(self) -> None:
+        """Create whatever is still queued."""
+        self.flush()
+
+    # ---- state ----------------------------------------------------------------------------
+    def pending(self) -> list[str]:
+        """Units queued but not yet created."""
+        return [p.wu.unit for p in self._pending]
+
+    def is_created(self, job: str, unit: str) -> bool:
+        return bool(self.r.sismember(created_key(JobStore(self.r, job)), unit))
+
+    def _mark_created(self, job: str, units: list[str]) -> None:
+        if units:
+            self.r.sadd(created_key(JobStore(self.r, job)), *units)
+
+    def _spec(self, job: str) -> JobSpec:
+        if job not in self._specs:
+            self._specs[job] = spec_from_json(JobStore(self.r, job).spec_json())
+        return self._specs[job]
+
+    # ---- create_work ----------------------------------------------------------------------
+    def flush(self) -> int:
+        """Stage and create every queued unit; returns how many were created.
+
+        On failure the units not created stay queued (a later flush retries them) and
+        :class:`BoincToolError` is raised.
+        """
+        groups: dict[tuple[str, RetryLimits], list[_Pending]] = defaultdict(list)
+        for p in self._pending:
+            groups[(p.wu.job, p.limits)].append(p)
+        created = 0
+        for (job, limits), items in groups.items():
+            for i in range(0, len(items), self.batch_size):
+                chunk = items[i : i + self.batch_size]
+                self._create_batch(job, limits, chunk)
+                done = {p.wu.unit for p in chunk}
+                self._pending = [p for p in self._pending if p.wu.unit not in done]
+                created += len(chunk)
+        return created
+
+    def create_work_args(self, job: str, limits: RetryLimits, result_template: str,
+                         disk_bound: float) -> list[str]:
+        """The command line (without stdin lines) for one batch of ``job``'s units."""
+        q = self.settings.min_quorum
+        total = int(limits.max_total_results)
+        errors = int(limits.max_error_results)
+        if total < q:
+            raise BoincDLError(
+                f"job {job}: units.max_total_results ({total}) must be at least the quorum ({q})")
+        if errors > total:
+            raise BoincDLError(f"job {job}: units.max_error_results ({errors}) > max_total_results ({total})")
+        return [
+            "bin/create_work",
+            "--appname", APP_NAME,
+            "--wu_template", artifacts.INPUT_TEMPLATE,
+            "--result_template", result_template,
+            "--delay_bound", str(max(1, math.ceil(limits.delay_bound_s))),
+            "--min_quorum", str(q),
+            "--target_nresults", str(q),
+            "--max_error_results", str(errors),
+            "--max_total_results", str(total),
+            "--max_success_results", str(total),
+            "--rsc_fpops_est", f"{self.settings.rsc_fpops_est:.6g}",
+            "--rsc_fpops_bound", f"{self.settings.rsc_fpops_bound:.6g}",
+            "--rsc_memory_bound", f"{self.settings.rsc_memory_bound:.6g}",
+            "--rsc_disk_bound", f"{disk_bound:.6g}",
+            "--stdin",
+        ]
+
+    def _create_batch(self, job: str, limits: RetryLimits, items: list[_Pending]) -> None:
+        spec = self._spec(job)
+        result_template = self.ensure_output_template(spec.units.max_upload_bytes)
+        lines: list[str] = []
+        input_bytes = 0
+        weights_bytes = 0
+        for p in items:
+            phys = [self.stage(Path(p.wu.files[name]), job, p.wu.unit, shared=name != WU_JSON)
+                    for name in artifacts.INPUT_ORDER]
+            sizes = [Path(p.wu.files[name]).stat().st_size for name in artifacts.INPUT_ORDER]
+            input_bytes = max(input_bytes, sum(sizes))
+            weights_bytes = max(weights_bytes, Path(p.wu.files[WEIGHTS_IN]).stat().st_size)
+            lines.append(" ".join(["--wu_name", p.wu.unit, "--wu_template", artifacts.INPUT_TEMPLATE,
+                                   "--result_template", result_template, *phys]))
+        # slot copies of the inputs, the outputs and a checkpoint (model + optimizer state)
+        disk_bound = 2.0 * input_bytes + 6.0 * weights_bytes + 256 * 1024 * 1024
+        args = self.create_work_args(job, limits, result_template, disk_bound)
+        proc = self._run(args, stdin="".join(line + "\n" for line in lines), check=False)
+        if proc.returncode == 0:
+            self._mark_created(job, [p.wu.unit for p in items])
+            log.info("created %d workunit(s) of job %s (delay_bound %ss, %d errors / %d results)",
+                     len(items), job, args[args.index("--delay_bound") + 1],
+                     limits.max_error_results, limits.max_total_results)
+            return
+        if "Duplicate entry" in proc.stderr and len(items) > 1:
+            log.warning("create_work: a unit of the batch already exists; creating them one by one")
+            for p in items:
+                self._create_batch(job, limits, [p])
+            return
+        if "Duplicate entry" in proc.stderr:
+            log.warning("unit %s already exists in BOINC (created before a restart)", items[0].wu.unit)
+            self._mark_created(job, [items[0].wu.unit])
+            return
+        raise BoincToolError(
+            f"bin/create_work failed (exit {proc.returncode}) for {len(items)} unit(s) of job {job}: "
+            f"{_tail(proc.stderr or proc.stdout)}", proc.returncode, proc.stderr)
+
+    def ensure_output_template(self, max_nbytes: int) -> str:
+        """Write the output template for this upload bound if missing; its project path."""
+        gz = self.settings.gzip_outputs
+        rel = artifacts.output_template_name(max_nbytes, gz)
+        path = self.project.root / rel
+        text = artifacts.output_template(max_nbytes, gz)
+        if path.exists():
+            if path.read_text() != text:
+                raise BoincToolError(f"{path} exists with other content; BOINC reads it for every "
+                                     "result of existing units, so it is never rewritten: move it away")
+            return rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, text)
+        log.info("wrote output template %s", rel)
+        return rel
+
+    # ---- staging --------------------------------------------------------------------------
+    def _md5(self, path: Path) -> tuple[str, int]:
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in self._md5_cache:
+            self._md5_cache[key] = file_md5(path)
+        return self._md5_cache[key]
+
+    def stage(self, src: Path, job: str = "", unit: str = "", shared: bool = True) -> str:
+        """Put ``src`` into the download hierarchy under its own name (once); the name.
+
+        A file already there with the same content is reused (shared files are staged
+        once per project). Different content under the same name is refused, except
+        for a unit's own description when that unit does not exist in BOINC yet.
+        """
+        name = src.name
+        if not SAFE_NAME.match(name):
+            raise BoincDLError(f"input file name {name!r} is not a valid BOINC physical name")
+        if not src.is_file():
+            raise BoincDLError(f"input file {src} is missing")
+        md5, size = self._md5(src)
+        if self._staged.get(name) == md5:
+            return name
+        if job:
+            self.r.sadd(staged_key(JobStore(self.r, job)), name)
+        dest = self.project.download_path(name)
+        if dest.exists():
+            have = _read_md5_file(dest) or file_md5(dest)
+            if have == (md5, size):
+                self._staged[name] = md5
+                return name
+            if shared or not unit or self.is_created(job, unit):
+                raise BoincToolError(
+                    f"{dest} exists with other content than {src}: BOINC files are immutable, "
+                    "a new content needs a new name")
+            log.warning("replacing staged %s (its unit was never created)", name)
+            dest.unlink()
+            Path(f"{dest}.md5").unlink(missing_ok=True)
+        if self.settings.stage_mode == "stage_file":
+            proc = self._run(["bin/stage_file", "--copy", str(src.resolve())], check=False)
+            if proc.returncode != 0:
+                raise BoincToolError(f"bin/stage_file --copy {src} failed (exit {proc.returncode}): "
+                                     f"{_tail(proc.stdout + proc.stderr)}", proc.returncode, proc.stderr)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=dest.parent)
+            os.close(fd)
+            try:
+                shutil.copyfile(src, tmp)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, dest)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            # BOINC's md5 cache file: "<md5> <nbytes>\n", newer than the file
+            _atomic_write(Path(f"{dest}.md5"), f"{md5} {size}\n")
+        self._staged[name] = md5
+        return name
+
+    def unstage_job(self, job: str) -> int:
+        """Remove every file the job staged (its units are over); how many were removed."""
+        key = staged_key(JobStore(self.r, job))
+        names = sorted(x.decode() for x in self.r.smembers(key))
+        n = self.unstage(names)
+        self.r.delete(key)
+        return n
+
+    def unstage(self, names: list[str]) -> int:
+        """Remove staged files (and their .md5/.gz) from the download hierarchy."""
+        n = 0
+        for name in names:
+            dest = self.project.download_path(name)
+            for p in (dest, Path(f"{dest}.md5"), Path(f"{dest}.gz")):
+                if p.exists():
+                    p.unlink()
+                    n += p == dest
+            self._staged.pop(name, None)
+        return n
+
+    # ---- processes ------------------------------------------------------------------------
+    def _run(self, args: list[str], stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a project tool from the project directory, logged, with a timeout."""
+        cmd = self.project.tool_command(args[0].removeprefix("bin/"), args[1:])
+        log.debug("running %s (cwd %s)", " ".join(cmd), self.project.root)
+        try:
+            proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True,
+                                  cwd=self.project.root, timeout=TOOL_TIMEOUT_S)
+        except FileNotFoundError:
+            raise BoincToolError(f"{cmd[0]}: not found (run from a BOINC project with its bin/ tools)") from None
+        except subprocess.TimeoutExpired:
+            raise BoincToolError(f"{' '.join(cmd[:3])} did not finish within {TOOL_TIMEOUT_S:.0f}s") from None
+        if proc.stdout.strip():
+            log.debug("%s: %s", args[0], _tail(proc.stdout))
+        if check and proc.returncode != 0:
+            raise BoincToolError(f"{' '.join(args)} failed (exit {proc.returncode}): {_tail(proc.stderr)}",
+                                 proc.returncode, proc.stderr)
+        return proc
+
+
+def _read_md5_file(path: Path) -> tuple[str, int] | None:
+    """BOINC's ``<file>.md5`` cache (md5 and size), if present, well-formed and not stale."""
+    m = Path(f"{path}.md5")
+    try:
+        if m.stat().st_mtime < path.stat().st_mtime:
+            return None
+        md5, nbytes = m.read_text().split()
+        return md5, int(float(nbytes))
+    except (OSError, ValueError):
+        return None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _tail(text: str, n: int = 600) -> str:
+    text = (text or "").strip()
+    return text if len(text) <= n else "..." + text[-n:]

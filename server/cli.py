@@ -1,0 +1,246 @@
+"""The ``boinc-dl`` command line (typer).
+
+Every expected failure (bad spec, missing data, Redis unreachable, unknown job)
+prints one line and exits non-zero; tracebacks are for bugs only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from server.common.errors import BoincDLError, UnknownJob
+
+# TensorFlow's C++ logging floods the terminal from every worker process; keep errors
+# in the run's log files instead (set TF_CPP_MIN_LOG_LEVEL yourself to see them).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Deep-learning training and model selection on BOINC and preemptible VMs.")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _fail(e: BoincDLError) -> None:
+    err_console.print(f"[red]error:[/] {e}", markup=True, highlight=False)
+    raise typer.Exit(e.exit_code)
+
+
+@app.command()
+def run(
+    spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
+    resume: Annotated[bool, typer.Option("--resume", help="continue the job from its saved state")] = False,
+    run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<job name>)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="use this Redis instead of a private one")] = None,
+    workers: Annotated[int | None, typer.Option(help="simulated hosts (overrides the spec)")] = None,
+    slots: Annotated[int | None, typer.Option(help="slots per host (overrides the spec)")] = None,
+    assimilators: Annotated[int | None, typer.Option(help="assimilator processes")] = None,
+    preempt_prob: Annotated[float | None, typer.Option(help="chance a unit is killed mid-way")] = None,
+    epochs: Annotated[int | None, typer.Option(help="override training.epochs")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no live progress view")] = False,
+) -> None:
+    """Run a job on the embedded local backend (private Redis, N hosts x T slots)."""
+    from server.common.spec import load_spec
+    from server.run import run_job, summary_table
+
+    try:
+        spec = load_spec(spec_file)
+        if epochs is not None:
+            spec = spec.model_copy(update={"training": spec.training.model_copy(update={"epochs": epochs})})
+        opts = {k: v for k, v in {"workers": workers, "slots": slots, "assimilators": assimilators,
+                                  "preempt_prob": preempt_prob}.items() if v is not None}
+        res = run_job(spec, run_dir, resume=resume, redis_url=redis_url, console=console,
+                      live=not quiet and console.is_terminal, backend_opts=opts,
+                      search_path=spec_file.resolve().parent)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    console.print(summary_table(res, spec))
+    if res.status == "interrupted":
+        raise typer.Exit(130)
+    if res.status != "done":
+        raise typer.Exit(1)
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
+    backend: Annotated[str, typer.Option(help="job system: boinc (a BOINC project's daemons run it)")] = "boinc",
+    project: Annotated[Path | None, typer.Option(help="BOINC project directory")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="continue a job already recorded")] = False,
+) -> None:
+    """Submit a job to a BOINC project; its work generator daemon creates the workunits."""
+    from server.common.spec import load_spec
+
+    try:
+        if backend == "local":
+            raise BoincDLError("the local backend runs in the foreground: use 'boinc-dl run SPEC'")
+        if backend != "boinc":
+            raise BoincDLError(f"unknown backend {backend!r}; choose boinc (or 'boinc-dl run' for local)")
+        if project is None:
+            raise BoincDLError("--project is required with --backend boinc")
+        from server.boinc.submit import submit_job
+
+        spec = load_spec(spec_file)
+        job_dir = submit_job(spec, project, resume=resume, search_path=spec_file.resolve().parent)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    console.print(f"job [cyan]{spec.name}[/] submitted to {project} (files in {job_dir}); "
+                  f"follow it with: boinc-dl status {spec.name} --project {project}")
+
+
+def _project_redis_url(project: Path) -> str:
+    from server.boinc.project import BoincProject
+
+    return BoincProject(project).require().redis_url()
+
+
+@contextlib.contextmanager
+def _open_store_redis(run_dir: Path | None, redis_url: str | None) -> Iterator[Any]:
+    """A Redis client: the given URL, a live run's socket, or the run's saved state."""
+    from server.common.redis_server import EmbeddedRedis
+    from server.common.store import connect
+
+    if redis_url:
+        yield connect(redis_url)
+        return
+    if run_dir is None or not (run_dir / "redis").is_dir():
+        raise BoincDLError(f"no job state found in {run_dir}; give --run-dir or --redis-url")
+    server = EmbeddedRedis(run_dir / "redis")
+    try:
+        yield connect(server.url, timeout=1.0)  # the run is live: read its Redis
+        return
+    except BoincDLError:
+        pass
+    server.start()  # the run is over: load its append-only file read-only-ish, then stop
+    try:
+        yield connect(server.url)
+    finally:
+        server.stop()
+
+
+@app.command()
+def status(
+    job: Annotated[str | None, typer.Argument(help="job name (default: all jobs found)")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<job>)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis holding the job state")] = None,
+    project: Annotated[Path | None, typer.Option(help="BOINC project (its Redis)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Show a job's state: epoch, units per state, latest accuracy, rejected results."""
+    from server.status import job_status, render_status
+
+    try:
+        if project is not None:
+            redis_url = _project_redis_url(project)
+        dirs: list[Path | None]
+        if redis_url:
+            dirs = [None]
+        elif run_dir is not None:
+            dirs = [run_dir]
+        elif job is not None:
+            dirs = [Path("runs") / job]
+        else:
+            dirs = sorted(p.parent for p in Path("runs").glob("*/redis")) or [None]
+            if dirs == [None]:
+                raise BoincDLError("no runs found under ./runs; give a job name, --run-dir or --redis-url")
+        found = False
+        for d in dirs:
+            with _open_store_redis(d, redis_url) as r:
+                from server.common.store import JobStore
+
+                names = [job] if job else JobStore.list_jobs(r)
+                for name in names:
+                    st = job_status(JobStore(r, name).require())
+                    found = True
+                    if as_json:
+                        import json
+
+                        console.print_json(json.dumps(st, default=str))
+                    else:
+                        render_status(console, st)
+        if not found:
+            raise UnknownJob(f"no job {job!r} found" if job else "no jobs found")
+    except BoincDLError as e:
+        _fail(e)
+
+
+@app.command()
+def cancel(
+    job: Annotated[str, typer.Argument(help="job name")],
+    run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<job>)")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis holding the job state")] = None,
+    project: Annotated[Path | None, typer.Option(help="BOINC project: also cancel its workunits")] = None,
+) -> None:
+    """Cancel a job: no new units are created; a running generator stops at its next step."""
+    from server.common.store import JobStore
+
+    try:
+        if project is not None:
+            from server.boinc.submit import cancel_job
+
+            n = cancel_job(project, job)
+            console.print(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")
+            return
+        with _open_store_redis(run_dir or Path("runs") / job, redis_url) as r:
+            store = JobStore(r, job).require()
+            store.set_meta(status="cancelled", stopping=1, reason="cancelled by the user")
+        console.print(f"job {job} cancelled")
+    except BoincDLError as e:
+        _fail(e)
+
+
+@app.command()
+def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")]) -> None:
+    """Check a job spec (and that its dataset and model can be loaded) without running it."""
+    from server.common.datasets import load_dataset
+    from server.common.spec import load_spec
+
+    try:
+        spec = load_spec(spec_file)
+        data = load_dataset(spec.dataset, spec.seed)
+        from server.common.keras_model import build_model, model_fingerprint
+
+        fp = model_fingerprint(build_model(spec.model, spec.model_args, spec_file.resolve().parent))
+    except BoincDLError as e:
+        _fail(e)
+        return
+    t = Table(show_header=False, title=f"{spec.name}: spec OK")
+    t.add_row("mode", spec.mode)
+    t.add_row("train / val examples", f"{len(data.x_train)} / {len(data.x_val)}")
+    t.add_row("model parameters", f"{fp.n_params:,} in {len(fp.tensors)} tensors")
+    console.print(t)
+
+
+def _mount_optional() -> None:
+    """Sub-commands that live in optional parts of the package (BOINC integration)."""
+    try:
+        from server.boinc.cli import boinc_app
+    except ImportError:
+        return
+    app.add_typer(boinc_app, name="boinc", help="BOINC server integration (install, daemons, scripts).")
+
+
+_mount_optional()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

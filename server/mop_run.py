@@ -1,0 +1,193 @@
+"""``boinc-dl run`` for MOP jobs: model selection on the embedded local backend.
+
+Partitions are placed on simulated hosts round-robin (``mop.replication`` hosts per
+partition); each host's slots are the scheduler's workers and units carry a host hint,
+so a host only ever holds its own partitions' data. Writes a leaderboard (terminal and
+CSV), per-model learning curves in one PNG, the best model's file and the schedule.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from server.backends.local import LocalJobSystem
+from server.common.spec import JobSpec
+from server.common.store import JobStore
+from server.run import RunResult, _CounterSync, open_store, start_local_backend
+from server.work_generator.mop.scheduler import round_robin_availability
+from server.work_generator.mop_generator import MOPWorkGenerator, model_file
+from server.work_generator.prepare import prepare_job
+
+
+def placement(n_hosts: int, slots: int, partitions: int, replication: int) -> tuple[dict[str, set[int]], dict[str, int]]:
+    """(worker -> partitions, worker -> host): partition j on hosts (j + r) mod N."""
+    by_host = round_robin_availability([str(h) for h in range(n_hosts)], partitions, min(replication, n_hosts))
+    avail, host_of = {}, {}
+    for h in range(n_hosts):
+        for s in range(slots):
+            w = f"h{h}s{s}"
+            avail[w] = set(by_host[str(h)])
+            host_of[w] = h
+    return avail, host_of
+
+
+def leaderboard(store: JobStore) -> list[dict[str, Any]]:
+    """One row per configuration, best validation accuracy first."""
+    configs = {k.decode(): json.loads(v) for k, v in store.r.hgetall(store.k("configs")).items()}
+    results = {int(k): json.loads(v) for k, v in store.r.hgetall(store.k("mop_results")).items()}
+    rows = []
+    for cid, c in configs.items():
+        curve = [results[e][cid]["val_acc"] for e in sorted(results) if cid in results[e]]
+        rows.append({"model": cid, "status": c.get("status"), "best_val_acc": max(curve) if curve else None,
+                     "final_val_acc": curve[-1] if curve else None, "epochs": len(curve),
+                     "params": json.dumps(c.get("params", {}), sort_keys=True), "parent": c.get("parent"),
+                     "reason": c.get("reason", ""), "curve": curve})
+    rows.sort(key=lambda r: -(r["best_val_acc"] if r["best_val_acc"] is not None else -1.0))
+    return rows
+
+
+def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | None, title: str) -> dict[str, str]:
+    """leaderboard.csv, learning_curves.png, best_model.keras, history.json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = leaderboard(store)
+    out: dict[str, str] = {}
+    lb = run_dir / "leaderboard.csv"
+    with lb.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[k for k in rows[0] if k != "curve"] if rows else ["model"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: v for k, v in r.items() if k != "curve"})
+    out["leaderboard"] = str(lb)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    for r in rows:
+        if r["curve"]:
+            ax.plot(range(1, len(r["curve"]) + 1), r["curve"], marker="o", ms=2, lw=1,
+                    label=f"{r['model']} {r['params'][:40]}")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(rows) <= 12:
+        ax.legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    png = run_dir / "learning_curves.png"
+    fig.savefig(png)
+    plt.close(fig)
+    out["learning_curves"] = str(png)
+    best = next((r for r in rows if r["best_val_acc"] is not None), None)
+    if best is not None:
+        from server.report import save_final_model
+
+        flat, _ = store.get_weights(best["model"])
+        files_dir = Path(store.meta().get("job_dir", run_dir))
+        from server.work_generator.prepare import JobFiles
+
+        saved = save_final_model(run_dir, model_file(JobFiles(files_dir, store.job), best["model"]), flat)
+        target = run_dir / "best_model.keras"
+        saved.replace(target)
+        out["best_model"] = str(target)
+    hist = {"job": store.job, "meta": store.meta(), "leaderboard": rows,
+            "epochs": [{"epoch": e, **s} for e, s in store.epochs().items()],
+            "schedule": [json.loads(x) for x in store.r.lrange(store.k("mop_log"), 0, -1)],
+            "visit_orders": gen.visit_orders() if gen else {}, "counters": store.counters(),
+            "rejections": store.rejections(100)}
+    (run_dir / "history.json").write_text(json.dumps(hist, indent=1, default=str))
+    out["history"] = str(run_dir / "history.json")
+    return out
+
+
+def _table(store: JobStore, spec: JobSpec, backend: LocalJobSystem, t0: float) -> Table:
+    meta = store.meta()
+    snap = backend.snapshot()
+    t = Table(title=f"boinc-dl · {spec.name} · MOP, {backend.n_hosts} hosts x {backend.n_slots} slots", box=None)
+    t.add_column("model")
+    t.add_column("status")
+    t.add_column("epochs")
+    t.add_column("best val acc")
+    for r in leaderboard(store)[:12]:
+        t.add_row(r["model"], str(r["status"]), str(r["epochs"]),
+                  f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-")
+    t.caption = (f"epoch {meta.get('epoch', 1)} · running {snap['running']}, queued {snap['unsent']} · "
+                 f"re-issued {snap['reissued']} · {time.time() - t0:.0f} s")
+    return t
+
+
+def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str | None, console: Console,
+                live: bool, backend_opts: dict[str, Any] | None, search_path: Path | None) -> RunResult:
+    """Run a MOP job to completion on the local backend (see the module docstring)."""
+    assert spec.mop is not None
+    server, redis_url, store = open_store(run_dir, redis_url, spec.name)
+    backend: LocalJobSystem | None = None
+    gen: MOPWorkGenerator | None = None
+    t0 = time.time()
+    status = "interrupted"
+    snap: dict[str, Any] = {}
+    try:
+        console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}")
+        prepare_job(spec, store, run_dir, resume=resume, search_path=search_path)
+        opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
+        avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
+        if store.meta().get("status") not in ("done", "failed", "cancelled"):
+            store.set_meta(status="running")
+            backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
+            gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
+            gen.recover(resubmit_in_progress=True)
+            sync = _CounterSync(store, backend)
+            view = Live(_table(store, spec, backend, t0), console=console, refresh_per_second=2) if live else None
+            if view:
+                view.start()
+            try:
+                last = 0.0
+                while gen.step():
+                    time.sleep(0.05)
+                    if time.time() - last > 0.5:
+                        sync.push()
+                        if view:
+                            view.update(_table(store, spec, backend, t0))
+                        last = time.time()
+                sync.push()
+            finally:
+                if view:
+                    view.stop()
+        status = store.meta().get("status", "running")
+    except KeyboardInterrupt:
+        console.print("\n[yellow]interrupted[/]: state is saved; continue with [bold]--resume[/]")
+        store.set_meta(status="interrupted")
+    finally:
+        if backend is not None:
+            snap = backend.snapshot()
+            snap["data_bytes_per_host"] = backend.data_bytes_per_host()
+            backend.stop()
+    res = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
+                    reason=store.meta().get("reason", ""))
+    try:
+        res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
+        res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
+        lb = leaderboard(store)
+        t = Table(title=f"leaderboard ({len(lb)} configurations)")
+        for col in ("model", "status", "epochs", "best val acc", "params"):
+            t.add_column(col)
+        for r in lb[:20]:
+            t.add_row(r["model"], str(r["status"]), str(r["epochs"]),
+                      f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-",
+                      r["params"] + (f" ({r['reason']})" if r["reason"] else ""))
+        console.print(t)
+        (run_dir / "summary.json").write_text(json.dumps(
+            {"status": status, "elapsed_s": res.elapsed_s, "backend": snap, "reason": res.reason,
+             "best": lb[0] if lb else None, "outputs": res.outputs}, indent=1, default=str))
+    finally:
+        if server is not None:
+            server.stop()
+    return res

@@ -1,0 +1,90 @@
+"""Run outputs: training history (JSON + CSV), learning-curve PNG, one-screen summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from server.common.store import JobStore
+
+
+def collect_history(store: JobStore) -> dict[str, Any]:
+    """Per-epoch summaries and per-unit merge records of a job, from Redis."""
+    epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
+    units = []
+    for m in store.metrics():
+        if m["kind"] == "merge":
+            units.append({k: m.get(k) for k in (
+                "unit", "epoch", "shard", "version", "base_version", "alpha", "val_acc", "val_loss",
+                "train_loss", "train_acc", "examples_seen", "train_s", "wall_s", "host", "t")})
+        elif m["kind"] == "failed":
+            units.append({"unit": m.get("unit"), "failed": m.get("reason")})
+    return {"job": store.job, "meta": store.meta(), "epochs": epochs, "units": units,
+            "counters": store.counters(), "rejections": store.rejections(100)}
+
+
+def write_history(run_dir: Path, hist: dict[str, Any]) -> list[Path]:
+    """history.json plus epochs.csv and units.csv; returns the paths written."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = [run_dir / "history.json", run_dir / "epochs.csv", run_dir / "units.csv"]
+    out[0].write_text(json.dumps(hist, indent=1, default=str))
+    for path, rows in ((out[1], hist["epochs"]), (out[2], hist["units"])):
+        keys: list[str] = []
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys or ["epoch"])
+            w.writeheader()
+            w.writerows(rows)
+    return out
+
+
+def plot_learning_curve(path: Path, curves: dict[str, list[dict[str, Any]]], title: str) -> Path:
+    """Validation accuracy per epoch; shaded band = min..max of the clients' accuracies
+    within the epoch and the error bar their standard deviation (the spread across units)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, epochs in curves.items():
+        if not epochs:
+            continue
+        x = np.array([e["epoch"] for e in epochs])
+        y = np.array([e["val_acc"] for e in epochs], dtype=float)
+        lo = [e.get("client_val_acc_min") for e in epochs]
+        has_units = all(v is not None for v in lo)
+        line = ax.plot(x, y, marker="o", ms=3, label=f"{label}: server weights" if has_units else label)[0]
+        hi = [e.get("client_val_acc_max") for e in epochs]
+        mean = [e.get("client_val_acc_mean") for e in epochs]
+        std = [e.get("client_val_acc_std") for e in epochs]
+        if all(v is not None for v in lo + hi + mean + std):
+            ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, label=f"{label}: units min-max")
+            ax.errorbar(x, mean, yerr=std, fmt="none", ecolor=line.get_color(), alpha=0.6, capsize=2,
+                        label=f"{label}: units mean ± std")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def save_final_model(run_dir: Path, model_file: Path, flat: np.ndarray) -> Path:
+    """The job's model with the final server weights, as a Keras file."""
+    from server.common.keras_model import configure_tf, set_flat
+
+    tf = configure_tf()
+    model = tf.keras.models.load_model(model_file, compile=False)
+    set_flat(model, flat)
+    out = run_dir / "final_model.keras"
+    model.save(out)
+    return out

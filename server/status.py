@@ -1,0 +1,69 @@
+"""``boinc-dl status``: a job's state gathered from Redis, and its terminal rendering."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from server.common.store import JobStore
+
+
+def job_status(store: JobStore) -> dict[str, Any]:
+    """Everything ``status`` shows, as plain data (also used by ``--json``)."""
+    meta = store.meta()
+    epochs = store.epochs()
+    states = Counter(store.unit_states().values())
+    last = epochs[max(epochs)] if epochs else {}
+    return {
+        "job": store.job,
+        "status": meta.get("status", "?"),
+        "mode": meta.get("mode", "?"),
+        "reason": meta.get("reason", ""),
+        "epoch": int(float(meta.get("epoch", 0))),
+        "closed_epochs": len(epochs),
+        "latest_val_acc": last.get("val_acc"),
+        "best_val_acc": max((e["val_acc"] for e in epochs.values()), default=None),
+        "units": dict(states),
+        "counters": store.counters(),
+        "weights_version": {m: store.version(m) for m in store.models()},
+        "rejections": store.rejections(10),
+        "failed": store.failed(),
+        "epochs": epochs,
+    }
+
+
+def render_status(console: Console, st: dict[str, Any]) -> None:
+    """Print a status dict as a compact table plus recent rejections."""
+    t = Table(title=f"job {st['job']} ({st['mode']}): {st['status']}" + (f" — {st['reason']}" if st["reason"] else ""),
+              show_header=False)
+    t.add_row("epoch", f"{st['closed_epochs']} closed, creating epoch {st['epoch']}")
+    u = st["units"]
+    t.add_row("units", ", ".join(f"{k} {v}" for k, v in sorted(u.items())) or "none")
+    acc = st["latest_val_acc"]
+    t.add_row("latest val accuracy", f"{acc:.4f}" if acc is not None else "-")
+    if st["best_val_acc"] is not None:
+        t.add_row("best val accuracy", f"{st['best_val_acc']:.4f}")
+    t.add_row("weights versions", ", ".join(f"{m}: {v}" for m, v in st["weights_version"].items()) or "-")
+    c = st["counters"]
+    if c:
+        t.add_row("counters", ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    console.print(t)
+    if st["rejections"]:
+        r = Table(title="recent rejected results", show_lines=False)
+        r.add_column("when")
+        r.add_column("unit")
+        r.add_column("reason")
+        for x in st["rejections"]:
+            r.add_row(time.strftime("%H:%M:%S", time.localtime(x.get("t", 0))), x.get("unit", ""), x.get("reason", ""))
+        console.print(r)
+    if st["failed"]:
+        f = Table(title="units given up on")
+        f.add_column("unit")
+        f.add_column("reason")
+        for k, v in sorted(st["failed"].items())[:10]:
+            f.add_row(k, v)
+        console.print(f)
