@@ -1,0 +1,178 @@
+"""``boinc-dl boinc ...``: BOINC server commands (mounted by the main CLI).
+
+The validator and assimilator commands are what BOINC's daemons run through the
+shims in the project's ``bin/``; they take BOINC's arguments verbatim after ``--``
+(``--error`` included) and exit with BOINC's codes (see :mod:`server.boinc.scripts`).
+The same app also runs as ``python -m server.boinc``, which is how the shims call it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from server.common.errors import BoincDLError
+
+boinc_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="BOINC server integration: install, daemons, validator/assimilator scripts.")
+
+_PASS = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+ProjectOpt = Annotated[Path | None, typer.Option(
+    "--project", help="BOINC project directory (default: $BDL_PROJECT, else the nearest parent with config.xml)")]
+TokensOpt = Annotated[str | None, typer.Option(
+    "--tokens", help="the token list declared to the BOINC daemon, e.g. 'wu_name files' (default: guess)")]
+
+
+def _fail(e: BoincDLError) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(e.exit_code)
+
+
+def _project(path: Path | None):  # noqa: ANN202
+    from server.boinc.project import BoincProject, find_project
+
+    return BoincProject(path).require() if path else find_project()
+
+
+@boinc_app.command()
+def install(
+    project: Annotated[Path, typer.Argument(help="BOINC project directory (holds config.xml)")],
+    redis_url: Annotated[str | None, typer.Option(help="Redis URL written to <project>/boinc-dl.yaml")] = None,
+    assimilators: Annotated[int, typer.Option(help="parallel script_assimilator daemons (--mod P i)")] = 2,
+    app_version: Annotated[str, typer.Option(help="app version number (files are immutable: bump to change)")] = "1.0",
+    wrapper: Annotated[Path | None, typer.Option(help="BOINC wrapper binary for x86_64-pc-linux-gnu")] = None,
+    gpu: Annotated[bool, typer.Option(help="also an NVIDIA GPU app version (plan class bdl_nvidia)")] = True,
+    min_quorum: Annotated[int | None, typer.Option(help="replicas per unit (2+ for untrusted volunteer hosts)")] = None,
+    gzip_outputs: Annotated[bool | None, typer.Option(help="clients gzip their outputs before upload")] = None,
+    command: Annotated[str | None, typer.Option(
+        help="how the shims start boinc-dl (default: this Python with -m server.boinc)")] = None,
+    db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions when needed")] = True,
+    force_db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions even if nothing changed")] = False,
+) -> None:
+    """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
+    import shlex
+
+    from server.boinc.install import InstallOptions
+    from server.boinc.install import install as do_install
+
+    opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
+                          wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
+                          command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db)
+    try:
+        report = do_install(project, opts)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    for c in report.changes:
+        typer.echo(f"  changed: {c}")
+    if not report.changes:
+        typer.echo(f"{project}: already up to date, nothing changed")
+    for n in report.notes:
+        typer.echo(f"  note: {n}")
+
+
+@boinc_app.command("work-generator")
+def work_generator(
+    project: ProjectOpt = None,
+    once: Annotated[bool, typer.Option("--once", help="one pass, then exit")] = False,
+    poll: Annotated[float | None, typer.Option(help="seconds between passes (default: settings poll_s)")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+) -> None:
+    """The work generator daemon (exits on the stop_daemons file, SIGHUP, SIGTERM)."""
+    from server.boinc.daemon import WorkGeneratorDaemon, setup_logging
+
+    try:
+        proj = _project(project)
+        setup_logging(proj, verbose)
+        d = WorkGeneratorDaemon(proj, poll)
+        d.install_signals()
+        code = d.run(once=once)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    raise typer.Exit(code)
+
+
+def _script(kind: str, project: Path | None, tokens: str | None, args: list[str]) -> None:
+    from server.boinc import scripts
+
+    scripts.setup_logging(f"bdl_{kind}")
+    try:
+        proj = _project(project)
+    except BoincDLError as e:
+        typer.echo(f"bdl_{kind}: error: {e}", err=True)
+        raise typer.Exit(scripts.EXIT_TRANSIENT) from None
+    fn = {"assimilate": scripts.assimilate, "validate": scripts.validate_init,
+          "compare": scripts.validate_compare}[kind]
+    raise typer.Exit(fn(proj, args, tokens.split() if tokens else None))
+
+
+@boinc_app.command(context_settings=_PASS)
+def assimilate(
+    ctx: typer.Context,
+    project: ProjectOpt = None,
+    tokens: TokensOpt = None,
+    args: Annotated[list[str] | None, typer.Argument(help="what script_assimilator passes")] = None,
+) -> None:
+    """script_assimilator's script: merge a result (0), or exit non-zero on a transient fault."""
+    _script("assimilate", project, tokens, [*(args or []), *ctx.args])
+
+
+@boinc_app.command("validate-init", context_settings=_PASS)
+def validate_init(
+    ctx: typer.Context,
+    project: ProjectOpt = None,
+    tokens: TokensOpt = None,
+    args: Annotated[list[str] | None, typer.Argument(help="what script_validator passes")] = None,
+) -> None:
+    """script_validator's init script: 0 valid, 3 transient, 1 invalid."""
+    _script("validate", project, tokens, [*(args or []), *ctx.args])
+
+
+@boinc_app.command("validate-compare", context_settings=_PASS)
+def validate_compare(
+    ctx: typer.Context,
+    project: ProjectOpt = None,
+    tokens: TokensOpt = None,
+    args: Annotated[list[str] | None, typer.Argument(help="what script_validator passes")] = None,
+) -> None:
+    """script_validator's compare script: 0 match, 1 no match, 3 transient."""
+    _script("compare", project, tokens, [*(args or []), *ctx.args])
+
+
+@boinc_app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
+    project: Annotated[Path, typer.Option("--project", help="BOINC project directory")],
+    resume: Annotated[bool, typer.Option("--resume", help="continue a job already recorded")] = False,
+) -> None:
+    """Submit a job to a BOINC project (the work generator daemon picks it up)."""
+    from server.boinc.submit import submit_job
+    from server.common.spec import load_spec
+
+    try:
+        spec = load_spec(spec_file)
+        job_dir = submit_job(spec, project, resume=resume, search_path=spec_file.resolve().parent)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    typer.echo(f"job {spec.name} submitted to {project} (files in {job_dir})")
+
+
+@boinc_app.command()
+def cancel(
+    job: Annotated[str, typer.Argument(help="job name")],
+    project: Annotated[Path, typer.Option("--project", help="BOINC project directory")],
+) -> None:
+    """Cancel a job and its workunits in BOINC."""
+    from server.boinc.submit import cancel_job
+
+    try:
+        n = cancel_job(project, job)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    typer.echo(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")

@@ -1,0 +1,239 @@
+"""The work generator daemon: ``boinc-dl boinc work-generator --project DIR``.
+
+Declared in ``config.xml`` (``bin/start`` runs it from ``tmp_<host>`` with its output
+in ``log_<host>/bdl_work_generator.log``). Every pass it takes each running job of
+this project from Redis (submitted with ``boinc-dl submit --backend boinc``), lets the
+job's work generator close finished epochs and create units up to its window through
+:class:`~server.backends.boinc.BoincJobSystem`, then creates the batch with one
+``create_work --stdin`` call per job. It behaves like BOINC's own daemons: it exits
+when the project's ``stop_daemons`` file appears and on SIGHUP or SIGTERM, and it
+survives Redis or create_work failures (logged, retried next pass).
+
+A job that ends (done, failed, cancelled) gets a last sweep: units still in flight
+are cancelled in BOINC and the job's staged input files leave the download hierarchy.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from server.backends.boinc import BoincJobSystem, BoincToolError
+from server.boinc.project import BoincProject
+from server.common.errors import BoincDLError, StoreUnavailable
+from server.common.spec import spec_from_json
+from server.common.store import JobStore, connect
+
+log = logging.getLogger("boinc-dl.work_generator")
+
+FINISHED = ("done", "failed", "cancelled")
+LOG_NAME = "bdl_work_generator.log"
+
+
+def job_is_ours(meta: dict[str, str], project: BoincProject) -> bool:
+    """A job submitted to this project's BOINC backend."""
+    return meta.get("backend") == "boinc" and meta.get("boinc_project") == str(project.root)
+
+
+#: After a job ends, keep sweeping for units created by a pass that raced with the end.
+SWEEP_GRACE_S = 600.0
+
+
+def cancel_in_flight(store: JobStore, backend: BoincJobSystem) -> int:
+    """Cancel (in BOINC and in Redis) the job's units still created or in progress."""
+    n = 0
+    for unit, state in store.unit_states().items():
+        if state in ("created", "in_progress"):
+            backend.cancel(unit)
+            store.transition_unit(unit, state, "cancelled")
+            n += 1
+    return n
+
+
+def finalize_job(store: JobStore, backend: BoincJobSystem) -> int:
+    """A finished job: cancel its units in flight, unstage its files (once)."""
+    n = cancel_in_flight(store, backend)
+    if store.meta().get("boinc_finalized") != "1":
+        removed = backend.unstage_job(store.job)
+        store.set_meta(boinc_finalized=1)
+        log.info("job %s finished: %d unit(s) cancelled, %d staged file(s) removed", store.job, n, removed)
+    elif n:
+        log.info("job %s: cancelled %d late unit(s)", store.job, n)
+    return n
+
+
+class WorkGeneratorDaemon:
+    """One process driving every BOINC job of a project (see module docstring)."""
+
+    def __init__(self, project: BoincProject, poll_s: float | None = None):
+        self.project = project.require()
+        self.poll_s = poll_s or project.settings.poll_s
+        self.stop = threading.Event()
+        self.r: Any = None
+        self.backend: BoincJobSystem | None = None
+        self.gens: dict[str, Any] = {}
+        self._skipped: set[str] = set()
+
+    # ---- control --------------------------------------------------------------------------
+    def install_signals(self) -> None:
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("got %s: stopping after this pass", signal.Signals(signum).name)
+        self.stop.set()
+
+    def should_stop(self) -> bool:
+        if self.project.stop_daemons_file.exists():
+            if not self.stop.is_set():
+                log.info("quitting: trigger file %s is present", self.project.stop_daemons_file)
+            self.stop.set()
+        return self.stop.is_set()
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep, checking the stop conditions every second (like BOINC's daemon_sleep)."""
+        end = time.monotonic() + seconds
+        while not self.should_stop():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            self.stop.wait(min(1.0, left))
+
+    # ---- passes ---------------------------------------------------------------------------
+    def connect(self) -> None:
+        if self.r is None:
+            self.r = connect(self.project.redis_url(), timeout=5.0)
+            self.backend = BoincJobSystem(self.project, self.r)
+
+    def generator(self, store: JobStore, meta: dict[str, str]) -> Any:
+        if store.job in self.gens:
+            return self.gens[store.job]
+        from server.work_generator.mop_generator import MOPWorkGenerator
+        from server.work_generator.vcasgd import VCASGDWorkGenerator
+
+        spec = spec_from_json(store.spec_json())
+        job_dir = Path(meta.get("job_dir") or self.project.job_dir(store.job))
+        assert self.backend is not None
+        gen: Any
+        if spec.mode == "mop":
+            # Pull mode: hosts ask BOINC for work, so the scheduler only decides which units
+            # may exist (one per model in flight); partitions are sticky files and BOINC's
+            # locality scheduling sends units to hosts that already hold them.
+            gen = MOPWorkGenerator(store, spec, job_dir, self.backend, availability=None,
+                                   search_path=Path(meta["search_path"]) if meta.get("search_path") else None)
+        else:
+            gen = VCASGDWorkGenerator(store, spec, job_dir, self.backend)
+        # Units registered but never created (a crash in between): create them now.
+        # Units already in BOINC are skipped by the backend's ledger.
+        n = gen.recover(resubmit_in_progress=True)
+        if n:
+            log.info("job %s: %d unit(s) re-checked after a restart", store.job, n)
+        self.gens[store.job] = gen
+        log.info("job %s: driving it (%s)", store.job, spec.mode)
+        return gen
+
+    def one_pass(self) -> int:
+        """Step every job of this project once; how many jobs are still running."""
+        self.connect()
+        assert self.backend is not None
+        running = 0
+        for job in JobStore.list_jobs(self.r):
+            if self.should_stop():
+                break
+            store = JobStore(self.r, job)
+            meta = store.meta()
+            if not job_is_ours(meta, self.project):
+                continue
+            status = meta.get("status", "running")
+            if status in FINISHED:
+                self.gens.pop(job, None)
+                try:
+                    ended = float(meta.get("finished_at", 0))
+                except ValueError:
+                    ended = 0.0
+                if meta.get("boinc_finalized") != "1" or time.time() - ended < SWEEP_GRACE_S:
+                    try:
+                        finalize_job(store, self.backend)
+                    except BoincToolError as e:
+                        log.error("job %s: %s (retrying next pass)", job, e)
+                continue
+            try:
+                gen = self.generator(store, meta)
+                alive = gen.step()
+                self.backend.flush()
+            except BoincToolError as e:
+                log.error("job %s: %s (retrying next pass)", job, e)
+                running += 1
+                continue
+            except StoreUnavailable:
+                raise
+            except BoincDLError as e:
+                log.error("job %s: %s", job, e)
+                continue
+            except Exception:  # noqa: BLE001 - one bad job must not stop the others
+                log.exception("job %s: unexpected error (retrying next pass)", job)
+                self.gens.pop(job, None)
+                running += 1
+                continue
+            if alive:
+                running += 1
+                continue
+            self.gens.pop(job, None)
+            try:
+                finalize_job(store, self.backend)
+            except BoincToolError as e:
+                log.error("job %s: %s (retrying next pass)", job, e)
+        return running
+
+    def run(self, once: bool = False, max_passes: int | None = None) -> int:
+        """Loop until stopped; returns the exit status."""
+        self.project.redis_url()  # a missing setting is fatal; Redis being down is not
+        log.info("work generator for %s started (pass every %.0fs)", self.project.root, self.poll_s)
+        passes = 0
+        delay = self.poll_s
+        while not self.should_stop():
+            try:
+                self.one_pass()
+                delay = self.poll_s
+            except StoreUnavailable as e:
+                log.error("%s; reconnecting", e)
+                self.r = None
+                self.gens.clear()
+                delay = min(max(delay * 2, 1.0), 60.0)
+            except BoincDLError as e:
+                log.error("%s", e)
+                delay = min(max(delay * 2, 1.0), 60.0)
+            passes += 1
+            if once or (max_passes is not None and passes >= max_passes):
+                break
+            self.sleep(delay)
+        if self.backend is not None and self.backend.pending():
+            try:
+                self.backend.flush()
+            except BoincDLError as e:
+                log.error("could not create queued units before exiting: %s", e)
+        log.info("work generator stopped")
+        return 0
+
+
+def setup_logging(project: BoincProject, verbose: bool = False) -> None:
+    """Log to stderr (bin/start sends it to log_<host>/); run by hand, also to that file."""
+    fmt = logging.Formatter("%(asctime)s [%(levelname)s] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(fmt)
+    root.addHandler(h)
+    if sys.stderr.isatty():
+        try:
+            project.log_dir.mkdir(parents=True, exist_ok=True)
+            fh = logging.FileHandler(project.log_dir / LOG_NAME)
+            fh.setFormatter(fmt)
+            root.addHandler(fh)
+        except OSError as e:
+            log.warning("cannot log to %s: %s", project.log_dir, e)

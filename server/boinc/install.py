@@ -1,0 +1,372 @@
+"""``boinc-dl boinc install <project>``: set a BOINC project up for boinc-dl, idempotently.
+
+What it does (each step reports what it changed; a second run changes nothing):
+
+1. ``boinc-dl.yaml``: boinc-dl's settings (Redis URL), created 0600 if missing;
+2. ``templates/boincdl_in`` and ``templates/boincdl_out`` (create_work's defaults for
+   app ``boincdl``);
+3. shims in ``bin/``: ``bdl_assimilate``, ``bdl_validate``, ``bdl_compare``,
+   ``bdl_work_generator`` (POSIX sh, exec boinc-dl with the project pinned);
+4. ``project.xml``: the app ``boincdl`` (and the x86_64 Linux platform);
+5. app versions ``apps/boincdl/<v>/x86_64-pc-linux-gnu[__bdl_nvidia]/``: BOINC's
+   wrapper as main program, ``job.xml``, the launcher, ``version.xml``;
+6. ``plan_class_spec.xml``: the ``bdl_nvidia`` plan class for current NVIDIA GPUs;
+7. ``config.xml``: the work generator, ``script_validator`` and P ``script_assimilator
+   --mod P i`` daemons, each with its own ``<output>`` and ``<pid_file>`` (bin/start
+   derives the lock file from the output name, so two instances sharing one output
+   would lock each other out);
+8. the admin page into ``html/ops/`` when the package ships it;
+9. ``bin/xadd`` and ``bin/update_versions`` when project.xml or the app versions
+   changed (they need the database; ``--no-db`` skips them).
+
+App version files are immutable for BOINC (``tools/update_versions`` refuses a file
+whose name is staged with other content): changing them needs a new ``--app-version``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from server.boinc import artifacts
+from server.boinc.project import APP_NAME, BoincProject, BoincProjectError
+from server.boinc.xmlmerge import (
+    XmlDoc,
+    append_child,
+    child_text,
+    remove_child,
+    replace_child,
+    same_element,
+    simple,
+)
+from server.common.spec import UnitSpec
+
+SHIMS = {
+    "bdl_assimilate": "assimilate",
+    "bdl_validate": "validate-init",
+    "bdl_compare": "validate-compare",
+    "bdl_work_generator": "work-generator",
+}
+WORK_GENERATOR_OUTPUT = "bdl_work_generator.log"
+VALIDATOR_OUTPUT = "bdl_validator.log"
+ASSIMILATOR_OUTPUT = "bdl_assimilator_{i}.log"
+DEFAULT_APP_VERSION = "1.0"
+
+
+@dataclass
+class InstallOptions:
+    """Choices of ``boinc-dl boinc install``."""
+
+    redis_url: str | None = None
+    assimilators: int = 2
+    app_version: str = DEFAULT_APP_VERSION
+    wrapper: Path | None = None
+    gpu: bool = True
+    command: list[str] | None = None
+    min_quorum: int | None = None
+    gzip_outputs: bool | None = None
+    run_db_tools: bool = True
+    force_db: bool = False
+
+
+@dataclass
+class InstallReport:
+    """What changed, and what the admin should know."""
+
+    changes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def default_command() -> list[str]:
+    """How shims start boinc-dl: this Python, module ``server.boinc`` (works under cron)."""
+    return [sys.executable, "-m", "server.boinc"]
+
+
+def daemon_specs(n_assimilators: int) -> list[dict[str, str]]:
+    """Our ``<daemon>`` entries: cmd, output, pid_file."""
+    specs = [
+        {"cmd": "bdl_work_generator", "output": WORK_GENERATOR_OUTPUT, "pid_file": "bdl_work_generator.pid"},
+        {"cmd": f"script_validator --app {APP_NAME} --init_script bdl_validate --compare_script bdl_compare",
+         "output": VALIDATOR_OUTPUT, "pid_file": "bdl_validator.pid"},
+    ]
+    for i in range(n_assimilators):
+        specs.append({
+            "cmd": f"script_assimilator --app {APP_NAME} --script bdl_assimilate --mod {n_assimilators} {i}",
+            "output": ASSIMILATOR_OUTPUT.format(i=i), "pid_file": f"bdl_assimilator_{i}.pid",
+        })
+    return specs
+
+
+def is_our_daemon(el: ET.Element) -> bool:
+    """A ``<daemon>`` that boinc-dl manages (by its output name or command)."""
+    out = child_text(el, "output")
+    if re.fullmatch(r"bdl_(work_generator|validator|assimilator_\d+)\.log", out):
+        return True
+    words = child_text(el, "cmd").split()
+    if not words:
+        return False
+    if words[0] == "bdl_work_generator":
+        return True
+    apps = [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--app", "-app")]
+    return words[0] in ("script_validator", "script_assimilator") and apps == [APP_NAME]
+
+
+class Installer:
+    """Runs the install steps against one project (see module docstring)."""
+
+    def __init__(self, project: BoincProject, opts: InstallOptions):
+        self.p = project
+        self.o = opts
+        self.report = InstallReport()
+
+    def change(self, what: str) -> None:
+        self.report.changes.append(what)
+
+    def note(self, what: str) -> None:
+        self.report.notes.append(what)
+
+    def rel(self, path: Path) -> str:
+        try:
+            return str(path.relative_to(self.p.root))
+        except ValueError:
+            return str(path)
+
+    # ---- files ----------------------------------------------------------------------------
+    def write_file(self, path: Path, text: str | bytes, mode: int | None = None) -> bool:
+        """Create or update a file we own; True if written."""
+        data = text.encode() if isinstance(text, str) else text
+        if path.exists() and path.read_bytes() == data:
+            if mode is not None and (path.stat().st_mode & 0o777) != mode:
+                path.chmod(mode)
+                self.change(f"chmod {mode:o} {self.rel(path)}")
+            return False
+        existed = path.exists()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        if mode is not None:
+            tmp.chmod(mode)
+        tmp.replace(path)
+        self.change(f"{'updated' if existed else 'created'} {self.rel(path)}")
+        return True
+
+    # ---- steps ----------------------------------------------------------------------------
+    def settings(self) -> None:
+        path = self.p.settings_file
+        data: dict = {}
+        if path.exists():
+            loaded = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise BoincProjectError(f"{path}: must be a YAML mapping")
+            data = dict(loaded)
+        wanted = {"redis_url": self.o.redis_url, "min_quorum": self.o.min_quorum,
+                  "gzip_outputs": self.o.gzip_outputs}
+        new = dict(data)
+        for k, v in wanted.items():
+            if v is not None:
+                new[k] = v
+        if path.exists() and new == data:
+            return
+        header = ("# boinc-dl settings for this BOINC project (see docs/boinc.md).\n"
+                  "# BDL_REDIS_URL in the environment overrides redis_url.\n")
+        self.write_file(path, header + yaml.safe_dump(new or {"redis_url": None}, sort_keys=False), mode=0o600)
+        self.p.__dict__.pop("settings", None)
+        if not new.get("redis_url"):
+            self.note(f"set redis_url in {path} (or BDL_REDIS_URL) before starting the daemons")
+
+    def templates(self) -> None:
+        t = self.p.templates_dir
+        self.write_file(t / f"{APP_NAME}_in", artifacts.input_template())
+        gz = bool(self.o.gzip_outputs if self.o.gzip_outputs is not None else self.p.settings.gzip_outputs)
+        self.write_file(t / f"{APP_NAME}_out", artifacts.output_template(UnitSpec().max_upload_bytes, gz))
+
+    def shims(self) -> None:
+        cmd = self.o.command or default_command()
+        for name, sub in SHIMS.items():
+            text = artifacts.shim(cmd, self.p.root, sub, pass_args=sub != "work-generator")
+            self.write_file(self.p.bin_dir / name, text, mode=0o755)
+
+    def project_xml(self) -> bool:
+        doc = XmlDoc.load(self.p.project_xml, "boinc", create=True)
+        root = doc.root
+        if not any(child_text(pl, "name") == artifacts.CPU_PLATFORM for pl in root.findall("platform")):
+            append_child(root, simple("platform", [
+                ("name", artifacts.CPU_PLATFORM),
+                ("user_friendly_name", "Linux running on an AMD x86_64 or Intel EM64T CPU")]), 0)
+            doc.changes.append(f"platform {artifacts.CPU_PLATFORM}")
+        if not any(child_text(a, "name") == APP_NAME for a in root.findall("app")):
+            append_child(root, simple("app", [("name", APP_NAME),
+                                              ("user_friendly_name", "boinc-dl deep-learning training")]), 0)
+            doc.changes.append(f"app {APP_NAME}")
+        if doc.save():
+            self.change(f"project.xml: added {', '.join(doc.changes)}")
+            return True
+        return False
+
+    def app_versions(self) -> bool:
+        ver = self.o.app_version
+        if not re.fullmatch(r"\d+(\.\d+)?", ver):
+            raise BoincProjectError(f"--app-version {ver!r}: must be N or N.M (e.g. 1.0)")
+        plats = [artifacts.CPU_PLATFORM]
+        if self.o.gpu:
+            plats.append(f"{artifacts.CPU_PLATFORM}__{artifacts.GPU_PLAN_CLASS}")
+        changed = False
+        for plat in plats:
+            d = self.p.apps_dir / APP_NAME / ver / plat
+            wrapper = self.o.wrapper
+            if wrapper is None and d.is_dir():
+                found = sorted(f for f in d.iterdir() if f.name.startswith("wrapper") and f.is_file())
+                wrapper = found[0] if found else None
+            if wrapper is None:
+                self.note(f"app version {ver} {plat} not installed: pass --wrapper <BOINC wrapper binary "
+                          f"for {artifacts.CPU_PLATFORM}>")
+                continue
+            wrapper = Path(wrapper)
+            if not wrapper.is_file():
+                raise BoincProjectError(f"--wrapper {wrapper}: no such file")
+            launcher = f"bdl_launcher_{ver}.sh"
+            job = f"bdl_job_{ver}.xml"
+            files: dict[str, tuple[bytes, int]] = {
+                wrapper.name: (wrapper.read_bytes(), 0o755),
+                launcher: (artifacts.launcher().encode(), 0o755),
+                job: (artifacts.job_xml().encode(), 0o644),
+                "version.xml": (artifacts.version_xml(wrapper.name, launcher, job).encode(), 0o644),
+            }
+            if d.is_dir():
+                differ = [n for n, (data, _) in files.items()
+                          if not (d / n).is_file() or (d / n).read_bytes() != data]
+                if differ:
+                    raise BoincProjectError(
+                        f"{self.rel(d)} exists with other {', '.join(differ)}: BOINC app version files are "
+                        f"immutable; install a new version with --app-version (current: {ver})")
+                continue
+            for name, (data, mode) in files.items():
+                self.write_file(d / name, data, mode)
+            changed = True
+        return changed
+
+    def plan_class(self) -> None:
+        if not self.o.gpu:
+            return
+        existed = self.p.plan_class_spec.exists()
+        doc = XmlDoc.load(self.p.plan_class_spec, "plan_classes", create=True)
+        want = artifacts.gpu_plan_class()
+        cur = [pc for pc in doc.root.findall("plan_class") if child_text(pc, "name") == artifacts.GPU_PLAN_CLASS]
+        if cur and same_element(cur[0], want):
+            return
+        if cur:
+            replace_child(doc.root, cur[0], want, 0)
+        else:
+            append_child(doc.root, want, 0)
+        doc.changes.append(artifacts.GPU_PLAN_CLASS)
+        doc.save()
+        self.change(f"plan_class_spec.xml: {'updated' if cur else 'added'} plan class {artifacts.GPU_PLAN_CLASS}")
+        if not existed:
+            self.note("plan_class_spec.xml is new: with it the scheduler no longer knows BOINC's built-in "
+                      "plan classes; describe any other app's plan classes there too")
+
+    def daemons(self) -> None:
+        doc = XmlDoc.load(self.p.config_xml, "boinc")
+        root = doc.root
+        daemons = root.find("daemons")
+        if daemons is None:
+            daemons = ET.Element("daemons")
+            append_child(root, daemons, 0)
+            doc.changes.append("added <daemons>")
+        want = daemon_specs(self.o.assimilators)
+        by_output = {d["output"]: d for d in want}
+        seen: set[str] = set()
+        for el in list(daemons.findall("daemon")):
+            if not is_our_daemon(el):
+                continue
+            out = child_text(el, "output")
+            spec = by_output.get(out)
+            if spec is None or out in seen:
+                remove_child(daemons, el)
+                doc.changes.append(f"removed daemon '{child_text(el, 'cmd')}'")
+                continue
+            seen.add(out)
+            if child_text(el, "cmd") != spec["cmd"] or child_text(el, "pid_file") != spec["pid_file"]:
+                new = self._daemon_el(spec)
+                disabled = el.find("disabled")
+                if disabled is not None:
+                    new.append(disabled)
+                replace_child(daemons, el, new, 1)
+                doc.changes.append(f"updated daemon '{spec['cmd']}'")
+        for spec in want:
+            if spec["output"] not in seen:
+                append_child(daemons, self._daemon_el(spec), 1)
+                doc.changes.append(f"added daemon '{spec['cmd']}'")
+        if doc.save():
+            for c in doc.changes:
+                self.change(f"config.xml: {c}")
+
+    @staticmethod
+    def _daemon_el(spec: dict[str, str]) -> ET.Element:
+        return simple("daemon", [("cmd", spec["cmd"]), ("output", spec["output"]), ("pid_file", spec["pid_file"])])
+
+    def admin_page(self) -> None:
+        try:
+            html = resources.files("server.boinc").joinpath("html")
+            pages = [f for f in html.iterdir() if f.name.endswith(".php")] if html.is_dir() else []
+        except (FileNotFoundError, NotADirectoryError):
+            pages = []
+        ops = self.p.root / "html" / "ops"
+        for page in pages:
+            if ops.is_dir():
+                self.write_file(ops / page.name, page.read_bytes(), 0o644)
+
+    def db_tools(self, project_changed: bool, versions_changed: bool) -> None:
+        if not self.o.run_db_tools:
+            if project_changed or versions_changed:
+                self.note("database not updated (--no-db): run bin/xadd and bin/update_versions "
+                          "in the project directory")
+            return
+        if project_changed or self.o.force_db:
+            self._tool(self.p.tool_command("xadd", []), None)
+            self.change("ran bin/xadd")
+        if versions_changed or self.o.force_db:
+            # --noconfirm on current servers; release 1.2 ignores arguments and asks on stdin
+            self._tool(self.p.tool_command("update_versions", ["--noconfirm"]), "y\n" * 50)
+            self.change("ran bin/update_versions")
+
+    def _tool(self, cmd: list[str], stdin: str | None) -> None:
+        try:
+            proc = subprocess.run(cmd, cwd=self.p.root, input=stdin, capture_output=True, text=True, timeout=600)
+        except FileNotFoundError:
+            raise BoincProjectError(f"{cmd[0]} not found: is {self.p.root} a BOINC project?") from None
+        if proc.returncode != 0 or "Error" in proc.stdout:
+            raise BoincProjectError(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
+                                    f"{(proc.stdout + proc.stderr).strip()[-800:]}")
+
+    def run(self) -> InstallReport:
+        self.p.require()
+        if not self.p.bin_dir.is_dir():
+            raise BoincProjectError(f"{self.p.root}: no bin/ directory (not a BOINC project?)")
+        if self.o.assimilators < 1:
+            raise BoincProjectError("--assimilators must be at least 1")
+        self.settings()
+        self.templates()
+        self.shims()
+        project_changed = self.project_xml()
+        versions_changed = self.app_versions()
+        self.plan_class()
+        self.daemons()
+        self.admin_page()
+        self.db_tools(project_changed, versions_changed)
+        return self.report
+
+
+def install(project_dir: str | Path, opts: InstallOptions | None = None) -> InstallReport:
+    """Install boinc-dl into a BOINC project (idempotent); what changed."""
+    return Installer(BoincProject(project_dir), opts or InstallOptions()).run()
+
+
+__all__ = ["InstallOptions", "InstallReport", "install", "daemon_specs", "is_our_daemon"]

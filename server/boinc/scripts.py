@@ -1,0 +1,612 @@
+"""The programs BOINC's ``script_validator`` and ``script_assimilator`` daemons call.
+
+How the daemons call them (``sched/script_assimilator.cpp``, ``sched/script_validator.cpp``,
+``sched/validate_util2.cpp``, ``lib/str_util.cpp``), all through ``system()`` from
+``tmp_<host>`` as ``../bin/<script> args``:
+
+* the script string is split on spaces; on releases 1.6.x ``split()`` keeps the
+  delimiter on every piece, so a multi-token string (``"x wu_name files"``) matches no
+  token and the script gets **no arguments**. A single token (``"x"``) gets the
+  defaults: ``wu_id files`` (assimilator), ``files`` (init script), ``files files2``
+  (compare script). We declare single tokens and read the unit's identity from the
+  result files; other token sets (``files files2 wu_id wu_name result_id runtime
+  batch_id``) are parsed too, for servers where they work.
+* a workunit without canonical result: ``--error <mask> <wu_name> <wu_id> <batch>``
+  (1.6 and later) or ``--error <mask> <wu_id>`` (1.2).
+* assimilator: any non-zero exit makes the daemon exit (the workunit stays
+  ``ASSIMILATE_READY`` and is handed over again when the daemon is restarted), so the
+  script exits 0 for every handled outcome (merged, duplicate, rejected, failed —
+  recorded in Redis) and non-zero only for transient faults (Redis down, upload
+  directory missing).
+* validator: 0 = valid, 3 (``VAL_RESULT_TRANSIENT_ERROR``) = try again later, anything
+  else = invalid (the transitioner then issues another instance). Release 1.2 knows no
+  transient code (any non-zero is invalid), so the validator first waits a while for
+  Redis before giving up.
+* output files are ``upload/<hash>/<result>_r<random>_<i>``; the file deleter removes
+  them right after assimilation, so the assimilator copies what it keeps first.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from server.boinc.project import BoincProject
+from server.common.errors import ResultRejected, StoreUnavailable, UnknownJob, WeightsFormatError
+from server.common.store import PREFIX, JobStore, connect
+from server.common.weights import read_weights
+from server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name
+
+log = logging.getLogger("boinc-dl.scripts")
+
+EXIT_OK = 0
+EXIT_INVALID = 1
+EXIT_CONFIG = 2
+EXIT_TRANSIENT = 3  # VAL_RESULT_TRANSIENT_ERROR (sched/validate_util2.h)
+
+# WU_ERROR_* (db/boinc_db_types.h)
+WU_ERRORS = {
+    1: "couldn't send a result",
+    2: "too many error results",
+    4: "too many success results without consensus",
+    8: "too many total results",
+    16: "cancelled",
+    32: "no canonical result",
+}
+WU_ERROR_CANCELLED = 16
+
+OUT_FILE = re.compile(r"^(?P<result>.+)_r\d+_(?P<index>\d+)$")
+GZIP_MAGIC = b"\x1f\x8b"
+UNRESOLVED_KEY = f"{PREFIX}:boinc:unresolved_errors"
+TOKENS = ("files", "files2", "wu_id", "wu_name", "result_id", "runtime", "batch_id",
+          "result_id2", "runtime2")
+
+
+# ---- argument forms -----------------------------------------------------------------------
+
+@dataclass
+class ScriptCall:
+    """What a BOINC daemon passed to a script, whatever the token set."""
+
+    files: list[str] = field(default_factory=list)
+    files2: list[str] = field(default_factory=list)
+    logical: dict[str, str] = field(default_factory=dict)
+    wu_id: int | None = None
+    wu_name: str | None = None
+    result_id: int | None = None
+    runtime: float | None = None
+    batch_id: int | None = None
+    error_mask: int | None = None
+    extra: list[str] = field(default_factory=list)
+
+
+def _is_int(s: str) -> bool:
+    return bool(re.fullmatch(r"-?\d+", s))
+
+
+def _is_float(s: str) -> bool:
+    return bool(re.fullmatch(r"-?\d+\.\d*(e[-+]?\d+)?", s, re.I))
+
+
+def _is_path(s: str) -> bool:
+    return "/" in s
+
+
+def parse_error_call(argv: Sequence[str]) -> ScriptCall:
+    """``--error <mask> <wu_name> <wu_id> <batch>`` (1.6+) or ``--error <mask> <wu_id>`` (1.2)."""
+    rest = list(argv[1:])
+    if not rest or not _is_int(rest[0]):
+        raise ValueError(f"--error needs an integer error mask, got {rest[:1]}")
+    call = ScriptCall(error_mask=int(rest[0]))
+    args = rest[1:]
+    if len(args) == 1 and _is_int(args[0]):
+        call.wu_id = int(args[0])
+    elif len(args) == 3 and _is_int(args[1]) and _is_int(args[2]):
+        call.wu_name, call.wu_id, call.batch_id = args[0], int(args[1]), int(args[2])
+    elif len(args) >= 1 and not _is_int(args[0]):
+        call.wu_name = args[0]
+        call.extra = args[1:]
+    else:
+        raise ValueError(f"unrecognised --error arguments {args}")
+    return call
+
+
+def parse_declared(argv: Sequence[str], tokens: Sequence[str], n_outputs: int = len(OUTPUT_NAMES)) -> ScriptCall:
+    """Parse ``argv`` given the declared token list (e.g. ``["wu_name", "files"]``).
+
+    ``files`` takes ``n_outputs`` paths (all remaining ones when it is the last
+    token), ``files2`` twice as many (path, logical name pairs).
+    """
+    call = ScriptCall()
+    args = list(argv)
+    i = 0
+    for k, tok in enumerate(tokens):
+        last = k == len(tokens) - 1
+        if tok not in TOKENS:
+            raise ValueError(f"unknown token {tok!r}; known: {', '.join(TOKENS)}")
+        if tok in ("files", "files2"):
+            width = 2 if tok == "files2" else 1
+            n = len(args) - i if last else n_outputs * width
+            chunk = args[i : i + n]
+            i += n
+            if tok == "files":
+                call.files.extend(chunk)
+            else:
+                for p, name in zip(chunk[::2], chunk[1::2], strict=False):
+                    call.files.append(p)
+                    call.logical[p] = name
+            continue
+        if i >= len(args):
+            raise ValueError(f"missing value for token {tok!r}")
+        val = args[i]
+        i += 1
+        try:
+            if tok == "wu_id":
+                call.wu_id = int(val)
+            elif tok == "wu_name":
+                call.wu_name = val
+            elif tok in ("result_id", "result_id2"):
+                call.result_id = call.result_id if tok == "result_id2" else int(val)
+            elif tok in ("runtime", "runtime2"):
+                call.runtime = call.runtime if tok == "runtime2" else float(val)
+            elif tok == "batch_id":
+                call.batch_id = int(val)
+        except ValueError:
+            raise ValueError(f"token {tok!r}: {val!r} is not a number") from None
+    call.extra = args[i:]
+    return call
+
+
+def parse_guess(argv: Sequence[str]) -> ScriptCall:
+    """Parse ``argv`` without knowing the declared tokens.
+
+    Paths contain ``/`` (BOINC passes absolute upload paths); a path followed by one
+    of our logical output names is a ``files2`` pair; a decimal number is the runtime;
+    a bare word is the workunit name; integers are, in order, wu_id, result_id and
+    batch_id (only the single-token default ``wu_id files`` is unambiguous; the unit's
+    identity is read from the files anyway).
+    """
+    call = ScriptCall()
+    ints: list[int] = []
+    i = 0
+    args = list(argv)
+    while i < len(args):
+        a = args[i]
+        if _is_path(a):
+            call.files.append(a)
+            if i + 1 < len(args) and args[i + 1] in OUTPUT_NAMES:
+                call.logical[a] = args[i + 1]
+                i += 1
+        elif _is_int(a):
+            ints.append(int(a))
+        elif _is_float(a):
+            call.runtime = float(a)
+        elif call.wu_name is None:
+            call.wu_name = a
+        else:
+            call.extra.append(a)
+        i += 1
+    for name, v in zip(("wu_id", "result_id", "batch_id"), ints, strict=False):
+        setattr(call, name, v)
+    return call
+
+
+def parse_call(argv: Sequence[str], tokens: Sequence[str] | None = None) -> ScriptCall:
+    """Any argument form of the assimilator/validator scripts (see module docstring)."""
+    if argv and argv[0] == "--error":
+        return parse_error_call(argv)
+    if tokens:
+        return parse_declared(argv, tokens)
+    return parse_guess(argv)
+
+
+def result_name_of(path: str | Path) -> str:
+    """The result name from an output file name (``<result>_r<random>_<i>``), else ''."""
+    m = OUT_FILE.match(Path(path).name)
+    return m.group("result") if m else ""
+
+
+def wu_name_of_result(result: str) -> str:
+    """The workunit name from a result name (``<wu>_<seq>``), else ''."""
+    wu, sep, seq = result.rpartition("_")
+    return wu if sep and seq.isdigit() else ""
+
+
+def split_results(paths: Sequence[str]) -> list[list[str]]:
+    """Group output files by result (order of appearance); halves if names are foreign."""
+    groups: dict[str, list[str]] = {}
+    for p in paths:
+        name = result_name_of(p)
+        if not name:
+            half = len(paths) // 2
+            return [list(paths[:half]), list(paths[half:])]
+        groups.setdefault(name, []).append(p)
+    return list(groups.values())
+
+
+def describe_mask(mask: int) -> str:
+    """Human-readable reasons of a workunit error mask."""
+    parts = [text for bit, text in WU_ERRORS.items() if mask & bit]
+    return f"BOINC gave up on the workunit: {', '.join(parts) or 'unknown reason'} (error mask {mask})"
+
+
+# ---- files --------------------------------------------------------------------------------
+
+class TransientFault(Exception):
+    """Retry later (Redis down, upload directory missing)."""
+
+
+def check_files(paths: Sequence[str]) -> list[str]:
+    """Missing files (raises :class:`TransientFault` when their directory is missing:
+    BOINC's validator treats a missing directory as a transient NFS problem)."""
+    missing = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            if not p.parent.is_dir():
+                raise TransientFault(f"directory {p.parent} of result file {p.name} is missing")
+            missing.append(str(p))
+    return missing
+
+
+def copy_result(paths: Sequence[str], dest: Path) -> list[Path]:
+    """Copy result files into ``dest`` (gunzipping ``<gzip_when_done/>`` uploads)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    out = []
+    for p in map(Path, paths):
+        target = dest / p.name
+        with p.open("rb") as f:
+            gz = f.read(2) == GZIP_MAGIC
+        try:
+            if gz:
+                with gzip.open(p, "rb") as src, target.open("wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            else:
+                shutil.copyfile(p, target)
+        except (OSError, EOFError) as e:
+            raise ResultRejected(f"result file {p.name} cannot be read: {e}") from None
+        out.append(target)
+    return out
+
+
+def _store_for(project: BoincProject, job: str, wait_s: float = 0.0) -> JobStore:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return JobStore(connect(project.redis_url(), timeout=5.0), job)
+        except StoreUnavailable:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _identity(paths: Sequence[str | Path], call: ScriptCall, original: Sequence[str]) -> tuple[str, str]:
+    """(job, unit) from the files, else from the workunit name (argument or file name)."""
+    from server.validator.checks import peek_identity
+
+    try:
+        return peek_identity(paths)
+    except ResultRejected:
+        pass
+    wu = call.wu_name or (wu_name_of_result(result_name_of(original[0])) if original else "")
+    parsed = parse_unit_name(wu) if wu else None
+    if parsed:
+        return parsed["job"], wu
+    return "", ""
+
+
+# ---- assimilator --------------------------------------------------------------------------
+
+def assimilate(project: BoincProject, argv: Sequence[str], tokens: Sequence[str] | None = None) -> int:
+    """``script_assimilator``'s script: merge a canonical result, or record a failure."""
+    try:
+        call = parse_call(argv, tokens)
+    except ValueError as e:
+        log.error("cannot parse the arguments %s: %s", list(argv), e)
+        return EXIT_CONFIG
+    try:
+        if call.error_mask is not None:
+            return _assimilate_error(project, call)
+        if not call.files:
+            log.error("called without result files (argv %s). On 1.6.x servers declare the daemon "
+                      "with a single token: --script bdl_assimilate", list(argv))
+            return EXIT_CONFIG
+        return _assimilate_result(project, call)
+    except (StoreUnavailable, TransientFault) as e:
+        log.error("transient fault, BOINC will hand this workunit over again: %s", e)
+        return EXIT_TRANSIENT
+
+
+def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
+    from server.assimilator.core import assimilate_error, assimilate_files
+    from server.common.spec import spec_from_json
+
+    result = result_name_of(call.files[0])
+    missing = check_files(call.files)
+    spool = project.boincdl_dir / "spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{result or 'result'}.", dir=spool))
+    try:
+        copies = [] if missing else copy_result(call.files, work)
+        job, unit = _identity(copies, call, call.files)
+        if not job:
+            log.error("result %s names no boinc-dl job or unit; nothing recorded", result or call.files)
+            return EXIT_OK
+        store = _store_for(project, job)
+        if not store.exists():
+            log.warning("result %s: job %r is not in Redis (deleted?); ignored", result, job)
+            return EXIT_OK
+        if missing:
+            reason = f"result files missing on the server: {', '.join(Path(m).name for m in missing)}"
+            store.record_rejection(unit, result, reason)
+            out = assimilate_error(store, unit, reason)
+            log.warning("%s: %s -> %s", unit, reason, out.status)
+            return EXIT_OK
+        spec = spec_from_json(store.spec_json())
+        try:
+            out = assimilate_files(store, copies, spec, result)
+        except (StoreUnavailable, UnknownJob):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must not stop every assimilation
+            reason = f"internal error while assimilating: {type(e).__name__}: {e}"
+            log.error("%s: %s\n%s", unit, reason, traceback.format_exc())
+            _keep(project, store, unit, copies, weights=True)
+            store.record_rejection(unit, result, reason)
+            assimilate_error(store, unit, reason)
+            return EXIT_OK
+        if out.status == "rejected" and unit and store.unit_info(unit) and not store.is_assimilated(unit):
+            # BOINC considers the workunit done: give up on it so the epoch can close.
+            assimilate_error(store, unit, f"rejected at assimilation: {out.reason}")
+        _keep(project, store, unit, copies, weights=project.settings.keep_weights or out.status == "rejected")
+        log.info("%s (%s): %s%s", unit, result, out.status, f" ({out.reason})" if out.reason else
+                 f", weights version {out.version}")
+        return EXIT_OK
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _keep(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Path], weights: bool) -> None:
+    """Keep the metrics (and, if asked, the weights) under the job's results directory."""
+    if not unit or not copies:
+        return
+    job_dir = store.meta().get("job_dir") or str(project.job_dir(store.job))
+    dest = Path(job_dir) / "results" / unit
+    dest.mkdir(parents=True, exist_ok=True)
+    from server.validator.checks import identify_files
+
+    try:
+        files = identify_files(copies)
+    except ResultRejected:
+        return
+    if files.metrics is not None:
+        shutil.copyfile(files.metrics, dest / "metrics.json")
+    if weights:
+        shutil.copyfile(files.weights, dest / "weights_out.h5")
+
+
+def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
+    from server.assimilator.core import assimilate_error
+
+    mask = int(call.error_mask or 0)
+    wu = call.wu_name
+    if not wu and call.wu_id is not None:
+        wu = lookup_wu_name(project, call.wu_id)
+    if not wu:
+        # Release 1.2 passes only the id; without database access it cannot be mapped.
+        r = connect(project.redis_url(), timeout=5.0)
+        r.hset(UNRESOLVED_KEY, str(call.wu_id), json.dumps({"mask": mask, "t": time.time()}))
+        log.error("workunit #%s failed (mask %d) but its name could not be looked up; recorded in %s",
+                  call.wu_id, mask, UNRESOLVED_KEY)
+        return EXIT_OK
+    parsed = parse_unit_name(wu)
+    if not parsed:
+        log.warning("workunit %s failed (mask %d): not a boinc-dl unit name; ignored", wu, mask)
+        return EXIT_OK
+    store = _store_for(project, parsed["job"])
+    if not store.exists():
+        log.warning("workunit %s failed: job %r is not in Redis; ignored", wu, parsed["job"])
+        return EXIT_OK
+    reason = describe_mask(mask)
+    if mask & WU_ERROR_CANCELLED and store.unit_states().get(wu) in ("cancelled", "assimilated"):
+        log.info("%s: cancelled by boinc-dl; nothing to record", wu)
+        return EXIT_OK
+    out = assimilate_error(store, wu, reason)
+    log.info("%s: %s -> %s", wu, reason, out.status)
+    return EXIT_OK
+
+
+def lookup_wu_name(project: BoincProject, wu_id: int) -> str | None:
+    """A workunit's name from BOINC's database (``mysql`` client, credentials from
+    config.xml); None when that is not possible."""
+    cfg = project.config
+    db = cfg.get("db_name")
+    mysql = shutil.which("mysql")
+    if not db or not mysql:
+        return None
+    with tempfile.NamedTemporaryFile("w", suffix=".cnf", delete=False) as f:
+        f.write("[client]\n")
+        for key, opt in (("db_host", "host"), ("db_user", "user"), ("db_passwd", "password")):
+            if cfg.get(key):
+                f.write(f"{opt}={cfg.get(key)}\n")
+        defaults = f.name
+    try:
+        os.chmod(defaults, 0o600)
+        proc = subprocess.run(
+            [mysql, f"--defaults-extra-file={defaults}", "-N", "-B", "-e",
+             f"select name from workunit where id={int(wu_id)}", db],
+            capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("mysql lookup of workunit #%d failed: %s", wu_id, e)
+        return None
+    finally:
+        os.unlink(defaults)
+    name = proc.stdout.strip().splitlines()[0].strip() if proc.returncode == 0 and proc.stdout.strip() else ""
+    if not name:
+        log.warning("mysql lookup of workunit #%d: %s", wu_id, (proc.stderr or "not found").strip()[:300])
+    return name or None
+
+
+# ---- validator ----------------------------------------------------------------------------
+
+def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[str] | None = None) -> int:
+    """``script_validator --init_script``: is this result well-formed and for a known unit?"""
+    try:
+        call = parse_call(argv, tokens)
+    except ValueError as e:
+        log.error("cannot parse the arguments %s: %s", list(argv), e)
+        return EXIT_TRANSIENT
+    if not call.files:
+        log.error("called without result files (argv %s); on 1.6.x servers declare "
+                  "--init_script with a single token", list(argv))
+        return EXIT_TRANSIENT
+    tmp = Path(tempfile.mkdtemp(prefix="bdl-validate."))
+    try:
+        return _validate_one(project, call.files, tmp, call)
+    except (StoreUnavailable, TransientFault) as e:
+        log.error("transient fault, BOINC will validate again later: %s", e)
+        return EXIT_TRANSIENT
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: ScriptCall) -> int:
+    from server.validator.checks import validate_result
+
+    result = result_name_of(paths[0])
+    missing = check_files(paths)
+    if missing:
+        log.warning("result %s invalid: files missing: %s", result, missing)
+        return EXIT_INVALID
+    try:
+        copies = copy_result(paths, tmp)
+    except ResultRejected as e:
+        log.warning("result %s invalid: %s", result, e.reason)
+        return EXIT_INVALID
+    job, unit = _identity(copies, call, paths)
+    if not job:
+        log.warning("result %s invalid: it names no boinc-dl job/unit", result)
+        return EXIT_INVALID
+    store = _store_for(project, job, project.settings.validator_redis_wait_s)
+    spec_json = None
+    try:
+        spec_json = store.spec_json()
+    except UnknownJob:
+        log.warning("result %s invalid: job %r is not in Redis", result, job)
+        return EXIT_INVALID
+    from server.common.spec import spec_from_json
+
+    spec = spec_from_json(spec_json)
+    try:
+        res = validate_result(copies, store, spec.units.max_upload_bytes)
+        bound = spec.validation.max_update_norm
+        if bound is not None:
+            ws, _ = store.get_weights(res.weights.model)
+            if ws.size == res.weights.flat.size:
+                dist = float(np.linalg.norm(res.weights.flat - ws))
+                if not np.isfinite(dist) or dist > bound:
+                    raise ResultRejected(f"update distance {dist:.4g} from the server weights exceeds "
+                                         f"the bound {bound:.4g}")
+    except ResultRejected as e:
+        store.record_rejection(unit, result, e.reason)
+        log.warning("result %s of %s invalid: %s", result, unit, e.reason)
+        return EXIT_INVALID
+    log.info("result %s of %s valid", result, unit)
+    return EXIT_OK
+
+
+def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequence[str] | None = None) -> int:
+    """``script_validator --compare_script``: do two replicas of a unit agree?
+
+    They match when they are for the same unit and their weight updates differ by at
+    most ``compare_tolerance`` relative to the larger update (``||W1-W2|| /
+    max(||W1-W0||, ||W2-W0||)``, W0 the unit's input weights; relative to the weights
+    themselves when W0 is gone). A host that skips training (W = W0) or returns
+    garbage does not match an honest one.
+    """
+    try:
+        call = parse_call(argv, tokens)
+    except ValueError as e:
+        log.error("cannot parse the arguments %s: %s", list(argv), e)
+        return EXIT_TRANSIENT
+    paths = call.files + call.files2
+    groups = split_results(paths)
+    if len(groups) != 2 or not all(groups):
+        log.error("compare needs the files of two results, got %s", list(argv))
+        return EXIT_TRANSIENT
+    tmp = Path(tempfile.mkdtemp(prefix="bdl-compare."))
+    try:
+        return _compare(project, groups, tmp, call)
+    except (StoreUnavailable, TransientFault) as e:
+        log.error("transient fault, BOINC will compare again later: %s", e)
+        return EXIT_TRANSIENT
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: ScriptCall) -> int:
+    from server.validator.checks import identify_files
+
+    flats = []
+    ids = []
+    for k, g in enumerate(groups):
+        if check_files(g):
+            log.warning("compare: files of result %d missing", k + 1)
+            return EXIT_INVALID
+        try:
+            copies = copy_result(g, tmp / str(k))
+            w = identify_files(copies).weights
+            wf = read_weights(w)
+        except (ResultRejected, WeightsFormatError) as e:
+            log.warning("compare: result %d unreadable: %s", k + 1, e)
+            return EXIT_INVALID
+        ids.append((wf.job, wf.unit))
+        flats.append(wf.flat)
+    if ids[0] != ids[1] or flats[0].shape != flats[1].shape:
+        log.info("compare: results are for %s and %s: no match", ids[0], ids[1])
+        return EXIT_INVALID
+    w1, w2 = flats
+    if not (np.isfinite(w1).all() and np.isfinite(w2).all()):
+        return EXIT_INVALID
+    ref = _input_weights(project, *ids[0], size=w1.size)
+    diff = float(np.linalg.norm(w1 - w2))
+    if ref is not None:
+        scale = max(float(np.linalg.norm(w1 - ref)), float(np.linalg.norm(w2 - ref)))
+    else:
+        scale = max(float(np.linalg.norm(w1)), float(np.linalg.norm(w2)))
+    rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    tol = project.settings.compare_tolerance
+    log.info("compare %s: relative difference %.4g (tolerance %.4g)", ids[0][1], rel, tol)
+    return EXIT_OK if rel <= tol else EXIT_INVALID
+
+
+def _input_weights(project: BoincProject, job: str, unit: str, size: int) -> np.ndarray | None:
+    store = _store_for(project, job, project.settings.validator_redis_wait_s)
+    info = store.unit_info(unit) or {}
+    path = (info.get("files") or {}).get(WEIGHTS_IN)
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        wf = read_weights(path)
+    except WeightsFormatError:
+        return None
+    return wf.flat if wf.flat.size == size else None
+
+
+def setup_logging(name: str) -> None:
+    """Log lines on stderr (the daemon's log file), prefixed by the script's name."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name}: %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+

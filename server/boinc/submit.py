@@ -1,0 +1,58 @@
+"""Submit and cancel jobs on a BOINC project.
+
+``submit_job`` prepares the job's shared files into ``<project>/boinc-dl/jobs/<name>``
+and records it in Redis, marked for this project's BOINC backend; the work generator
+daemon picks it up on its next pass. ``cancel_job`` stops a job and cancels its
+workunits in BOINC.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from server.backends.boinc import BoincJobSystem
+from server.boinc.daemon import FINISHED, finalize_job
+from server.boinc.project import BoincProject
+from server.common.errors import BoincDLError
+from server.common.spec import JobSpec
+from server.common.store import JobStore, connect
+
+log = logging.getLogger(__name__)
+
+
+def submit_job(spec: JobSpec, project_dir: str | Path, resume: bool = False,
+               search_path: Path | None = None) -> Path:
+    """Prepare ``spec`` for the BOINC project at ``project_dir``; returns the job directory."""
+    from server.work_generator.prepare import prepare_job
+
+    project = BoincProject(project_dir).require()
+    if not (project.root / "templates" / "boincdl_in").is_file():
+        raise BoincDLError(f"{project.root} is not set up for boinc-dl: run 'boinc-dl boinc install {project.root}'")
+    if spec.units.max_total_results < project.settings.min_quorum:
+        raise BoincDLError(f"job {spec.name}: units.max_total_results ({spec.units.max_total_results}) is below "
+                           f"the project's min_quorum ({project.settings.min_quorum})")
+    r = connect(project.redis_url())
+    store = JobStore(r, spec.name)
+    meta = store.meta() if store.exists() else {}
+    if meta and meta.get("backend") == "boinc" and meta.get("boinc_project") not in (None, str(project.root)):
+        raise BoincDLError(f"job {spec.name!r} belongs to another BOINC project ({meta.get('boinc_project')})")
+    job_dir = project.job_dir(spec.name)
+    job_dir.mkdir(parents=True, exist_ok=True)
+    prepare_job(spec, store, job_dir, resume=resume, search_path=search_path)
+    store.set_meta(backend="boinc", boinc_project=str(project.root), boinc_submitted_at=time.time())
+    log.info("job %s submitted to %s (job files in %s)", spec.name, project.root, job_dir)
+    return job_dir
+
+
+def cancel_job(project_dir: str | Path, job: str) -> int:
+    """Stop ``job`` and cancel its workunits in BOINC; returns how many were cancelled."""
+    project = BoincProject(project_dir).require()
+    r = connect(project.redis_url())
+    store = JobStore(r, job).require()
+    meta = store.meta()
+    if meta.get("status") not in FINISHED:
+        store.set_meta(status="cancelled", stopping=1, finished_at=time.time(), reason="cancelled by the user")
+    backend = BoincJobSystem(project, r)
+    return finalize_job(store, backend)
