@@ -1,0 +1,111 @@
+"""The work generator daemon behaves like BOINC's daemons: it exits on the project's
+stop_daemons file and on SIGHUP/SIGTERM, and logs; submit/cancel against a project."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from server.backends.boinc import created_key
+from server.boinc.daemon import WorkGeneratorDaemon, finalize_job, job_is_ours
+from server.boinc.install import InstallOptions, install
+from server.boinc.submit import cancel_job
+from server.common.errors import BoincDLError
+from tests.boinc.conftest import REPO, calls, fake_db, script_env
+
+
+@pytest.fixture
+def installed(project, redis_server):
+    install(project.root, InstallOptions(redis_url=redis_server.url, gpu=False,
+                                         command=[sys.executable, "-m", "server.boinc"]))
+    return project
+
+
+def start_daemon(project) -> subprocess.Popen[str]:
+    p = subprocess.Popen([str(project.root / "bin" / "bdl_work_generator")], cwd=project.tmp_dir,
+                         env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert p.poll() is None, p.stdout.read()
+        time.sleep(0.3)
+        if (project.root / "boinc-dl").exists() or time.monotonic() > deadline - 55:
+            break
+    return p
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_exits_on_signal(installed, sig) -> None:
+    p = start_daemon(installed)
+    time.sleep(2.0)
+    assert p.poll() is None
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0, out
+    assert "stopping" in out and "work generator stopped" in out
+
+
+def test_exits_on_stop_daemons_file(installed) -> None:
+    p = start_daemon(installed)
+    time.sleep(2.0)
+    (installed.root / "stop_daemons").write_text("<stop/>\n")  # what bin/stop writes
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0, out
+    assert "stop_daemons" in out
+
+
+def test_refuses_to_start_without_redis_url(project) -> None:
+    install(project.root, InstallOptions(gpu=False, run_db_tools=False,
+                                         command=[sys.executable, "-m", "server.boinc"]))
+    p = subprocess.run([sys.executable, "-m", "server.boinc", "work-generator", "--project", str(project.root),
+                        "--once"], cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "no Redis URL" in p.stderr
+
+
+def test_finished_job_is_swept_and_cancel(installed, tiny_boinc_job) -> None:
+    store, spec = tiny_boinc_job
+    assert job_is_ours(store.meta(), installed)
+    # two units "created in BOINC" (fake database + ledger), then the job is cancelled
+    units = sorted(store.unit_states())[:2]
+    from tests.boinc.conftest import seed_db_app  # noqa: F401 - the app exists after install
+
+    db = fake_db(installed.root)
+    for i, u in enumerate(units):
+        db["workunits"][u] = {"id": i + 1, "name": u, "error_mask": 0}
+    import json
+
+    (installed.root / "fake_boinc_db.json").write_text(json.dumps(db))
+    store.r.sadd(created_key(store), *units)
+    for u in units:
+        store.transition_unit(u, "created", "in_progress")
+    n = cancel_job(installed.root, spec.name)
+    assert n == 4  # 2 in BOINC + 2 never created
+    assert sorted(c["argv"][1] for c in calls(installed.root, "cancel_jobs")) == units
+    assert all(fake_db(installed.root)["workunits"][u]["error_mask"] & 16 for u in units)
+    meta = store.meta()
+    assert meta["status"] == "cancelled" and meta["boinc_finalized"] == "1"
+    assert set(store.unit_states().values()) == {"cancelled"}
+    # the daemon sweeps a finished job again (late units), without error
+    d = WorkGeneratorDaemon(installed, poll_s=0.1)
+    assert d.one_pass() == 0
+    from server.backends.boinc import BoincJobSystem
+
+    assert finalize_job(store, BoincJobSystem(installed, store.r)) == 0
+
+
+def test_cancel_unknown_job(installed) -> None:
+    with pytest.raises(BoincDLError, match="no job named"):
+        cancel_job(installed.root, "nope")
+
+
+def test_other_projects_jobs_are_left_alone(installed, tiny_boinc_job) -> None:
+    store, spec = tiny_boinc_job
+    store.set_meta(boinc_project="/elsewhere")
+    d = WorkGeneratorDaemon(installed, poll_s=0.1)
+    assert d.one_pass() == 0
+    assert calls(installed.root, "create_work") == []
+    assert np.isfinite(1.0)

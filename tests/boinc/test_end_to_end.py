@@ -1,0 +1,182 @@
+"""A whole job through the fake BOINC project, with real files, real Redis, real training.
+
+The test plays BOINC: the work generator daemon creates workunits with the (fake)
+``bin/create_work``; for each new workunit the test builds a slot directory with
+BOINC link files to the staged inputs and to the output locations, runs the app
+version's launcher there (which runs ``python -m client_app``), "uploads" the outputs
+into the upload hierarchy under BOINC's names, then calls the validator and the
+assimilator shims as script_validator/script_assimilator would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from server.boinc import artifacts
+from server.boinc.daemon import WorkGeneratorDaemon
+from server.boinc.install import InstallOptions, install
+from server.boinc.project import dir_hier_path
+from server.boinc.submit import submit_job
+from server.common.spec import parse_spec
+from server.common.store import JobStore, connect
+from tests.boinc.conftest import REPO, calls, fake_db, run_script, script_env
+
+
+def play_boinc(project, wu: dict, seq: int, env: dict[str, str], launcher: Path) -> list[str]:
+    """Run one workunit like a BOINC client would; returns the uploaded output paths."""
+    result = f"{wu['name']}_{seq}"
+    slot = project.root.parent / "client" / "slots" / result
+    proj_dir = project.root.parent / "client" / "projects" / "boinc.example.org_test"
+    slot.mkdir(parents=True)
+    proj_dir.mkdir(parents=True, exist_ok=True)
+    # inputs: the client downloads each file into its project dir; link files in the slot
+    for logical, phys in zip(artifacts.INPUT_ORDER, wu["infiles"], strict=True):
+        src = dir_hier_path(phys, project.download_dir, project.fanout)
+        if not (proj_dir / phys).exists():
+            shutil.copyfile(src, proj_dir / phys)
+        rel = os.path.relpath(proj_dir / phys, slot)
+        (slot / logical).write_text(f"<soft_link>{rel}</soft_link>\n")
+    # outputs: link files to <result>_r<rand>_<i> in the client's project dir
+    out_names = [f"{result}_r77_{i}" for i in range(2)]
+    for logical, phys in zip(artifacts.OUTPUT_ORDER, out_names, strict=True):
+        (slot / logical).write_text(f"<soft_link>{os.path.relpath(proj_dir / phys, slot)}</soft_link>\n")
+    p = subprocess.run(["/bin/sh", str(launcher)], cwd=slot, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    uploaded = []
+    for phys in out_names:
+        dest = dir_hier_path(phys, project.upload_dir, project.fanout)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(proj_dir / phys, dest)
+        uploaded.append(str(dest))
+    shutil.rmtree(slot)
+    return uploaded
+
+
+@pytest.mark.slow
+def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
+    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
+    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
+    rep = install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper, assimilators=2,
+                                               command=[sys.executable, "-m", "server.boinc"]))
+    assert not [n for n in rep.notes if "redis_url" in n]
+    spec = parse_spec({
+        "name": "digits-boinc", "model": "models:mlp",
+        "model_args": {"input_dim": 64, "hidden": 16, "n_classes": 10},
+        "dataset": {"name": "digits"},
+        "training": {"epochs": 2, "batch_size": 32, "local_epochs": 1, "learning_rate": 0.01},
+        "vcasgd": {"n_subsets": 4, "alpha": "e/(e+1)", "window": 3},
+        "units": {"timeout_s": 120, "max_error_results": 2, "max_total_results": 4, "checkpoint_every_s": 2},
+        "seed": 3,
+    })
+    job_dir = submit_job(spec, project.root, search_path=REPO / "examples")
+    assert job_dir == project.job_dir(spec.name)
+    store = JobStore(connect(redis_server.url), spec.name)
+    env = script_env()
+    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    launcher = project.root / "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    done: set[str] = set()
+    deadline = time.monotonic() + 1200
+    while store.meta().get("status") == "running":
+        assert time.monotonic() < deadline, "job did not finish"
+        daemon.one_pass()
+        new = [w for n, w in sorted(fake_db(project.root)["workunits"].items(), key=lambda x: x[1]["id"])
+               if n not in done]
+        if not new and store.meta().get("status") == "running":
+            pytest.fail(f"no workunit to run but the job is still running: {store.meta()}")
+        for wu in new:
+            done.add(wu["name"])
+            if wu["error_mask"]:
+                continue
+            paths = play_boinc(project, wu, 0, client_env, launcher)
+            v = run_script(project.root, f"../bin/bdl_validate {' '.join(paths)}", env)
+            assert v.returncode == 0, v.stderr
+            a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
+            assert a.returncode == 0, a.stderr
+            for p in paths:  # BOINC's file deleter, right after assimilation
+                Path(p).unlink()
+    meta = store.meta()
+    assert meta["status"] == "done", meta
+    epochs = store.epochs()
+    assert sorted(epochs) == [1, 2]
+    assert all(e["units_ok"] == 4 for e in epochs.values())
+    assert epochs[2]["val_acc"] > 0.5
+    assert store.version("0") == 8
+    # every create_work call passed the job's deadline and retry limits
+    for c in calls(project.root, "create_work"):
+        argv = c["argv"]
+        opts = dict(zip(argv[0::2], argv[1::2], strict=False))
+        assert (opts["--delay_bound"], opts["--max_error_results"], opts["--max_total_results"]) == ("120", "2", "4")
+    wus = fake_db(project.root)["workunits"]
+    assert len(wus) == 8
+    # shared files staged once and reused: one model, one validation split, 4 subsets
+    infiles = [w["infiles"] for w in wus.values()]
+    assert len({i[0] for i in infiles}) == 1 and len({i[1] for i in infiles}) == 1
+    assert len({i[2] for i in infiles}) == 4
+    # the finished job left the download hierarchy clean, kept its per-unit metrics
+    assert meta["boinc_finalized"] == "1"
+    assert not any(dir_hier_path(n, project.download_dir, project.fanout).exists()
+                   for i in infiles for n in i)
+    kept = sorted((job_dir / "results").iterdir())
+    assert len(kept) == 8 and all(json.loads((k / "metrics.json").read_text())["unit"] == k.name for k in kept)
+
+
+@pytest.mark.slow
+def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
+    """MOP on BOINC (pull mode): at most one unit per model exists at a time, every model
+    visits every partition once per epoch, partitions are shared sticky inputs."""
+    from server.common.workunit import parse_unit_name
+
+    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
+    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
+    install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper, assimilators=1,
+                                         command=[sys.executable, "-m", "server.boinc"]))
+    spec = parse_spec({
+        "name": "digits-boinc-mop", "mode": "mop", "model": "models:mlp",
+        "model_args": {"input_dim": 64, "n_classes": 10},
+        "dataset": {"name": "digits", "limit": 600},
+        "training": {"epochs": 2, "batch_size": 32, "learning_rate": 0.01},
+        "mop": {"partitions": 2, "param_grid": {"hidden": [8, 16]}},
+        "units": {"timeout_s": 120, "max_error_results": 2, "max_total_results": 4, "checkpoint_every_s": 2},
+        "seed": 3,
+    })
+    submit_job(spec, project.root, search_path=REPO / "examples")
+    store = JobStore(connect(redis_server.url), spec.name)
+    env = script_env()
+    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    launcher = project.root / "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    done: set[str] = set()
+    visits: dict[tuple[str, int], list[int]] = {}
+    deadline = time.monotonic() + 1200
+    while store.meta().get("status") == "running":
+        assert time.monotonic() < deadline, "job did not finish"
+        daemon.one_pass()
+        new = [w for n, w in sorted(fake_db(project.root)["workunits"].items(), key=lambda x: x[1]["id"])
+               if n not in done]
+        if not new and store.meta().get("status") == "running":
+            pytest.fail(f"no workunit to run but the job is still running: {store.meta()}")
+        models = [parse_unit_name(w["name"])["model"] for w in new]
+        assert len(models) == len(set(models)), f"two units of one model in flight: {models}"
+        for wu in new:
+            done.add(wu["name"])
+            info = parse_unit_name(wu["name"])
+            visits.setdefault((info["model"], info["epoch"]), []).append(info["shard"])
+            paths = play_boinc(project, wu, 0, client_env, launcher)
+            a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
+            assert a.returncode == 0, a.stderr
+    assert store.meta()["status"] == "done", store.meta()
+    assert len(visits) == 4 and all(sorted(v) == [0, 1] for v in visits.values())
+    wus = fake_db(project.root)["workunits"]
+    assert len(wus) == 8
+    # the partition (data) file of a unit is one of 2 shared files, staged once each
+    assert len({w["infiles"][2] for w in wus.values()}) == 2

@@ -1,0 +1,66 @@
+"""Shared fixtures: a private Redis per test (own data dir, own socket), tiny jobs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("BDL_THREADS", "1")
+
+from server.common.redis_server import EmbeddedRedis  # noqa: E402
+from server.common.spec import parse_spec  # noqa: E402
+from server.common.store import JobStore, connect  # noqa: E402
+from server.common.weights import Fingerprint, fingerprint_of  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A real redis-server on a Unix socket in the test's tmp dir (killed at the end)."""
+    srv = EmbeddedRedis(tmp_path / "redis").start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def redis_client(redis_server: EmbeddedRedis):
+    return connect(redis_server.url)
+
+
+def tiny_fingerprint() -> Fingerprint:
+    return fingerprint_of(["dense/kernel", "dense/bias"], [np.zeros((4, 3)), np.zeros(3)])
+
+
+def tiny_spec(name: str = "tiny", **over) -> object:
+    data = {
+        "name": name,
+        "model": "models:mlp",
+        "dataset": {"name": "digits"},
+        "training": {"epochs": 2},
+        "vcasgd": {"n_subsets": 4, "alpha": 0.5},
+    }
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(data.get(k), dict):
+            data[k] = {**data[k], **v}
+        else:
+            data[k] = v
+    return parse_spec(data)
+
+
+@pytest.fixture
+def tiny_job(redis_client):
+    """A job in Redis with a 15-parameter model at version 0 (zeros) and units u0..u7."""
+    spec = tiny_spec()
+    fp = tiny_fingerprint()
+    store = JobStore(redis_client, spec.name)
+    store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
+    store.init_weights("0", np.zeros(fp.n_params, np.float32))
+    for i in range(8):
+        store.register_unit(f"u{i}", {"epoch": 1, "shard": i % 4, "model": "0"}, 1)
+    return store, spec, fp

@@ -1,0 +1,349 @@
+"""The BOINC admin page (server/boinc/html/boincdl.php), served for real.
+
+PHP's built-in web server (Debian's php-cli) serves the page against a real Redis
+started by the test and filled through JobStore; the HTML is fetched over HTTP and
+checked, then headless Chromium renders it to a PNG screenshot. Skipped, with the
+reason, where php or chromium is not installed (.ci/deps.sh installs both).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from server.common.redis_server import EmbeddedRedis
+from server.common.store import JobStore
+from server.common.weights import fingerprint_of
+from server.common.workunit import unit_name
+
+ROOT = Path(__file__).resolve().parents[1]
+HTML = ROOT / "server" / "boinc" / "html"
+PHP = shutil.which("php")
+CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+# Set BDL_SCREENSHOT_DIR to keep the screenshot (CI artifacts); else it goes to tmp_path.
+SCREENSHOT_DIR = os.environ.get("BDL_SCREENSHOT_DIR")
+
+pytestmark = pytest.mark.skipif(PHP is None, reason="php-cli is not installed (apt-get install php-cli; see .ci/deps.sh)")
+
+EVIL_JOB = '<script>alert("job")</script>&x'
+EVIL_REASON = "<img src=x onerror=alert(1)> weights of the wrong shape & NaN"
+PASSWORD = "adm'n pw/with:odd#chars"
+
+
+# ---- helpers -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Tables(HTMLParser):
+    """Rows (lists of cell texts) of every table with an id, plus all text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables: dict[str, list[list[str]]] = {}
+        self.text: list[str] = []
+        self._stack: list[str | None] = []
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "table":
+            tid = dict(attrs).get("id")
+            self._stack.append(tid)
+            if tid:
+                self.tables[tid] = []
+        elif tag == "tr" and self._stack and self._stack[-1]:
+            self.tables[self._stack[-1]].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "table" and self._stack:
+            self._stack.pop()
+        elif tag in ("td", "th") and self._cell is not None:
+            if self._stack and self._stack[-1]:
+                self.tables[self._stack[-1]][-1].append("".join(self._cell).strip())
+            self._cell = None
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def parse(html: str) -> Tables:
+    t = Tables()
+    t.feed(html)
+    return t
+
+
+def fill_redis(r: redis.Redis) -> dict[str, object]:
+    """A VC-ASGD job three epochs in, a MOP job just started, and a job with a hostile name."""
+    fp = fingerprint_of(["dense/kernel", "dense/bias"], [np.zeros((8, 4)), np.zeros(4)])
+    job = "digits-vcasgd"
+    store = JobStore(r, job)
+    spec = {"name": job, "mode": "vcasgd", "model": "examples.models:mlp", "dataset": {"name": "digits"}}
+    store.create(json.dumps(spec), "vcasgd", {"0": fp}, {"epochs": 5, "n_subsets": 4})
+    store.init_weights("0", np.zeros(fp.n_params, np.float32))
+    curve = [(1, 0.61, 1.20, 0.55, 0.06), (2, 0.78, 0.71, 0.72, 0.04), (3, 0.86, 0.45, 0.81, 0.03)]
+    for e, acc, loss, cmean, cstd in curve:
+        units = [unit_name(job, e, s) for s in range(4)]
+        for s, u in enumerate(units):
+            store.register_unit(u, {"epoch": e, "shard": s, "model": "0"}, e)
+            store.transition_unit(u, "created", "in_progress")  # handed to the job system
+        for u in units[:3]:
+            store.merge("0", u, lambda w: w + 1.0, {"epoch": e}, e)
+        if e == 2:
+            store.mark_failed(units[3], "too many errors", e)
+        elif e == 3:
+            pass  # last unit of epoch 3 still in flight
+        else:
+            store.merge("0", units[3], lambda w: w + 1.0, {"epoch": e}, e)
+        if e < 3:
+            store.finish_epoch(e, {"val_acc": acc, "val_loss": loss, "client_val_acc_mean": cmean,
+                                   "client_val_acc_std": cstd})
+    # epoch 3's summary exists too (the work generator evaluates as soon as enough is merged)
+    store.finish_epoch(3, {"val_acc": 0.86, "val_loss": 0.45, "client_val_acc_mean": 0.81, "client_val_acc_std": 0.03})
+    store.register_unit(unit_name(job, 4, 0), {"epoch": 4, "shard": 0, "model": "0"}, 4)
+    store.record_rejection(unit_name(job, 2, 3), "res_e2s3_r1", EVIL_REASON)
+    store.record_rejection(unit_name(job, 1, 2), "res_e1s2_r0", "update distance 93.1 from the server weights exceeds the bound 50")
+    store.incr_counter("reissued", 2)
+
+    mop = JobStore(r, "cifar-mop")
+    mop.create(json.dumps({"name": "cifar-mop"}), "mop", {"0": fp, "1": fp}, {"epochs": 10})
+    for m in ("0", "1"):
+        mop.init_weights(m, np.zeros(fp.n_params, np.float32))
+        mop.register_unit(unit_name("cifar-mop", 1, 0, model=m), {"epoch": 1, "shard": 0, "model": m}, 1)
+
+    evil = JobStore(r, EVIL_JOB)
+    evil.create("{}", "vcasgd", {"0": fp}, {"note": "<b>bold</b>"})
+    evil.register_unit(unit_name(EVIL_JOB, 1, 0), {"epoch": 1, "shard": 0, "model": "0"}, 1)
+    evil.record_rejection(unit_name(EVIL_JOB, 1, 0), '"><svg onload=alert(2)>', EVIL_REASON)
+    return {"job": job, "version": store.version("0")}
+
+
+class PhpServer:
+    """``php -S`` serving ``docroot`` with the given environment."""
+
+    def __init__(self, docroot: Path, env: dict[str, str]):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [PHP, "-S", f"127.0.0.1:{self.port}", "-t", str(docroot)],
+            cwd=docroot, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"php -S did not start: {self.proc.stderr.read().decode()}") from None
+                time.sleep(0.05)
+
+    def url(self, path: str = "/boincdl.php") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str = "/boincdl.php") -> tuple[int, str]:
+        with urllib.request.urlopen(self.url(path), timeout=30) as resp:
+            return resp.status, resp.read().decode()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture()
+def redis_tcp(tmp_path: Path) -> Iterator[tuple[EmbeddedRedis, redis.Redis, dict]]:
+    srv = EmbeddedRedis(tmp_path / "redis", port=free_port()).start()
+    try:
+        r = srv.client()
+        facts = fill_redis(r)
+        r.config_set("requirepass", PASSWORD)
+        yield srv, redis.Redis(port=srv.port, password=PASSWORD), facts
+    finally:
+        srv.stop()
+
+
+@pytest.fixture()
+def ops_dir(tmp_path: Path) -> Path:
+    """The page's folder as the BOINC install copies it (html/ops/ without BOINC)."""
+    d = tmp_path / "standalone" / "ops"
+    shutil.copytree(HTML, d)
+    return d
+
+
+@pytest.fixture()
+def page(redis_tcp, ops_dir: Path, tmp_path: Path) -> Iterator[PhpServer]:
+    srv, _r, _facts = redis_tcp
+    pw = tmp_path / "redis_password"
+    pw.write_text(PASSWORD + "\n")
+    php = PhpServer(ops_dir, {"BDL_REDIS_URL": f"redis://127.0.0.1:{srv.port}/0", "BDL_REDIS_PASSWORD_FILE": str(pw)})
+    yield php
+    php.stop()
+
+
+# ---- the page ----------------------------------------------------------------------
+def test_page_shows_jobs_epochs_units_and_rejections(page: PhpServer, redis_tcp) -> None:
+    status, html = page.get()
+    assert status == 200
+    assert "<b>Fatal" not in html and "Warning</b>" not in html and "Notice</b>" not in html
+    t = parse(html)
+    jobs = {row[0]: row for row in t.tables["bdl-jobs"][1:]}
+    assert set(jobs) == {"digits-vcasgd", "cifar-mop", EVIL_JOB}
+    # job  mode  status  epochs  in flight  done  failed  re-issued  rejected  val acc  created
+    assert jobs["digits-vcasgd"][1:10] == ["vcasgd", "running", "3 / 5", "2", "10", "1", "2", "2", "0.86"]
+    assert jobs["cifar-mop"][1:7] == ["mop", "running", "0 / 10", "2", "0", "0"]
+
+    # The newest job is shown in detail by default; ask for the VC-ASGD one.
+    status, html = page.get("/boincdl.php?job=digits-vcasgd")
+    t = parse(html)
+    # queued  in flight  done  failed  re-issued  rejected  cancelled
+    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "2", "0"]
+    epochs = {row[0]: row for row in t.tables["bdl-epochs"][1:]}
+    assert list(epochs) == ["4", "3", "2", "1"]  # newest first
+    # epoch  created  assimilated  failed  in flight  val acc  val loss  clients
+    assert epochs["1"][1:8] == ["4", "4", "0", "0", "0.61", "1.2", "0.55 ± 0.06"]
+    assert epochs["2"][1:5] == ["4", "3", "1", "0"]
+    assert epochs["3"][1:5] == ["4", "3", "0", "1"]
+    assert epochs["4"][1:7] == ["1", "0", "0", "1", "–", "–"]
+    meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
+    assert meta["weights version, model 0"] == str(redis_tcp[2]["version"]) == "10"
+    assert meta["n_subsets"] == "4"
+    rej = t.tables["bdl-rejections"][1:]
+    assert [row[2] for row in rej] == ["res_e1s2_r0", "res_e2s3_r1"]  # newest first
+    assert rej[0][3].startswith("update distance 93.1")
+    assert rej[1][3] == EVIL_REASON  # shown as text...
+    assert "<img src=x" not in html  # ...never as markup
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html
+    # the learning curve: inline SVG, 3 points per series, no external resources
+    svg = html[html.index("<svg id=\"bdl-curve\""): html.index("</svg>") + 6]
+    acc_line = svg.split('class="val_acc" points="')[1].split('"')[0].split()
+    loss_line = svg.split('class="val_loss" points="')[1].split('"')[0].split()
+    assert len(acc_line) == len(loss_line) == 3
+    ys = [float(p.split(",")[1]) for p in acc_line]
+    assert ys[0] > ys[1] > ys[2]  # accuracy rises: y decreases on screen
+    assert 'class="band"' in svg
+    for external in ("<script", "src=\"http", "href=\"http", "cdn", "@import"):
+        assert external not in html.lower()
+
+
+def test_page_escapes_hostile_job_names(page: PhpServer) -> None:
+    status, html = page.get()
+    assert '<script>alert("job")' not in html
+    assert "&lt;script&gt;alert(&quot;job&quot;)&lt;/script&gt;&amp;x" in html
+    status, html = page.get("/boincdl.php?job=" + urllib.parse.quote(EVIL_JOB, safe=""))
+    assert status == 200
+    t = parse(html)
+    assert t.tables["bdl-rejections"][1][2] == '"><svg onload=alert(2)>'
+    assert "<svg onload" not in html and "<b>bold</b>" not in html
+    assert "&lt;b&gt;bold&lt;/b&gt;" in html
+    # the link to the job carries the name URL-encoded, inside an escaped attribute
+    assert "?job=%3Cscript%3Ealert%28%22job%22%29%3C%2Fscript%3E%26x" in html
+    status, html = page.get("/boincdl.php?job=" + urllib.parse.quote("<i>nope</i>"))
+    assert "No job named <code>&lt;i&gt;nope&lt;/i&gt;</code>" in html
+    status, html = page.get("/boincdl.php?job[]=x")  # an array parameter is ignored
+    assert status == 200 and "bdl-jobs" in html
+
+
+def test_page_reports_redis_problems(redis_tcp, ops_dir: Path, tmp_path: Path) -> None:
+    srv, _r, _ = redis_tcp
+    for env, expect in (
+        ({"BDL_REDIS_URL": f"redis://127.0.0.1:{srv.port}/0", "BDL_REDIS_PASSWORD": "wrong"}, "WRONGPASS"),
+        ({"BDL_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}, "cannot connect to Redis"),
+        ({"BDL_REDIS_URL": "http://example.invalid/"}, "unsupported Redis URL"),
+        ({"BDL_REDIS_URL": f"redis://127.0.0.1:{srv.port}/0", "BDL_REDIS_PASSWORD_FILE": str(tmp_path / "none")},
+         "not readable"),
+    ):
+        php = PhpServer(ops_dir, env)
+        try:
+            status, html = php.get()
+        finally:
+            php.stop()
+        assert status == 200
+        assert "boinc-dl state unavailable" in html and expect in html, html[-600:]
+        assert "Fatal error" not in html
+
+
+def test_page_over_unix_socket_with_ini_file(redis_tcp, tmp_path: Path) -> None:
+    """Redis on its Unix socket; location and password from boincdl.ini in the project dir."""
+    srv, _r, _ = redis_tcp
+    project = tmp_path / "project"
+    ops = project / "html" / "ops"
+    shutil.copytree(HTML, ops)
+    (project / "boincdl.ini").write_text(f'redis_url = "unix://{srv.socket}?db=0"\nredis_password = "{PASSWORD}"\n')
+    php = PhpServer(ops, {"BDL_REDIS_URL": "", "BDL_REDIS_PASSWORD_FILE": "", "BDL_ADMIN_CONFIG": ""})
+    try:
+        status, html = php.get("/boincdl.php?job=cifar-mop")
+    finally:
+        php.stop()
+    t = parse(html)
+    assert {row[0] for row in t.tables["bdl-jobs"][1:]} == {"digits-vcasgd", "cifar-mop", EVIL_JOB}
+    meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
+    assert meta["mode"] == "mop" and meta["weights version, model 1"] == "0"
+    assert "No finished epoch yet" in html
+
+
+def test_page_uses_boinc_admin_head_and_tail(redis_tcp, tmp_path: Path) -> None:
+    """Inside a project's html/ops/ the page includes ../inc/util_ops.inc and uses its head/tail."""
+    srv, _r, _ = redis_tcp
+    html_dir = tmp_path / "boincproj" / "html"
+    (html_dir / "inc").mkdir(parents=True)
+    # A stand-in for BOINC's util_ops.inc with the two functions the page calls.
+    (html_dir / "inc" / "util_ops.inc").write_text(
+        "<?php\nfunction admin_page_head($title) { echo \"<html><body><h2>OPS-HEAD: $title</h2>\"; }\n"
+        "function admin_page_tail() { echo \"<p>OPS-TAIL</p></body></html>\"; }\n"
+    )
+    shutil.copytree(HTML, html_dir / "ops")
+    php = PhpServer(html_dir / "ops", {"BDL_REDIS_URL": f"redis://:{urllib.parse.quote(PASSWORD, safe='')}@127.0.0.1:{srv.port}/0"})
+    try:
+        status, html = php.get()
+    finally:
+        php.stop()
+    assert html.startswith("<html><body><h2>OPS-HEAD: boinc-dl training</h2>")
+    assert html.rstrip().endswith("<p>OPS-TAIL</p></body></html>")
+    assert "<!DOCTYPE html>" not in html  # no standalone head inside BOINC
+    assert "digits-vcasgd" in html
+
+
+def test_screenshot_in_headless_chromium(page: PhpServer, tmp_path: Path) -> None:
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (apt-get install chromium; see .ci/deps.sh)")
+    out_dir = Path(SCREENSHOT_DIR) if SCREENSHOT_DIR else tmp_path
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shot = out_dir / "admin_page.png"
+    if shot.exists():
+        shot.unlink()
+    cmd = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chrome-profile'}",
+        f"--screenshot={shot}", "--window-size=1200,900", page.url("/boincdl.php?job=digits-vcasgd"),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (1200, 900)
+    assert len(data) > 20_000  # a rendered page with tables and a chart, not a blank canvas

@@ -1,0 +1,107 @@
+"""The ``boinc-dl`` command line, run as a real subprocess: bad input gives one clear
+line and a non-zero exit; a real run writes its outputs; Ctrl-C then --resume loses
+nothing and merges nothing twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+EXE = [sys.executable, "-m", "server.cli"]
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "COLUMNS": "120"}
+
+
+def _cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*EXE, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _spec(tmp: Path, text: str) -> Path:
+    shutil.copy(REPO / "examples" / "models.py", tmp / "models.py")
+    p = tmp / "job.yaml"
+    p.write_text(text)
+    return p
+
+
+def _one_line_error(res: subprocess.CompletedProcess[str], code: int, needle: str) -> None:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr + res.stdout
+    assert needle in res.stderr, res.stderr
+    assert res.stderr.strip().startswith("error:")
+
+
+def test_malformed_spec(tmp_path: Path) -> None:
+    p = _spec(tmp_path, "name: j\nmodel: models:mlp\ndataset: {name: digits}\ntraining: {epochs: zero}\n")
+    _one_line_error(_cli("run", str(p), cwd=tmp_path), 2, "training.epochs")
+
+
+def test_missing_dataset_file(tmp_path: Path) -> None:
+    p = _spec(tmp_path, "name: j\nmodel: models:mlp\ndataset: {train: nowhere.npz}\n")
+    _one_line_error(_cli("run", str(p), "-q", cwd=tmp_path), 2, "dataset file not found")
+
+
+def test_model_builder_cannot_be_imported(tmp_path: Path) -> None:
+    p = _spec(tmp_path, "name: j\nmodel: no_such_module:build\ndataset: {name: digits}\n")
+    _one_line_error(_cli("run", str(p), "-q", cwd=tmp_path), 2, "cannot import model module")
+
+
+def test_redis_unreachable(tmp_path: Path) -> None:
+    p = _spec(tmp_path, "name: j\nmodel: models:mlp\ndataset: {name: digits}\n")
+    res = _cli("run", str(p), "-q", "--redis-url", "redis://127.0.0.1:1/0", cwd=tmp_path)
+    _one_line_error(res, 3, "unreachable")
+
+
+def test_status_of_unknown_job(tmp_path: Path, redis_server) -> None:
+    res = _cli("status", "nope", "--redis-url", redis_server.url, cwd=tmp_path)
+    _one_line_error(res, 2, "no job named 'nope'")
+
+
+@pytest.mark.slow
+def test_run_interrupt_resume_status(tmp_path: Path) -> None:
+    spec = (REPO / "examples" / "digits-vcasgd.yaml").read_text()
+    p = _spec(tmp_path, spec)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([*EXE, "run", str(p), "--epochs", "4", "--run-dir", str(run_dir), "-q"],
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    log = run_dir / "boinc-dl.log"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if log.exists() and "epoch 1 closed" in log.read_text():
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("epoch 1 never closed")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (out, err)
+    assert "--resume" in out and "Traceback" not in err
+
+    st = _cli("status", "digits-vcasgd", "--run-dir", str(run_dir), "--json", cwd=tmp_path)
+    assert st.returncode == 0, st.stderr
+    state = json.loads(st.stdout)
+    assert state["status"] == "interrupted" and state["closed_epochs"] >= 1
+
+    res = _cli("run", str(p), "--epochs", "4", "--run-dir", str(run_dir), "--resume", "-q", cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "done" in res.stdout
+    hist = json.loads((run_dir / "history.json").read_text())
+    merges = Counter(u["unit"] for u in hist["units"] if "failed" not in u)
+    assert len(merges) == 4 * 8 and set(merges.values()) == {1}  # 4 epochs x 8 subsets, once each
+    assert [e["epoch"] for e in hist["epochs"]] == [1, 2, 3, 4]
+    assert hist["epochs"][-1]["val_acc"] > 0.8
+    for name in ("final_model.keras", "learning_curve.png", "epochs.csv", "units.csv"):
+        assert (run_dir / name).exists()
+    st = _cli("status", "--run-dir", str(run_dir), cwd=tmp_path)
+    assert st.returncode == 0 and "done" in st.stdout
