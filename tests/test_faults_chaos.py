@@ -4,9 +4,12 @@ Digits VC-ASGD on 4 hosts x 2 slots with 2 assimilators (the example's layout, f
 epochs and a short deadline): 30% of unit instances SIGKILLed mid-way, both
 assimilators SIGKILLed once, Redis SIGKILLed once and restarted on its AOF. The job
 finishes, every (epoch, subset) is merged exactly once (merge log, marks, version),
-and the final accuracy is close to the fault-free run's (the 2-point figure is
+and the final accuracy is not below the fault-free run's (the 2-point figure is
 checked by ``bench/bench_chaos.py`` over 20 epochs; 3 epochs are noisier, so this
-allows 5).
+allows 5). Lost units are regenerated from the freshest weights (the default
+``vcasgd.reissue: fresh``); with ``same`` a unit of epoch 1 re-issued with its
+version-0 inputs can be the last one merged and drag the final model back (seen:
+0.72 against 0.86), which is why ``fresh`` is the default.
 """
 
 from __future__ import annotations
@@ -63,5 +66,8 @@ def test_chaos_run_finishes_exactly_once(tmp_path: Path) -> None:
     assert monkey.log.count("assimilator_killed") == 2 and monkey.log.count("redis_restarted") == 1
     assert res.backend["preempted"] >= 1 and res.backend["timed_out"] >= 1
     assert res.backend["assimilator_restarts"] >= 2
+    assert res.backend["regenerated"] >= 1  # the default re-issue policy: fresh weights
+    # Faults must not cost accuracy. Not two-sided: a regenerated unit starts from fresher
+    # weights than the one it replaces, so the chaos run may end ahead of the clean one.
     clean_acc = results["clean"][0].epochs[-1]["val_acc"]
-    assert abs(res.epochs[-1]["val_acc"] - clean_acc) <= 0.05, (res.epochs[-1]["val_acc"], clean_acc)
+    assert res.epochs[-1]["val_acc"] >= clean_acc - 0.05, (res.epochs[-1]["val_acc"], clean_acc)

@@ -20,6 +20,16 @@ Facts from BOINC's source that shape this driver (``tools/create_work.cpp``,
   call, so units already created (recorded in Redis after each successful call) are
   skipped, and a failed batch that reports a duplicate is retried unit by unit.
 
+Re-issue policy ``fresh`` (VC-ASGD's ``vcasgd.reissue``): BOINC itself only re-issues a
+lost result with the same inputs. For ``fresh`` this driver keeps, per unit, the name
+and creation time of its current workunit; once ``delay_bound`` has passed without a
+merge, :meth:`BoincJobSystem.regeneration_requests` hands the unit to the work
+generator, which rebuilds it from the freshest weights, and
+:meth:`BoincJobSystem.resubmit_regenerated` cancels the old workunit (``cancel_jobs``)
+and creates ``<unit>_r<n>``. Regeneration stops one short of ``max_total_results``
+workunits, after which BOINC's own re-issue of the last one takes over, so a unit
+never runs more instances than the limit allows.
+
 Inputs are staged once into the download hierarchy (``download/<hash>/<name>``, the
 layout of ``dir_hier_path``, with the ``.md5`` cache file), either natively or with
 ``bin/stage_file --copy``. BOINC files are immutable: a name already staged with other
@@ -29,6 +39,7 @@ content is an error (except a unit's own description for a unit not created yet)
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
@@ -36,6 +47,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +83,10 @@ class BoincToolError(BoincDLError):
 class _Pending:
     wu: Workunit
     limits: RetryLimits
+    name: str = ""  # the BOINC workunit name: the unit's own, or <unit>_r<n> once regenerated
+
+    def __post_init__(self) -> None:
+        self.name = self.name or self.wu.unit
 
 
 def file_md5(path: Path) -> tuple[str, int]:
@@ -87,6 +103,17 @@ def file_md5(path: Path) -> tuple[str, int]:
 def created_key(store: JobStore) -> str:
     """Redis set of the job's workunits known to exist in BOINC's database."""
     return store.k("boinc", "created")
+
+
+def issued_key(store: JobStore) -> str:
+    """Redis hash unit -> its current workunit: ``{"name", "t" (created), "delay", "attempt"}``."""
+    return store.k("boinc", "issued")
+
+
+def current_instance(r: redis.Redis, job: str, unit: str) -> str | None:
+    """The name of the workunit that currently carries ``unit`` (None if never created)."""
+    raw = r.hget(issued_key(JobStore(r, job)), unit)
+    return str(json.loads(raw)["name"]) if raw else None
 
 
 def staged_key(store: JobStore) -> str:
@@ -118,33 +145,84 @@ class BoincJobSystem(JobSystem):
             raise BoincDLError(f"unit {wu.unit}: no input file for {', '.join(missing)}")
         if not SAFE_NAME.match(wu.unit):
             raise BoincDLError(f"unit name {wu.unit!r} is not a valid BOINC workunit name")
-        if self.is_created(wu.job, wu.unit):
-            log.info("unit %s already exists in BOINC; not creating it again", wu.unit)
+        self._queue(_Pending(wu, limits))
+
+    def _queue(self, item: _Pending) -> None:
+        if not SAFE_NAME.match(item.name):
+            raise BoincDLError(f"workunit name {item.name!r} is not a valid BOINC workunit name")
+        if self.is_created(item.wu.job, item.name):
+            log.info("workunit %s already exists in BOINC; not creating it again", item.name)
             return
-        self._pending = [p for p in self._pending if p.wu.unit != wu.unit]
-        self._pending.append(_Pending(wu, limits))
+        self._pending = [p for p in self._pending if p.wu.unit != item.wu.unit]
+        self._pending.append(item)
         if len(self._pending) >= self.batch_size:
             self.flush()
 
     def cancel(self, unit: str) -> None:
-        """Cancel a unit: drop it if still queued, ``bin/cancel_jobs --name`` if created."""
+        """Cancel a unit: drop it if still queued, ``bin/cancel_jobs --name`` on its
+        current workunit if created."""
         before = len(self._pending)
         self._pending = [p for p in self._pending if p.wu.unit != unit]
         if len(self._pending) != before:
             return
         parsed = parse_unit_name(unit)
-        if parsed and not self.is_created(parsed["job"], unit):
-            log.debug("cancel %s: never created in BOINC", unit)
-            return
-        proc = self._run(["bin/cancel_jobs", "--name", unit], check=False)
+        name = unit
+        if parsed:
+            name = current_instance(self.r, parsed["job"], unit) or unit
+            if not self.is_created(parsed["job"], name):
+                log.debug("cancel %s: never created in BOINC", unit)
+                return
+        self._cancel_workunit(name)
+
+    def _cancel_workunit(self, name: str) -> None:
+        proc = self._run(["bin/cancel_jobs", "--name", name], check=False)
         if proc.returncode == 0:
-            log.info("cancelled workunit %s", unit)
+            log.info("cancelled workunit %s", name)
         elif "No workunit named" in proc.stderr:
-            log.warning("cancel %s: BOINC has no such workunit", unit)
+            log.warning("cancel %s: BOINC has no such workunit", name)
         else:
             raise BoincToolError(
-                f"bin/cancel_jobs --name {unit} failed (exit {proc.returncode}): {_tail(proc.stderr)}",
+                f"bin/cancel_jobs --name {name} failed (exit {proc.returncode}): {_tail(proc.stderr)}",
                 proc.returncode, proc.stderr)
+
+    # ---- re-issue policy "fresh" ------------------------------------------------------------
+    def regeneration_requests(self, job: str | None = None) -> list[tuple[str, int]]:
+        """Units of ``job`` whose workunit passed its deadline unmerged: (unit, attempt).
+
+        Only for VC-ASGD jobs with ``vcasgd.reissue: fresh``. The deadline counts from
+        the workunit's creation (BOINC's counts from sending, which only BOINC's
+        database knows), so a unit that waited long in the queue may be regenerated
+        while it runs: harmless, as the subset's first merged result wins.
+        """
+        if job is None:
+            return []
+        spec = self._spec(job)
+        if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
+            return []
+        store = JobStore(self.r, job)
+        issued = {k.decode(): json.loads(v) for k, v in self.r.hgetall(issued_key(store)).items()}
+        if not issued:
+            return []
+        states = store.unit_states()
+        now = time.time()
+        out = []
+        for unit, rec in sorted(issued.items()):
+            if states.get(unit) != "in_progress" or now < float(rec["t"]) + float(rec["delay"]):
+                continue
+            if int(rec["attempt"]) + 1 >= spec.units.max_total_results:
+                continue  # the last allowed workunit: BOINC's own re-issue takes over
+            out.append((unit, int(rec["attempt"])))
+        return out
+
+    def resubmit_regenerated(self, unit: str, wu: Workunit, name: str) -> bool:
+        """Cancel ``unit``'s current workunit and queue the regenerated one as ``name``."""
+        spec = self._spec(wu.job)
+        old = current_instance(self.r, wu.job, unit)
+        if old is not None and old != name and self.is_created(wu.job, old):
+            self._cancel_workunit(old)
+        limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
+        self._queue(_Pending(wu, limits, name))
+        return True
 
     def stop(self) -> None:
         """Create whatever is still queued."""
@@ -152,15 +230,24 @@ class BoincJobSystem(JobSystem):
 
     # ---- state ----------------------------------------------------------------------------
     def pending(self) -> list[str]:
-        """Units queued but not yet created."""
-        return [p.wu.unit for p in self._pending]
+        """Workunit names queued but not yet created."""
+        return [p.name for p in self._pending]
 
     def is_created(self, job: str, unit: str) -> bool:
         return bool(self.r.sismember(created_key(JobStore(self.r, job)), unit))
 
-    def _mark_created(self, job: str, units: list[str]) -> None:
-        if units:
-            self.r.sadd(created_key(JobStore(self.r, job)), *units)
+    def _mark_created(self, job: str, items: list[_Pending]) -> None:
+        if not items:
+            return
+        store = JobStore(self.r, job)
+        now = time.time()
+        p = self.r.pipeline(transaction=True)
+        p.sadd(created_key(store), *[i.name for i in items])
+        p.hset(issued_key(store), mapping={
+            i.wu.unit: json.dumps({"name": i.name, "t": now, "delay": i.limits.delay_bound_s,
+                                   "attempt": (parse_unit_name(i.name) or {}).get("attempt", 0)})
+            for i in items})
+        p.execute()
 
     def _spec(self, job: str) -> JobSpec:
         if job not in self._specs:
@@ -182,8 +269,8 @@ class BoincJobSystem(JobSystem):
             for i in range(0, len(items), self.batch_size):
                 chunk = items[i : i + self.batch_size]
                 self._create_batch(job, limits, chunk)
-                done = {p.wu.unit for p in chunk}
-                self._pending = [p for p in self._pending if p.wu.unit not in done]
+                done = {p.name for p in chunk}
+                self._pending = [p for p in self._pending if p.name not in done]
                 created += len(chunk)
         return created
 
@@ -223,19 +310,19 @@ class BoincJobSystem(JobSystem):
         input_bytes = 0
         weights_bytes = 0
         for p in items:
-            phys = [self.stage(Path(p.wu.files[name]), job, p.wu.unit, shared=name != WU_JSON)
+            phys = [self.stage(Path(p.wu.files[name]), job, p.name, shared=name != WU_JSON)
                     for name in artifacts.INPUT_ORDER]
             sizes = [Path(p.wu.files[name]).stat().st_size for name in artifacts.INPUT_ORDER]
             input_bytes = max(input_bytes, sum(sizes))
             weights_bytes = max(weights_bytes, Path(p.wu.files[WEIGHTS_IN]).stat().st_size)
-            lines.append(" ".join(["--wu_name", p.wu.unit, "--wu_template", artifacts.INPUT_TEMPLATE,
+            lines.append(" ".join(["--wu_name", p.name, "--wu_template", artifacts.INPUT_TEMPLATE,
                                    "--result_template", result_template, *phys]))
         # slot copies of the inputs, the outputs and a checkpoint (model + optimizer state)
         disk_bound = 2.0 * input_bytes + 6.0 * weights_bytes + 256 * 1024 * 1024
         args = self.create_work_args(job, limits, result_template, disk_bound)
         proc = self._run(args, stdin="".join(line + "\n" for line in lines), check=False)
         if proc.returncode == 0:
-            self._mark_created(job, [p.wu.unit for p in items])
+            self._mark_created(job, items)
             log.info("created %d workunit(s) of job %s (delay_bound %ss, %d errors / %d results)",
                      len(items), job, args[args.index("--delay_bound") + 1],
                      limits.max_error_results, limits.max_total_results)
@@ -246,8 +333,8 @@ class BoincJobSystem(JobSystem):
                 self._create_batch(job, limits, [p])
             return
         if "Duplicate entry" in proc.stderr:
-            log.warning("unit %s already exists in BOINC (created before a restart)", items[0].wu.unit)
-            self._mark_created(job, [items[0].wu.unit])
+            log.warning("workunit %s already exists in BOINC (created before a restart)", items[0].name)
+            self._mark_created(job, items)
             return
         raise BoincToolError(
             f"bin/create_work failed (exit {proc.returncode}) for {len(items)} unit(s) of job {job}: "

@@ -513,8 +513,11 @@ class LocalJobSystem(JobSystem):
             raise ValueError(f"re-issue policy must be one of {REISSUE_POLICIES}, got {policy!r}")
         self.reissue_policy = policy
 
-    def regeneration_requests(self) -> list[tuple[str, int]]:
-        """Units waiting to be regenerated with fresh weights: (unit, attempts so far)."""
+    def regeneration_requests(self, job: str | None = None) -> list[tuple[str, int]]:
+        """Units waiting to be regenerated with fresh weights: (unit, attempts so far).
+
+        The local job system runs one job, so ``job`` (asked for by multi-job
+        systems such as BOINC's) changes nothing."""
         with self.lock:
             return [(n, self.units[n].attempt) for n in sorted(self.regen_pending)]
 

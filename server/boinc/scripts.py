@@ -45,11 +45,12 @@ from pathlib import Path
 
 import numpy as np
 
+from server.backends.boinc import current_instance
 from server.boinc.project import BoincProject
 from server.common.errors import ResultRejected, StoreUnavailable, UnknownJob, WeightsFormatError
 from server.common.store import PREFIX, JobStore, connect
 from server.common.weights import read_weights
-from server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name
+from server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name, unit_name
 
 log = logging.getLogger("boinc-dl.scripts")
 
@@ -420,10 +421,17 @@ def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
         log.warning("workunit %s failed: job %r is not in Redis; ignored", wu, parsed["job"])
         return EXIT_OK
     reason = describe_mask(mask)
-    if mask & WU_ERROR_CANCELLED and store.unit_states().get(wu) in ("cancelled", "assimilated"):
+    # A regenerated unit (re-issue policy "fresh") runs as <unit>_r<n>: its failures
+    # are the unit's, while a workunit it superseded (cancelled by boinc-dl) is not.
+    unit = unit_name(parsed["job"], parsed["epoch"], parsed["shard"], parsed["model"])
+    current = current_instance(store.r, parsed["job"], unit)
+    if current is not None and current != wu:
+        log.info("%s: superseded by %s; nothing to record", wu, current)
+        return EXIT_OK
+    if mask & WU_ERROR_CANCELLED and store.unit_states().get(unit) in ("cancelled", "assimilated"):
         log.info("%s: cancelled by boinc-dl; nothing to record", wu)
         return EXIT_OK
-    out = assimilate_error(store, wu, reason)
+    out = assimilate_error(store, unit, reason)
     log.info("%s: %s -> %s", wu, reason, out.status)
     return EXIT_OK
 

@@ -71,7 +71,8 @@ class VCASGDSpec(_Strict):
         "skip", description="a subset whose unit failed for good: skip it or fail the job"
     )
     reissue: Literal["same", "fresh"] = Field(
-        "same", description="a timed-out unit: re-issue its inputs (BOINC) or regenerate with fresh weights"
+        "fresh", description="a unit past its deadline: regenerate it from the freshest weights, or re-issue "
+        "the same inputs (BOINC's own behaviour)"
     )
 
     @field_validator("alpha")

@@ -226,7 +226,7 @@ class VCASGDWorkGenerator:
         if self.reissue != "fresh" or not callable(requests):
             return 0
         n = 0
-        for unit, attempts in requests():
+        for unit, attempts in requests(self.spec.name):
             made = self.regenerate(unit, attempts + 1)
             if made is None:
                 self.backend.cancel(unit)  # finished meanwhile: nothing to re-issue
@@ -295,8 +295,8 @@ class VCASGDWorkGenerator:
             self.store.finish_epoch(e, summary)
             self.store.set_meta(closed_epoch=e, latest_val_acc=summary["val_acc"])
             closed_now.append(e)
-            log.info("epoch %d closed: val_acc %.4f (%d ok, %d failed)", e, summary["val_acc"],
-                     summary["units_ok"], summary["units_failed"])
+            log.info("epoch %d closed: val_acc %.4f at weights version %d (%d ok, %d failed)", e,
+                     summary["val_acc"], summary["version"], summary["units_ok"], summary["units_failed"])
             target = self.spec.training.target_accuracy
             if c.get("failed", 0) and self.spec.vcasgd.give_up_policy == "fail":
                 self._finish("failed", f"epoch {e}: {int(c['failed'])} unit(s) failed for good")

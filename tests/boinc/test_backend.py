@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from server.backends.base import RetryLimits
-from server.backends.boinc import BoincJobSystem, BoincToolError, created_key
+from server.backends.boinc import (
+    BoincJobSystem,
+    BoincToolError,
+    created_key,
+    current_instance,
+    issued_key,
+)
 from server.boinc.project import BoincProject, BoincSettings, dir_hier_path
 from server.common.errors import BoincDLError
 from server.common.store import connect
@@ -30,7 +36,7 @@ def make_inputs(project: BoincProject, job: str, units: list[str], version: int 
     w.write_bytes(b"weights%d" % version * 50)
     out = []
     for u in units:
-        shard = int(u[-4:])
+        shard = int(u.split("_s")[-1][:4])
         (d / f"{job}__shard{shard:04d}.npz").write_bytes(b"shard%d" % shard * 100)
         wu = Workunit(job=job, unit=u, mode="vcasgd", epoch=1, model="0", shard=shard,
                       weights_version=version, training={}, seed=1)
@@ -273,3 +279,39 @@ def test_bad_unit(setup) -> None:
     with pytest.raises(BoincDLError, match="not a valid"):
         be.submit(wu2, LIMITS)
     assert json.loads(json.dumps(be.pending())) == []
+
+
+def test_fresh_regeneration_requests_and_resubmit(setup) -> None:
+    project, store, spec, r = setup
+    assert spec.vcasgd.reissue == "fresh" and spec.units.max_total_results == 6
+    be = BoincJobSystem(project, r)
+    (wu,) = make_inputs(project, spec.name, units_of(spec, 1))
+    be.submit(wu, LIMITS)
+    be.flush()
+    store.transition_unit(wu.unit, "created", "in_progress")
+    assert be.regeneration_requests(spec.name) == []  # its deadline has not passed
+    key = issued_key(store)
+    rec = json.loads(r.hget(key, wu.unit))
+    assert rec["name"] == wu.unit and rec["attempt"] == 0 and rec["delay"] == 90.0
+    r.hset(key, wu.unit, json.dumps({**rec, "t": rec["t"] - 91}))
+    assert be.regeneration_requests(spec.name) == [(wu.unit, 0)]
+    assert be.regeneration_requests() == []  # no job, nothing (BOINC runs many jobs)
+
+    (wu_r,) = make_inputs(project, spec.name, [f"{wu.unit}_r1"], version=3)
+    wu_r.unit = wu.unit  # the identity stays the subset's unit
+    assert be.resubmit_regenerated(wu.unit, wu_r, f"{wu.unit}_r1")
+    be.flush()
+    assert [c["argv"] for c in calls(project.root, "cancel_jobs")] == [["--name", wu.unit]]
+    assert f"{wu.unit}_r1" in fake_db(project.root)["workunits"]
+    assert current_instance(r, spec.name, wu.unit) == f"{wu.unit}_r1"
+    assert be.regeneration_requests(spec.name) == []  # the new workunit has its own deadline
+    be.cancel(wu.unit)  # cancels the current workunit, not the superseded one
+    assert calls(project.root, "cancel_jobs")[-1]["argv"] == ["--name", f"{wu.unit}_r1"]
+
+    # the last workunit max_total_results allows is left to BOINC's own re-issue
+    r.hset(key, wu.unit, json.dumps({"name": f"{wu.unit}_r5", "t": 0, "delay": 90, "attempt": 5}))
+    assert be.regeneration_requests(spec.name) == []
+    r.hset(key, wu.unit, json.dumps({"name": f"{wu.unit}_r4", "t": 0, "delay": 90, "attempt": 4}))
+    assert be.regeneration_requests(spec.name) == [(wu.unit, 4)]
+    store.transition_unit(wu.unit, "in_progress", "assimilated")
+    assert be.regeneration_requests(spec.name) == []  # merged meanwhile

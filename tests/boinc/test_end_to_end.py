@@ -180,3 +180,64 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     assert len(wus) == 8
     # the partition (data) file of a unit is one of 2 shared files, staged once each
     assert len({w["infiles"][2] for w in wus.values()}) == 2
+
+
+@pytest.mark.slow
+def test_fresh_reissue_through_fake_boinc(project, redis_server, tmp_path) -> None:
+    """``vcasgd.reissue: fresh`` on BOINC: a workunit lost past its deadline is cancelled
+    and recreated as ``<unit>_r1`` from the freshest weights; the cancelled workunit's
+    error call changes nothing; the subset is merged once."""
+    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
+    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
+    install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper,
+                                         command=[sys.executable, "-m", "server.boinc"]))
+    spec = parse_spec({
+        "name": "fresh-boinc", "model": "models:mlp",
+        "model_args": {"input_dim": 64, "hidden": 8, "n_classes": 10},
+        "dataset": {"name": "digits"},
+        "training": {"epochs": 1, "batch_size": 64, "local_epochs": 1, "learning_rate": 0.01},
+        "vcasgd": {"n_subsets": 2, "alpha": 0.5, "window": 2, "reissue": "fresh"},
+        "units": {"timeout_s": 1, "max_error_results": 2, "max_total_results": 3},
+        "seed": 3,
+    })
+    submit_job(spec, project.root, search_path=REPO / "examples")
+    store = JobStore(connect(redis_server.url), spec.name)
+    env = script_env()
+    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    launcher = project.root / "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+
+    def run(wu: dict) -> None:
+        paths = play_boinc(project, wu, 0, client_env, launcher)
+        assert run_script(project.root, f"../bin/bdl_validate {' '.join(paths)}", env).returncode == 0
+        a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
+        assert a.returncode == 0, a.stderr
+
+    daemon.one_pass()
+    wus = fake_db(project.root)["workunits"]
+    lost, other = sorted(wus)  # the first is lost with its host; the other one runs
+    run(wus[other])
+    assert store.version("0") == 1
+    time.sleep(1.2)  # past the lost workunit's delay_bound
+    daemon.one_pass()
+    wus = fake_db(project.root)["workunits"]
+    assert wus[lost]["error_mask"] & 16  # cancelled
+    assert calls(project.root, "cancel_jobs")[-1]["argv"] == ["--name", lost]
+    regen = f"{lost}_r1"
+    assert regen in wus and not wus[regen]["error_mask"]
+    info = store.unit_info(lost)
+    assert info["attempt"] == 1 and info["weights_version"] == 1  # built from the merged weights
+    # BOINC reports the cancelled workunit through the assimilator's error call: ignored.
+    e = run_script(project.root, f"../bin/bdl_assimilate --error 16 {lost} {wus[lost]['id']} 0", env)
+    assert e.returncode == 0 and "superseded" in e.stderr + e.stdout
+    assert store.unit_states()[lost] == "in_progress"
+    run(wus[regen])
+    for _ in range(20):
+        if store.meta().get("status") != "running":
+            break
+        daemon.one_pass()
+    assert store.meta()["status"] == "done", store.meta()
+    assert store.version("0") == 2 and store.epochs()[1]["units_ok"] == 2
+    assert store.assimilated()[lost]["base_version"] == 1
+    # no second regeneration: the limit of 3 workunits leaves BOINC's own re-issue the last
+    assert sorted(fake_db(project.root)["workunits"]) == sorted([lost, other, regen])
