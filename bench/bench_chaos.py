@@ -84,7 +84,8 @@ def run_once(spec: JobSpec, work: Path, label: str, search_path: Path, chaos: bo
         "timed_out": b.get("timed_out", 0), "lost_reported": b.get("lost_reported", 0),
         "reissued": b.get("reissued", 0), "late_results": b.get("late_results", 0),
         "duplicates": b.get("duplicates", 0), "assimilator_restarts": b.get("assimilator_restarts", 0),
-        "redelivered": b.get("redelivered", 0),
+        "redelivered": b.get("redelivered", 0), "reissue_policy": spec.vcasgd.reissue,
+        "regenerated": b.get("regenerated", 0), "regen_fallback": b.get("regen_fallback", 0),
         # time from losing a unit to its re-issue: by deadline (no_reply) or by notice (lost)
         "deadline_reissue_median_s": b.get("no_reply_reissue_s_median"),
         "notice_reissue_median_s": b.get("lost_reissue_s_median"),
@@ -106,9 +107,13 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=20.0, help="deadline t_o (units.timeout_s)")
     ap.add_argument("--preempt-prob", type=float, default=0.3)
     ap.add_argument("--no-notice-run", action="store_true", help="skip the run with preemption notices")
+    ap.add_argument("--reissue", choices=["fresh", "same"], default=None,
+                    help="override vcasgd.reissue (default: the spec's)")
     args = ap.parse_args()
     spec = load_spec(args.spec)
     upd: dict = {"units": spec.units.model_copy(update={"timeout_s": args.timeout_s})}
+    if args.reissue:
+        upd["vcasgd"] = spec.vcasgd.model_copy(update={"reissue": args.reissue})
     if args.epochs:
         upd["training"] = spec.training.model_copy(update={"epochs": args.epochs})
     spec = spec.model_copy(update=upd)
