@@ -129,6 +129,16 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str | Non
     """Run a MOP job to completion on the local backend (see the module docstring)."""
     assert spec.mop is not None
     server, redis_url, store = open_store(run_dir, redis_url, spec.name)
+    try:
+        return _run_mop(spec, run_dir, resume, redis_url, store, console, live, backend_opts, search_path)
+    finally:
+        if server is not None:  # also when the job could not even be prepared
+            server.stop()
+
+
+def _run_mop(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store: JobStore, console: Console,
+             live: bool, backend_opts: dict[str, Any] | None, search_path: Path | None) -> RunResult:
+    assert spec.mop is not None
     backend: LocalJobSystem | None = None
     gen: MOPWorkGenerator | None = None
     t0 = time.time()
@@ -172,22 +182,18 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str | Non
             backend.stop()
     res = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
                     reason=store.meta().get("reason", ""))
-    try:
-        res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
-        res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
-        lb = leaderboard(store)
-        t = Table(title=f"leaderboard ({len(lb)} configurations)")
-        for col in ("model", "status", "epochs", "best val acc", "params"):
-            t.add_column(col)
-        for r in lb[:20]:
-            t.add_row(r["model"], str(r["status"]), str(r["epochs"]),
-                      f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-",
-                      r["params"] + (f" ({r['reason']})" if r["reason"] else ""))
-        console.print(t)
-        (run_dir / "summary.json").write_text(json.dumps(
-            {"status": status, "elapsed_s": res.elapsed_s, "backend": snap, "reason": res.reason,
-             "best": lb[0] if lb else None, "outputs": res.outputs}, indent=1, default=str))
-    finally:
-        if server is not None:
-            server.stop()
+    res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
+    res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
+    lb = leaderboard(store)
+    t = Table(title=f"leaderboard ({len(lb)} configurations)")
+    for col in ("model", "status", "epochs", "best val acc", "params"):
+        t.add_column(col)
+    for r in lb[:20]:
+        t.add_row(r["model"], str(r["status"]), str(r["epochs"]),
+                  f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-",
+                  r["params"] + (f" ({r['reason']})" if r["reason"] else ""))
+    console.print(t)
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"status": status, "elapsed_s": res.elapsed_s, "backend": snap, "reason": res.reason,
+         "best": lb[0] if lb else None, "outputs": res.outputs}, indent=1, default=str))
     return res

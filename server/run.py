@@ -104,6 +104,16 @@ def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, re
 
         return run_mop_job(spec, run_dir, resume, redis_url, console, live, backend_opts, search_path)
     server, redis_url, store = open_store(run_dir, redis_url, spec.name)
+    try:
+        return _run_vcasgd(spec, run_dir, resume, redis_url, store, console, live, backend_opts, search_path)
+    finally:
+        if server is not None:  # also when the job could not even be prepared
+            server.stop()
+
+
+def _run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store: JobStore,
+                console: Console, live: bool, backend_opts: dict[str, Any] | None,
+                search_path: Path | None) -> RunResult:
     backend: LocalJobSystem | None = None
     t0 = time.time()
     status = "interrupted"
@@ -134,26 +144,22 @@ def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, re
             backend.stop()
     result = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
                        reason=store.meta().get("reason", ""))
-    try:
-        hist = collect_history(store)
-        hist["backend"] = snap
-        result.epochs = hist["epochs"]
-        for p in write_history(run_dir, hist):
-            result.outputs[p.stem] = str(p)
-        if hist["epochs"]:
-            png = plot_learning_curve(run_dir / "learning_curve.png", {"VC-ASGD": hist["epochs"]},
-                                      f"{spec.name}: validation accuracy per epoch")
-            result.outputs["learning_curve"] = str(png)
-        if status == "done":
-            flat, _ = store.get_weights("0")
-            result.outputs["final_model"] = str(save_final_model(run_dir, files.model, flat))
-        (run_dir / "summary.json").write_text(json.dumps(
-            {"status": status, "elapsed_s": result.elapsed_s, "backend": snap, "reason": result.reason,
-             "final_val_acc": result.epochs[-1]["val_acc"] if result.epochs else None,
-             "outputs": result.outputs}, indent=1))
-    finally:
-        if server is not None:
-            server.stop()
+    hist = collect_history(store)
+    hist["backend"] = snap
+    result.epochs = hist["epochs"]
+    for p in write_history(run_dir, hist):
+        result.outputs[p.stem] = str(p)
+    if hist["epochs"]:
+        png = plot_learning_curve(run_dir / "learning_curve.png", {"VC-ASGD": hist["epochs"]},
+                                  f"{spec.name}: validation accuracy per epoch")
+        result.outputs["learning_curve"] = str(png)
+    if status == "done":
+        flat, _ = store.get_weights("0")
+        result.outputs["final_model"] = str(save_final_model(run_dir, files.model, flat))
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"status": status, "elapsed_s": result.elapsed_s, "backend": snap, "reason": result.reason,
+         "final_val_acc": result.epochs[-1]["val_acc"] if result.epochs else None,
+         "outputs": result.outputs}, indent=1))
     return result
 
 

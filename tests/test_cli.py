@@ -45,14 +45,31 @@ def test_malformed_spec(tmp_path: Path) -> None:
     _one_line_error(_cli("run", str(p), cwd=tmp_path), 2, "training.epochs")
 
 
+def _redis_left_under(root: Path) -> list[str]:
+    """Command lines of redis-server processes whose socket lies under ``root``."""
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "redis-server" in cmd and str(root) in cmd:
+            left.append(cmd)
+    return left
+
+
 def test_missing_dataset_file(tmp_path: Path) -> None:
     p = _spec(tmp_path, "name: j\nmodel: models:mlp\ndataset: {train: nowhere.npz}\n")
     _one_line_error(_cli("run", str(p), "-q", cwd=tmp_path), 2, "dataset file not found")
+    assert _redis_left_under(tmp_path) == []  # the private Redis stops with the failed run
 
 
-def test_model_builder_cannot_be_imported(tmp_path: Path) -> None:
-    p = _spec(tmp_path, "name: j\nmodel: no_such_module:build\ndataset: {name: digits}\n")
+@pytest.mark.parametrize("mop", [False, True])
+def test_model_builder_cannot_be_imported(tmp_path: Path, mop: bool) -> None:
+    extra = "mode: mop\nmop: {partitions: 2, param_grid: {learning_rate: [0.01]}}\n" if mop else ""
+    p = _spec(tmp_path, "name: j\nmodel: no_such_module:build\ndataset: {name: digits}\n" + extra)
     _one_line_error(_cli("run", str(p), "-q", cwd=tmp_path), 2, "cannot import model module")
+    assert _redis_left_under(tmp_path) == []
 
 
 def test_redis_unreachable(tmp_path: Path) -> None:

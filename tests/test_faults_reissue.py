@@ -103,9 +103,10 @@ def test_every_unit_late_each_subset_merged_once(tmp_path: Path, redis_server, p
 
         def regenerate(unit: str, attempt: int):  # noqa: ANN202
             before = store.unit_info(unit)["weights_version"]
+            current = store.version("0")
             made = real(unit, attempt)
             if made is not None:
-                regenerated.append((made[1], before, made[0].weights_version))
+                regenerated.append((made[1], before, current, made[0].weights_version))
             return made
 
         gen.regenerate = regenerate  # type: ignore[method-assign]
@@ -124,9 +125,11 @@ def test_every_unit_late_each_subset_merged_once(tmp_path: Path, redis_server, p
         assert b["regen_requested"] == 0 and b["reissued"] >= 8
     else:
         assert b["regen_requested"] >= 8 and b["regenerated"] >= 1 and b["regen_fallback"] == 0
-        assert regenerated and all(name.rsplit("_", 1)[1].startswith("r") for name, _o, _n in regenerated)
-        assert all(new >= old for _n, old, new in regenerated)
-        assert any(new > old for _n, old, new in regenerated)  # fresher weights than the original's
+        assert regenerated and all(name.rsplit("_", 1)[1].startswith("r") for name, *_ in regenerated)
+        # Built from the server weights of the moment, never older than the original's.
+        # (Whether they are strictly fresher depends on merges landing in between: timing;
+        # test_first_merged_result_of_a_subset_wins checks that case deterministically.)
+        assert all(new >= current >= old for _n, old, current, new in regenerated), regenerated
         assert store.counters().get("regenerated", 0) == b["regenerated"]
 
 

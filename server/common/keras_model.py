@@ -57,32 +57,42 @@ def _import_tf_quietly() -> Any:
     return tf
 
 
-def build_model(ref: str, args: dict[str, Any] | None = None, search_path: str | Path | None = None) -> Any:
-    """Build a Keras model from ``module:function`` (called with ``args``) or load a model file."""
-    tf = configure_tf()
+def resolve_builder(ref: str, search_path: str | Path | None = None) -> Any:
+    """The builder function of ``module:function``, imported without loading TensorFlow
+    (unless the module itself imports it); ``search_path`` and the cwd are importable."""
+    mod_name, _, fn_name = ref.partition(":")
+    for p in (search_path, os.getcwd()):
+        # kept on sys.path: later calls (evaluation) import the same module
+        if p is not None and str(p) not in sys.path:
+            sys.path.insert(0, str(p))
+    try:
+        mod = importlib.import_module(mod_name)
+    except Exception as e:  # noqa: BLE001 - report any import failure in one line
+        raise ModelError(f"cannot import model module {mod_name!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ModelError(f"{mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def build_model(ref: str, args: dict[str, Any] | None = None, search_path: str | Path | None = None,
+                seed: int | None = None) -> Any:
+    """Build a Keras model from ``module:function`` (called with ``args``) or load a model file.
+
+    The builder is resolved before TensorFlow is loaded, so a wrong reference fails fast
+    with one line (TensorFlow's import prints its own lines on stderr)."""
     if ref.endswith((".keras", ".h5")):
+        tf = configure_tf()
         if not Path(ref).is_file():
             raise ModelError(f"model file not found: {ref}")
         try:
             return tf.keras.models.load_model(ref, compile=False)
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad file
             raise ModelError(f"cannot load model file {ref}: {type(e).__name__}: {e}") from None
-    mod_name, _, fn_name = ref.partition(":")
-    added = False
-    for p in (search_path, os.getcwd()):
-        if p is not None and str(p) not in sys.path:
-            sys.path.insert(0, str(p))
-            added = True
-    try:
-        mod = importlib.import_module(mod_name)
-    except Exception as e:  # noqa: BLE001 - report any import failure in one line
-        raise ModelError(f"cannot import model module {mod_name!r}: {type(e).__name__}: {e}") from None
-    finally:
-        if added:
-            pass  # keep the path: later calls (evaluation) import the same module
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise ModelError(f"{mod_name!r} has no function {fn_name!r}")
+    fn = resolve_builder(ref, search_path)
+    tf = configure_tf()
+    if seed is not None:  # the initial weights depend on it
+        tf.keras.utils.set_random_seed(seed)
     try:
         model = fn(**(args or {}))
     except Exception as e:  # noqa: BLE001

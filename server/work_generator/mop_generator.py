@@ -114,7 +114,9 @@ class MOPWorkGenerator:
         configs = self.search.initial()
         live = [c.id for c in configs if self._add_model(c, None)]
         if not live:
-            raise BoincDLError("no configuration could be built; see `boinc-dl status` for the reasons")
+            reasons = sorted({str(self._config(c.id).get("reason", "")) for c in configs} - {""})
+            more = f" (and {len(reasons) - 1} other reason(s); see `boinc-dl status`)" if len(reasons) > 1 else ""
+            raise BoincDLError(f"no configuration could be built: {reasons[0] if reasons else 'unknown reason'}{more}")
         sched = MOPScheduler(live, self.p, self.availability, seed=self.spec.seed)
         sched.start_epoch()
         self.store.set_meta(epoch=1)
@@ -137,16 +139,16 @@ class MOPWorkGenerator:
                          model_args=args, added_epoch=self.search.epoch + 1)
         path = model_file(self.files, cfg.id)
         try:
-            tf = configure_tf()
             if parent is not None and self._config(parent).get("model_args") == args:
+                tf = configure_tf()
                 # PBT clone with the same architecture: start from the parent's latest weights.
                 src = model_file(self.files, parent)
                 path.write_bytes(src.read_bytes())
                 model = tf.keras.models.load_model(path, compile=False)
                 flat, _ = self.store.get_weights(parent)
             else:
-                tf.keras.utils.set_random_seed(self.spec.seed)
-                model = build_model(self.spec.model, args, self.search_path)
+                model = build_model(self.spec.model, args, self.search_path, seed=self.spec.seed)
+                tf = configure_tf()
                 tmp = path.with_name(f".tmp.{path.name}")
                 model.save(tmp)
                 tmp.replace(path)

@@ -119,7 +119,12 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
             "search_path": str(search_path or "")}
     if spec.mode == "mop":
         # One model per configuration: the MOP generator builds them (a configuration that
-        # cannot be built fails alone).
+        # cannot be built fails alone). A builder that cannot even be imported fails them
+        # all: say so now, before any worker starts.
+        if not spec.model.endswith((".keras", ".h5")):
+            from server.common.keras_model import resolve_builder
+
+            resolve_builder(spec.model, search_path)
         store.create(spec_to_json(spec), spec.mode, {}, meta)
         return files
     model = build_initial_model(spec, files, search_path)
