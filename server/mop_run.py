@@ -21,7 +21,7 @@ from rich.table import Table
 from server.backends.local import LocalJobSystem
 from server.common.spec import JobSpec
 from server.common.store import JobStore
-from server.run import RunResult, _CounterSync, open_store, start_local_backend
+from server.run import RunResult, _CounterSync, start_local_backend
 from server.work_generator.mop.scheduler import round_robin_availability
 from server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from server.work_generator.prepare import prepare_job
@@ -124,20 +124,12 @@ def _table(store: JobStore, spec: JobSpec, backend: LocalJobSystem, t0: float) -
     return t
 
 
-def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str | None, console: Console,
-                live: bool, backend_opts: dict[str, Any] | None, search_path: Path | None) -> RunResult:
-    """Run a MOP job to completion on the local backend (see the module docstring)."""
-    assert spec.mop is not None
-    server, redis_url, store = open_store(run_dir, redis_url, spec.name)
-    try:
-        return _run_mop(spec, run_dir, resume, redis_url, store, console, live, backend_opts, search_path)
-    finally:
-        if server is not None:  # also when the job could not even be prepared
-            server.stop()
+def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store: JobStore,
+                console: Console, live: bool, backend_opts: dict[str, Any] | None,
+                search_path: Path | None) -> RunResult:
+    """Run a MOP job to completion on the local backend (see the module docstring).
 
-
-def _run_mop(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store: JobStore, console: Console,
-             live: bool, backend_opts: dict[str, Any] | None, search_path: Path | None) -> RunResult:
+    ``store`` is on ``redis_url``; :func:`server.run.run_job` owns that Redis's lifetime."""
     assert spec.mop is not None
     backend: LocalJobSystem | None = None
     gen: MOPWorkGenerator | None = None

@@ -99,12 +99,13 @@ def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, re
     run_dir = Path(run_dir or default_run_dir(spec)).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     _setup_logging(run_dir)
-    if spec.mode != "vcasgd":
-        from server.mop_run import run_mop_job  # noqa: PLC0415 - MOP is optional
-
-        return run_mop_job(spec, run_dir, resume, redis_url, console, live, backend_opts, search_path)
     server, redis_url, store = open_store(run_dir, redis_url, spec.name)
     try:
+        if spec.mode != "vcasgd":
+            from server.mop_run import run_mop_job  # noqa: PLC0415 - MOP is optional
+
+            return run_mop_job(spec, run_dir, resume, redis_url, store, console, live, backend_opts,
+                               search_path)
         return _run_vcasgd(spec, run_dir, resume, redis_url, store, console, live, backend_opts, search_path)
     finally:
         if server is not None:  # also when the job could not even be prepared

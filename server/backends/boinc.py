@@ -200,19 +200,18 @@ class BoincJobSystem(JobSystem):
         if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
             return []
         store = JobStore(self.r, job)
-        issued = {k.decode(): json.loads(v) for k, v in self.r.hgetall(issued_key(store)).items()}
-        if not issued:
-            return []
-        states = store.unit_states()
         now = time.time()
-        out = []
-        for unit, rec in sorted(issued.items()):
-            if states.get(unit) != "in_progress" or now < float(rec["t"]) + float(rec["delay"]):
-                continue
-            if int(rec["attempt"]) + 1 >= spec.units.max_total_results:
-                continue  # the last allowed workunit: BOINC's own re-issue takes over
-            out.append((unit, int(rec["attempt"])))
-        return out
+        overdue = []
+        for unit, raw in self.r.hgetall(issued_key(store)).items():
+            rec = json.loads(raw)
+            if now >= float(rec["t"]) + float(rec["delay"]) and int(rec["attempt"]) + 1 < spec.units.max_total_results:
+                overdue.append((unit.decode(), int(rec["attempt"])))
+        # (the last workunit max_total_results allows is left to BOINC's own re-issue)
+        if not overdue:
+            return []
+        # Only the overdue units' states, not the job's whole state hash, on every pass.
+        states = store.unit_states_of([u for u, _ in overdue])
+        return sorted((u, a) for (u, a), st in zip(overdue, states, strict=True) if st == "in_progress")
 
     def resubmit_regenerated(self, unit: str, wu: Workunit, name: str) -> bool:
         """Cancel ``unit``'s current workunit and queue the regenerated one as ``name``."""

@@ -718,39 +718,37 @@ class LocalJobSystem(JobSystem):
     def _slot(self, host: int, index: int) -> _Slot:
         return self.slots[host * self.n_slots + index]
 
-    def _drain_slot(self, slot: _Slot) -> None:
-        conn = slot.conn
-        while conn is not None and slot.conn is conn:
+    def _drain(self, child: _Slot | _Assimilator, handle: Callable[[tuple], None]) -> None:
+        """Handle every message waiting on a child's pipe. A broken pipe clears
+        ``child.conn``: the child is dead and the supervisor respawns it."""
+        conn = child.conn
+        while conn is not None and child.conn is conn:
             try:
                 if not conn.poll():
                     return
                 msg = conn.recv()
             except (EOFError, OSError):
                 conn.close()
-                slot.conn = None  # dead: _check_slots respawns it
+                child.conn = None
                 return
-            self._on_slot_message(slot, msg)
+            handle(msg)
+
+    def _drain_slot(self, slot: _Slot) -> None:
+        self._drain(slot, lambda msg: self._on_slot_message(slot, msg))
 
     def _drain_assimilator(self, a: _Assimilator) -> None:
-        conn = a.conn
-        while conn is not None:
-            try:
-                if not conn.poll():
-                    return
-                msg = conn.recv()
-            except (EOFError, OSError):
-                conn.close()
-                a.conn = None
-                return
-            if msg[0] == "ready":
-                a.ready, a.fast_deaths = True, 0
-                continue
-            _, seq, result, unit, status, reason = msg
-            a.head_deaths.pop(seq, None)
-            sent = a.pending.pop(seq, None)
-            a.in_pipe = max(0, a.in_pipe - 1)
-            self._on_outcome(result, unit, status, reason, sent)
-            self._pump(a)
+        self._drain(a, lambda msg: self._on_assimilator_message(a, msg))
+
+    def _on_assimilator_message(self, a: _Assimilator, msg: tuple) -> None:
+        if msg[0] == "ready":
+            a.ready, a.fast_deaths = True, 0
+            return
+        _, seq, result, unit, status, reason = msg
+        a.head_deaths.pop(seq, None)
+        sent = a.pending.pop(seq, None)
+        a.in_pipe = max(0, a.in_pipe - 1)
+        self._on_outcome(result, unit, status, reason, sent)
+        self._pump(a)
 
     def _on_slot_message(self, slot: _Slot, msg: tuple) -> None:
         if msg[0] == "ready":

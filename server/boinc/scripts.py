@@ -428,7 +428,7 @@ def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
     if current is not None and current != wu:
         log.info("%s: superseded by %s; nothing to record", wu, current)
         return EXIT_OK
-    if mask & WU_ERROR_CANCELLED and store.unit_states().get(unit) in ("cancelled", "assimilated"):
+    if mask & WU_ERROR_CANCELLED and store.unit_states_of([unit])[0] in ("cancelled", "assimilated"):
         log.info("%s: cancelled by boinc-dl; nothing to record", wu)
         return EXIT_OK
     out = assimilate_error(store, unit, reason)

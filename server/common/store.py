@@ -433,6 +433,13 @@ class JobStore:
     def unit_states(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.call(lambda: self.r.hgetall(self.k("unit_state"))).items()}
 
+    def unit_states_of(self, units: list[str]) -> list[str | None]:
+        """The states of the given units, in order (None for an unknown unit)."""
+        if not units:
+            return []
+        raw = self.call(lambda: self.r.hmget(self.k("unit_state"), units))
+        return [v.decode() if v is not None else None for v in raw]
+
     _MARK_FAILED = """
     if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
     if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end

@@ -61,12 +61,35 @@ def play_boinc(project, wu: dict, seq: int, env: dict[str, str], launcher: Path)
     return uploaded
 
 
-@pytest.mark.slow
-def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
+LAUNCHER = "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
+
+
+def install_with_wrapper(project, redis_url: str, tmp_path: Path, assimilators: int = 1):  # noqa: ANN201
+    """``boinc-dl boinc install`` with a stand-in wrapper binary and the daemons run by
+    this interpreter; returns the install report."""
     wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
     wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
-    rep = install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper, assimilators=2,
-                                               command=[sys.executable, "-m", "server.boinc"]))
+    return install(project.root, InstallOptions(redis_url=redis_url, wrapper=wrapper, assimilators=assimilators,
+                                                command=[sys.executable, "-m", "server.boinc"]))
+
+
+def run_unit(project, wu: dict, validate: bool = True) -> list[str]:
+    """Play one workunit as a client, then call the validator (optionally) and the
+    assimilator shims as BOINC's daemons would; returns the uploaded output paths."""
+    env = script_env()
+    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
+    paths = play_boinc(project, wu, 0, client_env, project.root / LAUNCHER)
+    if validate:
+        v = run_script(project.root, f"../bin/bdl_validate {' '.join(paths)}", env)
+        assert v.returncode == 0, v.stderr
+    a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
+    assert a.returncode == 0, a.stderr
+    return paths
+
+
+@pytest.mark.slow
+def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
+    rep = install_with_wrapper(project, redis_server.url, tmp_path, assimilators=2)
     assert not [n for n in rep.notes if "redis_url" in n]
     spec = parse_spec({
         "name": "digits-boinc", "model": "models:mlp",
@@ -80,9 +103,6 @@ def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     job_dir = submit_job(spec, project.root, search_path=REPO / "examples")
     assert job_dir == project.job_dir(spec.name)
     store = JobStore(connect(redis_server.url), spec.name)
-    env = script_env()
-    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    launcher = project.root / "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
     daemon = WorkGeneratorDaemon(project, poll_s=0.1)
     done: set[str] = set()
     deadline = time.monotonic() + 1200
@@ -97,11 +117,7 @@ def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
             done.add(wu["name"])
             if wu["error_mask"]:
                 continue
-            paths = play_boinc(project, wu, 0, client_env, launcher)
-            v = run_script(project.root, f"../bin/bdl_validate {' '.join(paths)}", env)
-            assert v.returncode == 0, v.stderr
-            a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
-            assert a.returncode == 0, a.stderr
+            paths = run_unit(project, wu)
             for p in paths:  # BOINC's file deleter, right after assimilation
                 Path(p).unlink()
     meta = store.meta()
@@ -136,10 +152,7 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     visits every partition once per epoch, partitions are shared sticky inputs."""
     from server.common.workunit import parse_unit_name
 
-    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
-    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
-    install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper, assimilators=1,
-                                         command=[sys.executable, "-m", "server.boinc"]))
+    install_with_wrapper(project, redis_server.url, tmp_path)
     spec = parse_spec({
         "name": "digits-boinc-mop", "mode": "mop", "model": "models:mlp",
         "model_args": {"input_dim": 64, "n_classes": 10},
@@ -151,9 +164,6 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     })
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
-    env = script_env()
-    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    launcher = project.root / "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
     daemon = WorkGeneratorDaemon(project, poll_s=0.1)
     done: set[str] = set()
     visits: dict[tuple[str, int], list[int]] = {}
@@ -171,9 +181,7 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
             done.add(wu["name"])
             info = parse_unit_name(wu["name"])
             visits.setdefault((info["model"], info["epoch"]), []).append(info["shard"])
-            paths = play_boinc(project, wu, 0, client_env, launcher)
-            a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
-            assert a.returncode == 0, a.stderr
+            run_unit(project, wu, validate=False)
     assert store.meta()["status"] == "done", store.meta()
     assert len(visits) == 4 and all(sorted(v) == [0, 1] for v in visits.values())
     wus = fake_db(project.root)["workunits"]
@@ -187,10 +195,7 @@ def test_fresh_reissue_through_fake_boinc(project, redis_server, tmp_path) -> No
     """``vcasgd.reissue: fresh`` on BOINC: a workunit lost past its deadline is cancelled
     and recreated as ``<unit>_r1`` from the freshest weights; the cancelled workunit's
     error call changes nothing; the subset is merged once."""
-    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
-    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
-    install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper,
-                                         command=[sys.executable, "-m", "server.boinc"]))
+    install_with_wrapper(project, redis_server.url, tmp_path)
     spec = parse_spec({
         "name": "fresh-boinc", "model": "models:mlp",
         "model_args": {"input_dim": 64, "hidden": 8, "n_classes": 10},
@@ -203,20 +208,11 @@ def test_fresh_reissue_through_fake_boinc(project, redis_server, tmp_path) -> No
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
     env = script_env()
-    client_env = script_env(BDL_PYTHON=sys.executable, BDL_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3")
-    launcher = project.root / "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
     daemon = WorkGeneratorDaemon(project, poll_s=0.1)
-
-    def run(wu: dict) -> None:
-        paths = play_boinc(project, wu, 0, client_env, launcher)
-        assert run_script(project.root, f"../bin/bdl_validate {' '.join(paths)}", env).returncode == 0
-        a = run_script(project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", env)
-        assert a.returncode == 0, a.stderr
-
     daemon.one_pass()
     wus = fake_db(project.root)["workunits"]
     lost, other = sorted(wus)  # the first is lost with its host; the other one runs
-    run(wus[other])
+    run_unit(project, wus[other])
     assert store.version("0") == 1
     time.sleep(1.2)  # past the lost workunit's delay_bound
     daemon.one_pass()
@@ -231,7 +227,7 @@ def test_fresh_reissue_through_fake_boinc(project, redis_server, tmp_path) -> No
     e = run_script(project.root, f"../bin/bdl_assimilate --error 16 {lost} {wus[lost]['id']} 0", env)
     assert e.returncode == 0 and "superseded" in e.stderr + e.stdout
     assert store.unit_states()[lost] == "in_progress"
-    run(wus[regen])
+    run_unit(project, wus[regen])
     for _ in range(20):
         if store.meta().get("status") != "running":
             break
