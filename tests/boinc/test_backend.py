@@ -63,6 +63,16 @@ def units_of(spec, n: int) -> list[str]:
     return [f"{spec.name}__m0_e0001_s{i:04d}" for i in range(n)]
 
 
+def created(project: BoincProject, r, spec, n: int) -> tuple[BoincJobSystem, list[Workunit]]:
+    """A job system with ``n`` units of ``spec`` submitted and created (one batch)."""
+    be = BoincJobSystem(project, r)
+    wus = make_inputs(project, spec.name, units_of(spec, n))
+    for wu in wus:
+        be.submit(wu, LIMITS)
+    be.flush()
+    return be, wus
+
+
 def test_batched_create_work_command_line(setup) -> None:
     project, store, spec, r = setup
     be = BoincJobSystem(project, r)
@@ -104,11 +114,7 @@ def test_batched_create_work_command_line(setup) -> None:
 
 def test_staging_layout_and_once(setup) -> None:
     project, store, spec, r = setup
-    be = BoincJobSystem(project, r)
-    wus = make_inputs(project, spec.name, units_of(spec, 2))
-    for wu in wus:
-        be.submit(wu, LIMITS)
-    be.flush()
+    be, wus = created(project, r, spec, 2)
     model = Path(wus[0].files["model.keras"])
     staged = dir_hier_path(model.name, project.download_dir, 1024)
     assert staged.read_bytes() == model.read_bytes()
@@ -144,11 +150,7 @@ def test_immutable_names(setup) -> None:
 
 def test_resubmit_is_idempotent(setup) -> None:
     project, store, spec, r = setup
-    be = BoincJobSystem(project, r)
-    wus = make_inputs(project, spec.name, units_of(spec, 2))
-    for wu in wus:
-        be.submit(wu, LIMITS)
-    be.flush()
+    be, wus = created(project, r, spec, 2)
     # a restarted generator submits the same units again: nothing reaches create_work
     be2 = BoincJobSystem(project, r)
     for wu in wus:
@@ -255,11 +257,7 @@ def test_stage_file_mode_and_tool_runner(setup, monkeypatch, tmp_path) -> None:
 
 def test_unstage_job(setup) -> None:
     project, store, spec, r = setup
-    be = BoincJobSystem(project, r)
-    wus = make_inputs(project, spec.name, units_of(spec, 2))
-    for wu in wus:
-        be.submit(wu, LIMITS)
-    be.flush()
+    be, wus = created(project, r, spec, 2)
     staged = [dir_hier_path(Path(p).name, project.download_dir, 1024) for p in wus[0].files.values()]
     assert all(p.exists() for p in staged)
     assert be.unstage_job(spec.name) == 7  # model, val, 2 shards, weights, 2 unit descriptions

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,23 @@ def run_unit(project, wu: dict, validate: bool = True) -> list[str]:
     return paths
 
 
+def new_workunits(project, store: JobStore, timeout_s: float = 1200) -> Iterator[list[dict]]:
+    """Run the work generator daemon pass by pass while the job runs; yield the workunits
+    each pass created (in creation order). Fails if the job stalls."""
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    done: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while store.meta().get("status") == "running":
+        assert time.monotonic() < deadline, "job did not finish"
+        daemon.one_pass()
+        new = [w for n, w in sorted(fake_db(project.root)["workunits"].items(), key=lambda x: x[1]["id"])
+               if n not in done]
+        if not new and store.meta().get("status") == "running":
+            pytest.fail(f"no workunit to run but the job is still running: {store.meta()}")
+        done.update(w["name"] for w in new)
+        yield new
+
+
 @pytest.mark.slow
 def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     rep = install_with_wrapper(project, redis_server.url, tmp_path, assimilators=2)
@@ -103,18 +121,8 @@ def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     job_dir = submit_job(spec, project.root, search_path=REPO / "examples")
     assert job_dir == project.job_dir(spec.name)
     store = JobStore(connect(redis_server.url), spec.name)
-    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
-    done: set[str] = set()
-    deadline = time.monotonic() + 1200
-    while store.meta().get("status") == "running":
-        assert time.monotonic() < deadline, "job did not finish"
-        daemon.one_pass()
-        new = [w for n, w in sorted(fake_db(project.root)["workunits"].items(), key=lambda x: x[1]["id"])
-               if n not in done]
-        if not new and store.meta().get("status") == "running":
-            pytest.fail(f"no workunit to run but the job is still running: {store.meta()}")
+    for new in new_workunits(project, store):
         for wu in new:
-            done.add(wu["name"])
             if wu["error_mask"]:
                 continue
             paths = run_unit(project, wu)
@@ -164,21 +172,11 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     })
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
-    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
-    done: set[str] = set()
     visits: dict[tuple[str, int], list[int]] = {}
-    deadline = time.monotonic() + 1200
-    while store.meta().get("status") == "running":
-        assert time.monotonic() < deadline, "job did not finish"
-        daemon.one_pass()
-        new = [w for n, w in sorted(fake_db(project.root)["workunits"].items(), key=lambda x: x[1]["id"])
-               if n not in done]
-        if not new and store.meta().get("status") == "running":
-            pytest.fail(f"no workunit to run but the job is still running: {store.meta()}")
+    for new in new_workunits(project, store):
         models = [parse_unit_name(w["name"])["model"] for w in new]
         assert len(models) == len(set(models)), f"two units of one model in flight: {models}"
         for wu in new:
-            done.add(wu["name"])
             info = parse_unit_name(wu["name"])
             visits.setdefault((info["model"], info["epoch"]), []).append(info["shard"])
             run_unit(project, wu, validate=False)
