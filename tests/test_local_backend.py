@@ -42,6 +42,11 @@ def test_tiny_job_runs_to_completion(tmp_path: Path) -> None:
     for name in ("final_model.keras", "history.json", "epochs.csv", "units.csv", "learning_curve.png"):
         assert (tmp_path / "run" / name).stat().st_size > 0
     assert res.backend["merged"] == 8 and res.backend["reissued"] == 0
+    # The planner's check: predicted vs actual epoch time, in the summary file and table.
+    plan = json.loads((tmp_path / "run" / "summary.json").read_text())["planner"]
+    assert plan["actual_epoch_s"] > 0 and plan["predicted_epoch_s"] > 0
+    assert plan["error"] == pytest.approx(plan["predicted_epoch_s"] / plan["actual_epoch_s"] - 1, abs=1e-3)
+    assert res.planner == plan
 
 
 def test_preempted_units_are_reissued_after_deadline(tmp_path: Path) -> None:

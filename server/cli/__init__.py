@@ -3,7 +3,8 @@
 One module per command group, mounted here on :data:`server.cli.app.app`:
 
 * :mod:`.jobs` — ``run``, ``submit``, ``status``, ``cancel``, ``validate``;
-* :mod:`.boinc` — ``boinc-dl boinc ...`` (install, daemons, validator/assimilator scripts).
+* :mod:`.boinc` — ``boinc-dl boinc ...`` (install, daemons, validator/assimilator scripts);
+* :mod:`.plan` — ``boinc-dl plan`` (predicted time and cost of fleets, the recommended one).
 
 Further groups (``fleet``, ``plan``) go beside ``boinc``: a module with its own
 ``typer.Typer`` added with ``app.add_typer`` below.
@@ -15,6 +16,9 @@ import sys
 
 from server.cli import jobs  # noqa: F401 - registers the job commands on ``app``
 from server.cli.app import app, err_console
+from server.cli.plan import plan
+
+app.command(name="plan")(plan)
 
 
 def _mount_optional() -> None:

@@ -29,6 +29,7 @@ class RunResult:
     elapsed_s: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    planner: dict[str, Any] | None = None  # predicted vs actual epoch time (VC-ASGD)
 
 
 def default_run_dir(spec: JobSpec) -> Path:
@@ -104,6 +105,9 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
                            f"{b.get('given_up', 0)} given up")
         t.add_row("slot utilisation", f"{busy / max(1e-9, b.get('elapsed_s', 0) * b.get('slots', 1)):.0%}")
     t.add_row("elapsed", f"{res.elapsed_s:.1f} s")
+    if res.planner:
+        t.add_row("epoch time", f"{res.planner['actual_epoch_s']:.1f} s; planner predicted "
+                                f"{res.planner['predicted_epoch_s']:.1f} s ({res.planner['error']:+.0%})")
     for k, v in res.outputs.items():
         t.add_row(k, v)
     return t

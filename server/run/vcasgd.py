@@ -22,6 +22,7 @@ from server.backends.local import LocalJobSystem
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec
 from server.common.store import JobStore
+from server.planner.runcheck import predict_epoch
 from server.run.lifecycle import CounterSync, RunResult, start_local_backend
 from server.run.outputs import collect_history, plot_learning_curve, save_final_model, write_history
 from server.work_generator.prepare import n_shards, prepare_job
@@ -98,8 +99,10 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
     if status == "done":
         flat, _ = store.get_weights("0")
         result.outputs["final_model"] = str(save_final_model(run_dir, files.model, flat))
+        result.planner = predict_epoch(spec, hist["units"], int(flat.size), result.elapsed_s, len(result.epochs))
     (run_dir / "summary.json").write_text(json.dumps(
         {"status": status, "elapsed_s": result.elapsed_s, "backend": snap, "reason": result.reason,
+         "planner": result.planner,
          "final_val_acc": result.epochs[-1]["val_acc"] if result.epochs else None,
          "outputs": result.outputs}, indent=1))
     return result

@@ -51,7 +51,8 @@ scheduling, merging and fault handling runs for real:
 * a **synthetic unit mode** (``synthetic_unit_s``) replaces training with a sleep of
   that length that copies the input weights (plus a small seeded step) to a valid
   result: the whole pipeline (files, validation, merges, deadlines, kills) runs, with
-  unit times under control, for the expected-time benchmark.
+  unit times under control, for the expected-time and planner benchmarks. A list
+  gives one time per host (hosts of different simulated instance types).
 
 No scheduler protocol, accounts or web server: it is not a second BOINC.
 """
@@ -91,7 +92,8 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
                  assimilators: int = 2, threads_per_slot: int = 1, preempt_prob: float = 0.0,
                  notice: bool = False, seed: int = 0, *, preempt_mode: str | None = None,
                  preempt_reissued: bool = True, notice_grace_s: float = 10.0, regen_grace_s: float = 5.0,
-                 reissue: str = "same", synthetic_unit_s: float | None = None, poison_after: int = 3):
+                 reissue: str = "same", synthetic_unit_s: float | list[float] | None = None,
+                 poison_after: int = 3):
         self.base = Path(base_dir).resolve()
         self.redis_url = redis_url
         self.job = job
@@ -106,6 +108,8 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.notice_grace_s = notice_grace_s
         self.regen_grace_s = regen_grace_s
         self.set_reissue_policy(reissue)
+        if isinstance(synthetic_unit_s, (list, tuple)) and len(synthetic_unit_s) != workers:
+            raise ValueError(f"synthetic_unit_s: one time per host ({workers}), got {len(synthetic_unit_s)}")
         self.synthetic_unit_s = synthetic_unit_s
         self.poison_after = poison_after
         self.capacity = workers * slots

@@ -180,7 +180,7 @@ class SlotPool:
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(target=_slot_main,
                              args=(slot.host, slot.index, child, str(self.base), self.threads,
-                                   self.synthetic_unit_s),
+                                   self._synthetic_for(slot.host)),
                              name=f"bdl-host{slot.host}-slot{slot.index}", daemon=True)
         p.start()
         child.close()
@@ -189,6 +189,11 @@ class SlotPool:
         if slot.resume is None:
             slot.busy = None
         slot.spawned_at = time.time()
+
+    def _synthetic_for(self, host: int) -> float | None:
+        """Host ``host``'s synthetic unit time: one for all hosts, or one per host."""
+        s = self.synthetic_unit_s
+        return float(s[host]) if isinstance(s, (list, tuple)) else s
 
     def busy_slots(self) -> list[tuple[int, int, str]]:
         """(host, slot, instance) of every slot running an instance."""

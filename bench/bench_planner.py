@@ -1,0 +1,219 @@
+"""The planner's predictions against measured runs of the local backend.
+
+Each configuration is first PREDICTED (closed form and discrete-event simulation) and
+then MEASURED: a real VC-ASGD job on the local backend — real slot processes, a real
+Redis, real validation and strict merges of real weights files — at the paper's model
+size (4,972,735 float32 parameters: an MLP 64-66303-10, eleven short of the VC-ASGD
+paper's 4,972,746) and at a small one, with synthetic unit times per simulated instance
+type and simulated preemption (vanish: a kill, re-issue at the deadline t_o).
+
+Calibration happens in the same run, on configurations that are not validated:
+per model size, the merge time of one assimilator and the speed-up of P = 2 and 4
+(server-bound runs: tiny units, many hosts), and the per-unit staging cost and dispatch
+latency (one client-bound run). The machine is shared and noisy; both the
+calibration and the validation runs see the same noise.
+
+Reported per configuration: predicted (simulation, the planner's answer where queues
+form; closed form beside it), measured, error. Over all: MAPE, Spearman's rank
+correlation, and the regret of the planner's recommendation — the cheapest predicted
+configuration meeting a deadline (the median predicted time, fixed before measuring),
+priced as simulated instance types — against the cheapest measured one that met it.
+
+    python bench/bench_planner.py [--epochs 2] [--units 12] [--only fig3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import emit, machine  # noqa: E402
+from server.common.redis_server import EmbeddedRedis  # noqa: E402
+from server.common.store import JobStore, connect  # noqa: E402
+from server.faults.harness import run_headless, small_spec  # noqa: E402
+from server.planner.model import Config, HostType, ServerCosts, Workload, closed_form  # noqa: E402
+from server.planner.sim import simulate  # noqa: E402
+
+SIZES = {"small": 16, "large": 66303}  # MLP hidden units: 1,210 and 4,972,735 parameters
+PARAMS = {"small": 64 * 16 + 16 + 16 * 10 + 10, "large": 64 * 66303 + 66303 + 66303 * 10 + 10}
+# Simulated instance types: compute time of one unit alone, cores (processor sharing
+# beyond them), and an hourly price to rank by dollars (g4dn.xlarge and c6i.xlarge spot).
+FAST = HostType("fast", unit_s=1.0, cores=4)
+SLOW = HostType("slow", unit_s=2.0, cores=2)
+PRICE = {"fast": 0.21, "slow": 0.065}
+TIMEOUT_S = 6.0
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    size: str
+    p_servers: int
+    hosts: tuple[tuple[HostType, int], ...]
+    slots: int
+    preempt: float = 0.0
+
+
+def cases() -> list[Case]:
+    f, s = FAST, SLOW
+    return [
+        Case("L-P1C1T2", "large", 1, ((f, 1),), 2),
+        Case("L-P1C2T2", "large", 1, ((f, 2),), 2),
+        Case("L-P2C2T4", "large", 2, ((f, 2),), 4),
+        Case("L-P4C4T4", "large", 4, ((f, 4),), 4),
+        Case("L-P2C4T2-mix-p10", "large", 2, ((f, 2), (s, 2)), 2, 0.1),
+        Case("L-P4C2T8-p20", "large", 4, ((f, 2),), 8, 0.2),
+        Case("S-P1C2T1-slow", "small", 1, ((s, 2),), 1),
+        Case("S-P2C2T4-mix", "small", 2, ((f, 1), (s, 1)), 4),
+        Case("S-P4C4T4-p10", "small", 4, ((f, 4),), 4, 0.1),
+        Case("S-P2C4T2-p20", "small", 2, ((f, 4),), 2, 0.2),
+        # The VC-ASGD paper's Fig. 3 at the paper's model size: P=1, C=3, T in {2, 4, 8}; P=3 at T=8.
+        Case("fig3-P1C3T2", "large", 1, ((f, 3),), 2),
+        Case("fig3-P1C3T4", "large", 1, ((f, 3),), 4),
+        Case("fig3-P1C3T8", "large", 1, ((f, 3),), 8),
+        Case("fig3-P3C3T8", "large", 3, ((f, 3),), 8),
+    ]
+
+
+def measure(work: Path, label: str, size: str, p_servers: int, host_times: list[float], slots: int,
+            units: int, epochs: int, preempt: float, seed: int) -> dict:
+    """One real run; returns the time from all slots ready to the last merge, and the
+    per-unit wall times the slots reported."""
+    spec = small_spec(label, model_args={"hidden": SIZES[size]}, training={"epochs": epochs},
+                      vcasgd={"n_subsets": units, "alpha": 0.5},
+                      units={"timeout_s": TIMEOUT_S, "max_error_results": 8, "max_total_results": 16},
+                      backend={"local": {"workers": len(host_times), "slots": slots,
+                                         "assimilators": p_servers}}, seed=seed)
+    srv = EmbeddedRedis(work / label / "redis").start()
+    box: dict = {}
+
+    def on_start(backend, gen) -> None:
+        gen.evaluator()  # load TensorFlow and the model before the clock starts
+        t_end = time.time() + 120
+        while time.time() < t_end:
+            with backend.lock:
+                if all(s.ready for s in backend.slots) and all(a.ready for a in backend.assims):
+                    break
+            time.sleep(0.02)
+        box["backend"], box["t_ready"] = backend, time.time()
+
+    try:
+        res = run_headless(spec, work / label / "run", srv.url, search_path=ROOT / "examples",
+                           backend_opts={"synthetic_unit_s": host_times, "preempt_prob": preempt,
+                                         "preempt_reissued": False, "seed": seed},
+                           on_start=on_start, timeout_s=600)
+        store = JobStore(connect(srv.url), spec.name)
+        merges = sorted(m["t"] for m in store.metrics() if m["kind"] == "merge")
+    finally:
+        srv.stop()
+    b = box["backend"]
+    walls = list(b.unit_times)
+    return {"status": res.status, "T_s": merges[-1] - box["t_ready"], "merges": merges, "t_ready": box["t_ready"],
+            "unit_wall_s": walls, "kills": res.backend["preempted"], "slot_downtime_s": res.backend.get(
+                "slot_downtime_median_s")}
+
+
+def calibrate(work: Path, size: str, args: argparse.Namespace) -> ServerCosts:
+    """Merge time, P speed-up, staging and dispatch latency at this model size."""
+    rate = {}
+    n = 16
+    for p in (1, 2, 4):
+        # Server-bound: 8 hosts x 1 slot of 0.02 s units keep P assimilators busy.
+        r = measure(work, f"cal-{size}-P{p}", size, p, [0.02] * 8, 1, n, 1, 0.0, args.seed)
+        ts = r["merges"]
+        rate[p] = (len(ts) - 1) / (ts[-1] - ts[0])
+    merge_s = 1 / rate[1]
+    speedup = {p: rate[p] / rate[1] for p in rate}
+    # Client-bound: 2 hosts x 1 slot, P = 4: the slots' own time beyond the sleep is the
+    # staging (read the inputs, write the result); the rest of the residual is dispatch.
+    sleep = 0.5
+    r = measure(work, f"cal-{size}-client", size, 4, [sleep, sleep], 1, 8, 1, 0.0, args.seed)
+    stage = max(0.0, statistics.median(r["unit_wall_s"]) - sleep)
+    base = ServerCosts(merge_s, speedup, stage_s=stage, dispatch_s=0.0)
+    w = Workload(8, 1, PARAMS[size])
+    cfg = Config(((HostType("cal", sleep, cores=1, bandwidth_mbps=1e9), 2),), 1, 4)
+    pred0 = simulate(cfg, w, base).job_s
+    dispatch = max(0.0, (r["T_s"] - pred0) / 4)  # 8 units on 2 slots: 4 dispatches per slot
+    costs = replace(base, dispatch_s=dispatch)
+    emit("planner_calibration", size=size, params=PARAMS[size], merge_s=round(merge_s, 4),
+         speedup={str(k): round(v, 3) for k, v in speedup.items()}, stage_s=round(stage, 4),
+         dispatch_s=round(dispatch, 4))
+    return costs
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--units", type=int, default=12, help="units per epoch")
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--only", default="", help="run only cases whose label contains this")
+    args = ap.parse_args()
+    t_bench = time.time()
+    todo = [c for c in cases() if args.only in c.label]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bdl-plan-") as tmp:
+        work = Path(tmp)
+        costs = {size: calibrate(work, size, args) for size in sorted({c.size for c in todo})}
+        for c in todo:
+            cfg = Config(tuple((replace(h, bandwidth_mbps=1e9, preempt_p=c.preempt), n) for h, n in c.hosts),
+                         c.slots, c.p_servers, timeout_s=TIMEOUT_S)
+            w = Workload(args.units, args.epochs, PARAMS[c.size])
+            sim = simulate(cfg, w, costs[c.size], reps=20, seed=args.seed).job_s
+            cf = closed_form(cfg, w, costs[c.size]).job_s
+            times = [h.unit_s * max(1.0, c.slots / h.cores) for h in cfg.host_list()]
+            r = measure(work, c.label, c.size, c.p_servers, times, c.slots, args.units, args.epochs,
+                        c.preempt, args.seed)
+            hourly = sum(PRICE[h.name] * n for h, n in c.hosts)
+            row = {"config": c.label, "size": c.size, "P": c.p_servers, "C": cfg.n_hosts, "T": c.slots,
+                   "CxT": cfg.total_slots, "p": c.preempt, "predicted_s": round(sim, 3),
+                   "closed_form_s": round(cf, 3), "measured_s": round(r["T_s"], 3),
+                   "error": round(sim / r["T_s"] - 1, 4), "closed_form_error": round(cf / r["T_s"] - 1, 4),
+                   "kills": r["kills"], "status": r["status"], "hourly": hourly}
+            rows.append(row)
+            emit("planner_case", **row)
+    errs = [abs(r["error"]) for r in rows]
+    mape = statistics.fmean(errs)
+    cf_mape = statistics.fmean(abs(r["closed_form_error"]) for r in rows)
+    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 2 else None
+    # The recommendation: cheapest predicted within a deadline fixed before measuring.
+    deadline = statistics.median(r["predicted_s"] for r in rows)
+    cost = {r["config"]: (r["hourly"] * r["predicted_s"], r["hourly"] * r["measured_s"]) for r in rows}
+    ok_pred = [r for r in rows if r["predicted_s"] <= deadline]
+    ok_meas = [r for r in rows if r["measured_s"] <= deadline]
+    pick = min(ok_pred, key=lambda r: cost[r["config"]][0])
+    best = min(ok_meas, key=lambda r: cost[r["config"]][1]) if ok_meas else None
+    regret = cost[pick["config"]][1] / cost[best["config"]][1] - 1 if best else None
+    fig3 = {r["config"]: r for r in rows if r["config"].startswith("fig3")}
+    fig3_out = {}
+    if len(fig3) == 4:
+        t2, t4, t8, p3 = (fig3[f"fig3-{k}"] for k in ("P1C3T2", "P1C3T4", "P1C3T8", "P3C3T8"))
+        for key in ("predicted_s", "measured_s"):
+            fig3_out[key.split("_")[0]] = {"T4_faster_than_T2": t4[key] < t2[key],
+                                           "T8_slower_than_T4": t8[key] > t4[key],
+                                           "P3_fixes_T8": p3[key] < t8[key]}
+    emit("planner_validation", configs=len(rows), mape=round(mape, 4), closed_form_mape=round(cf_mape, 4),
+         spearman=round(rho, 4) if rho is not None else None, deadline_s=round(deadline, 2),
+         recommended=pick["config"], best_measured=best["config"] if best else None,
+         recommended_met_deadline=pick["measured_s"] <= deadline,
+         regret=round(regret, 4) if regret is not None else None, fig3=fig3_out,
+         bench_wall_s=round(time.time() - t_bench, 1), **machine())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""The planner: predict epoch time and cost of a fleet, and recommend one.
+
+* :mod:`.model` — the performance model's inputs and closed forms;
+* :mod:`.sim` — the discrete-event simulation where queues form;
+* :mod:`.prices` — the dated price table behind a small ``PriceBook`` interface;
+* :mod:`.search` — candidates, cost, exact search and the greedy / genetic baselines;
+* :mod:`.calibrate` — unit and merge times from a run's ``units.csv``;
+* :mod:`.fleetfile` — the planner's ``fleet.yaml``;
+* :mod:`.plot` — the time-versus-cost plot with its Pareto front.
+
+It uses only :mod:`server.common`; the CLI (``boinc-dl plan``) and runs use it.
+"""

@@ -1,0 +1,189 @@
+"""The planner's performance model of a VC-ASGD job: its inputs and the closed forms.
+
+A configuration is a fleet (hosts of instance types, each with T slots), P parameter
+servers (assimilators) and a unit size (units per epoch). The pieces, with the papers
+they come from:
+
+* **client unit time** ``u_h`` of a host of type h: the calibrated compute time of one
+  unit alone on one slot, stretched by processor sharing when a host runs more slots
+  than it has cores (``max(1, T / cores)``), plus staging (reading the input weights and
+  writing the result: ``stage_s``) and transfer of the weights both ways and of the data
+  subset at the host's bandwidth (the computation / communication split of Yan et al.,
+  "Performance Modeling and Scalability Optimization of Distributed Deep Learning
+  Systems", eqs. 5-11, with the model size as the message size);
+* **assimilation**: one merge takes ``merge_s`` (reading and validating the result file,
+  the Redis read-modify-write of the model: calibrated at the model's size), and P
+  merges run in parallel with a measured speed-up ``merge_speedup[P]`` (strict merges on
+  one key conflict and retry, so P merges are not P times as fast);
+* the **work generator's window** W (units in flight, default the slot count);
+* **preemption** (Bernoulli, per unit dispatch, probability p; VC-ASGD paper section
+  IV-E): a lost unit holds its window place until its deadline t_o (or, with notices,
+  for the notice latency) and is then re-issued.
+
+Closed form (this module) — the throughput bound, valid when nothing queues for long:
+
+    R_c = sum_h T_h / u_h                 (client units per second)
+    R_s = speedup(P) / merge_s            (parameter-server units per second)
+    T_job = n_s / min(R_c, R_s) + n_s * p * t_o / S + fill
+    fill  = max_h u_h + merge_s           (the first unit's way through an empty pipeline)
+
+with n_s units in the job and S = sum_h T_h slots (the paper's ``n*t_e + n*p*t_o`` with
+``n = n_s / S`` when R_c binds; HeterPS's throughput-limited provisioning when R_s
+binds). Where arrivals bunch up at few parameter servers — C x T much larger than P, all
+units of a wave finishing together — the mean rates hide the queue: the discrete-event
+simulation in :mod:`server.planner.sim` replays the same pieces unit by unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HostType:
+    """A simulated or real instance type, as the performance model sees it."""
+
+    name: str
+    unit_s: float  # one unit's compute alone on one slot (calibrated for the job's spec)
+    cores: int = 4  # slots it runs without slowing each other down
+    bandwidth_mbps: float = 1000.0  # to the server (transfer of weights and data)
+    preempt_p: float = 0.0  # chance a unit dispatched to it is lost (spot reclaims)
+
+    def unit_time(self, slots: int, w: Workload, costs: ServerCosts) -> float:
+        """Seconds one unit holds a slot on a host of this type running ``slots`` slots."""
+        share = max(1.0, slots / max(1, self.cores))
+        compute = self.unit_s * w.unit_scale() * share
+        transfer = (2 * w.model_bytes() + w.data_bytes_per_unit()) * 8 / (self.bandwidth_mbps * 1e6)
+        return compute + costs.stage_s + transfer
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the job asks for: units, epochs, model size, data size."""
+
+    units_per_epoch: int
+    epochs: int
+    params: int
+    data_bytes: int = 0  # the whole epoch's training data
+    base_units_per_epoch: int | None = None  # the unit size unit_s was calibrated at
+
+    def unit_scale(self) -> float:
+        """A unit's compute relative to the calibrated one (fewer units: bigger units)."""
+        base = self.base_units_per_epoch or self.units_per_epoch
+        return base / self.units_per_epoch
+
+    def model_bytes(self) -> int:
+        return 4 * self.params  # float32
+
+    def data_bytes_per_unit(self) -> float:
+        return self.data_bytes / self.units_per_epoch
+
+    @property
+    def units(self) -> int:
+        return self.units_per_epoch * self.epochs
+
+
+@dataclass(frozen=True)
+class ServerCosts:
+    """The server side: merge cost and parallel speed-up, staging, dispatch latency."""
+
+    merge_s: float  # one merge at this model size, one assimilator alone
+    merge_speedup: dict[int, float] = field(default_factory=dict)  # P -> measured speed-up
+    stage_s: float = 0.0  # per unit on the slot: read inputs, write outputs
+    dispatch_s: float = 0.0  # generator + dispatcher latency before a slot starts a unit
+    server_cores: int = 2  # caps the speed-up when P was not measured
+
+    def speedup(self, p: int) -> float:
+        if p in self.merge_speedup:
+            return self.merge_speedup[p]
+        known = sorted(self.merge_speedup)
+        if known and p > known[-1]:
+            return self.merge_speedup[known[-1]]  # no more gain than the largest measured
+        return float(min(p, self.server_cores))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One candidate: hosts (type, count), T slots per host, P assimilators, window."""
+
+    hosts: tuple[tuple[HostType, int], ...]
+    slots: int
+    assimilators: int
+    window: int | None = None
+    timeout_s: float = 300.0
+    notice_s: float | None = None  # with preemption notices: loss-to-re-issue latency
+
+    @property
+    def n_hosts(self) -> int:
+        return sum(c for _, c in self.hosts)
+
+    @property
+    def total_slots(self) -> int:
+        return self.n_hosts * self.slots
+
+    def host_list(self) -> list[HostType]:
+        """One entry per host, in the order the local backend numbers them."""
+        return [h for h, c in self.hosts for _ in range(c)]
+
+    def loss_cost_s(self) -> float:
+        """Seconds a lost unit keeps its window place: t_o, or the notice latency."""
+        return self.timeout_s if self.notice_s is None else self.notice_s
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted times of a configuration (seconds)."""
+
+    job_s: float
+    epoch_s: float
+    client_rate: float  # units/s the clients can do
+    server_rate: float  # units/s the parameter servers can merge
+    bound: str  # "clients" or "servers"
+    method: str  # "closed-form" or "simulation"
+
+
+def client_rate(cfg: Config, w: Workload, costs: ServerCosts) -> float:
+    """R_c: units per second the fleet completes when every slot is busy."""
+    return sum(c * cfg.slots / (h.unit_time(cfg.slots, w, costs) + costs.dispatch_s) for h, c in cfg.hosts)
+
+
+def server_rate(cfg: Config, costs: ServerCosts) -> float:
+    """R_s: units per second P parameter servers merge."""
+    return costs.speedup(cfg.assimilators) / costs.merge_s
+
+
+def merge_service_s(cfg: Config, costs: ServerCosts) -> float:
+    """Seconds one of P busy parameter servers spends on a merge (P / R_s)."""
+    return costs.merge_s * cfg.assimilators / costs.speedup(cfg.assimilators)
+
+
+def mean_preempt_p(cfg: Config) -> float:
+    """The fleet's loss probability per dispatch, weighted by each host's share of units."""
+    n = cfg.n_hosts
+    return sum(h.preempt_p * c for h, c in cfg.hosts) / n if n else 0.0
+
+
+def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
+    """The throughput bound plus the paper's preemption term (module docstring)."""
+    rc, rs = client_rate(cfg, w, costs), server_rate(cfg, costs)
+    window = min(cfg.window or cfg.total_slots, cfg.total_slots)
+    rc_w = rc * window / cfg.total_slots  # a window below the slot count idles the rest
+    rate = min(rc_w, rs)
+    n_s = w.units
+    p = mean_preempt_p(cfg)
+    lost = n_s * p * cfg.loss_cost_s() / max(1, window)
+    fill = max(h.unit_time(cfg.slots, w, costs) for h, _ in cfg.hosts) + costs.dispatch_s \
+        + merge_service_s(cfg, costs)
+    job = n_s / rate + lost + fill - 1.0 / rate  # n_s units need n_s - 1 inter-completion gaps after fill
+    return Prediction(job, job / w.epochs, rc_w, rs, "clients" if rc_w <= rs else "servers", "closed-form")
+
+
+def waves(cfg: Config, w: Workload, costs: ServerCosts) -> float:
+    """Exact job time of the pure wave regime: one host type, no preemption, a window of
+    S slots and at least S parameter servers that merge one unit each per wave, so each
+    of the ceil(n_s / S) waves takes dispatch + unit + merge (the next unit is created
+    when a merge frees its window place). Checks the simulation against arithmetic."""
+    (h, _), = cfg.hosts
+    u = h.unit_time(cfg.slots, w, costs) + costs.dispatch_s
+    return math.ceil(w.units / cfg.total_slots) * (u + merge_service_s(cfg, costs))

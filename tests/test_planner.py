@@ -1,0 +1,262 @@
+"""The planner: closed forms by hand, the simulation against them, the searches, the
+price table, the CLI end to end, and the local backend's per-host synthetic unit times."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from server.planner.calibrate import read_history
+from server.planner.model import Config, HostType, ServerCosts, Workload, closed_form, waves
+from server.planner.prices import DEFAULT_TABLE, TablePriceBook
+from server.planner.search import Goal, Planner, Space, exact, genetic, greedy, pareto, regret
+from server.planner.sim import simulate, simulate_once
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = HostType("fast", unit_s=1.0, cores=4, bandwidth_mbps=1e9)
+
+
+# ---- closed forms ---------------------------------------------------------------------------
+
+def test_unit_time_by_hand():
+    # 2 s compute, 8 slots on 4 cores (x2), 100 B/s... : params 1000 -> 4000 B each way,
+    # data 16000 B / 4 units = 4000 B; 12000 B * 8 bit / 1 Mbit/s = 0.096 s; staging 0.1 s.
+    h = HostType("h", unit_s=2.0, cores=4, bandwidth_mbps=1.0)
+    w = Workload(units_per_epoch=4, epochs=1, params=1000, data_bytes=16000)
+    c = ServerCosts(merge_s=0.1, stage_s=0.1)
+    assert h.unit_time(8, w, c) == pytest.approx(2.0 * 2 + 0.1 + 0.096)
+    assert h.unit_time(2, w, c) == pytest.approx(2.0 + 0.1 + 0.096)
+    # Bigger units (half as many per epoch) take twice the compute.
+    w2 = Workload(units_per_epoch=2, epochs=1, params=1000, data_bytes=16000, base_units_per_epoch=4)
+    assert h.unit_time(2, w2, c) == pytest.approx(4.0 + 0.1 + 8 * (8000 + 8000) / 1e6)
+
+
+def test_closed_form_by_hand():
+    # Client-bound: 2 hosts x 2 slots of 1 s units -> R_c = 4/s; P=2 at speed-up 2 of
+    # 0.1 s merges -> R_s = 20/s. 40 units: 40/4 + fill (1 + 0.1) - 1/4 = 10.85 s.
+    cfg = Config(((FAST, 2),), slots=2, assimilators=2)
+    w = Workload(units_per_epoch=20, epochs=2, params=10)
+    c = ServerCosts(merge_s=0.1, merge_speedup={1: 1.0, 2: 2.0})
+    p = closed_form(cfg, w, c)
+    assert p.bound == "clients"
+    assert p.client_rate == pytest.approx(4.0)
+    assert p.server_rate == pytest.approx(20.0)
+    assert p.job_s == pytest.approx(10.85)
+    assert p.epoch_s == pytest.approx(10.85 / 2)
+    # Server-bound: merges of 1 s at P=1 -> 40 s + fill (1 + 1) - 1.
+    p = closed_form(Config(((FAST, 2),), 2, 1), w, ServerCosts(merge_s=1.0))
+    assert p.bound == "servers"
+    assert p.job_s == pytest.approx(41.0)
+
+
+def test_closed_form_preemption_term_is_the_papers():
+    # n*t_e + n*p*t_o: n_s = 40 units on S = 4 slots, p = 0.1, t_o = 5: + 40*0.1*5/4 = 5 s.
+    lossy = HostType("fast", unit_s=1.0, cores=4, bandwidth_mbps=1e9, preempt_p=0.1)
+    w = Workload(units_per_epoch=20, epochs=2, params=10)
+    c = ServerCosts(merge_s=0.01, merge_speedup={1: 1.0})
+    base = closed_form(Config(((FAST, 2),), 2, 1, timeout_s=5.0), w, c).job_s
+    assert closed_form(Config(((lossy, 2),), 2, 1, timeout_s=5.0), w, c).job_s == pytest.approx(base + 5.0)
+
+
+# ---- simulation -----------------------------------------------------------------------------
+
+def test_simulation_matches_wave_arithmetic():
+    # P >= S, round-robin servers: exact waves of dispatch + unit + merge.
+    c = ServerCosts(merge_s=0.2, merge_speedup={8: 8.0}, stage_s=0.05, dispatch_s=0.03)
+    w = Workload(units_per_epoch=12, epochs=2, params=10)
+    cfg = Config(((FAST, 2),), slots=2, assimilators=8)
+    assert simulate_once(cfg, w, c, assign="round_robin").job_s == pytest.approx(waves(cfg, w, c))
+
+
+def test_simulation_meets_closed_form_where_no_queue_forms():
+    # Many units, client-bound by far, no preemption: the simulation's time is the
+    # closed form's within the pipeline's fill (a few %).
+    c = ServerCosts(merge_s=0.001, merge_speedup={1: 1.0})
+    w = Workload(units_per_epoch=400, epochs=1, params=10)
+    cfg = Config(((FAST, 4),), slots=2, assimilators=1, window=8)
+    cf, sim = closed_form(cfg, w, c).job_s, simulate(cfg, w, c, reps=1).job_s
+    assert sim == pytest.approx(cf, rel=0.03)
+
+
+def test_simulation_preemption_costs_about_the_papers_term():
+    lossy = HostType("fast", unit_s=1.0, cores=4, bandwidth_mbps=1e9, preempt_p=0.2)
+    c = ServerCosts(merge_s=0.001, merge_speedup={1: 1.0})
+    w = Workload(units_per_epoch=200, epochs=1, params=10)
+    base = simulate(Config(((FAST, 2),), 2, 1, timeout_s=4.0), w, c, reps=3).job_s
+    lost = simulate(Config(((lossy, 2),), 2, 1, timeout_s=4.0), w, c, reps=10).job_s
+    # n*p*t_o = 200 * 0.2 * 4 / 4 slots = 40 s (the simulation also wastes the killed work
+    # and overlaps some waits: within 25%).
+    assert lost - base == pytest.approx(40.0, rel=0.25)
+
+
+def test_fig3_effect_comes_out_of_the_model():
+    """The VC-ASGD paper's Fig. 3: P=1, C=3: T=4 beats T=2, T=8 is slower than T=4;
+    P=3 at T=8 is faster than P=1 at T=8."""
+    c = ServerCosts(merge_s=0.25, merge_speedup={1: 1.0, 3: 2.0}, stage_s=0.1, dispatch_s=0.03)
+    w = Workload(units_per_epoch=24, epochs=2, params=4_972_746)
+    h = HostType("fast", unit_s=1.5, cores=4, bandwidth_mbps=1e9)
+
+    def t(p: int, slots: int) -> float:
+        return simulate(Config(((h, 3),), slots, p), w, c, reps=10).job_s
+
+    t2, t4, t8, p3t8 = t(1, 2), t(1, 4), t(1, 8), t(3, 8)
+    assert t4 < t2
+    assert t8 > t4
+    assert p3t8 < t8
+
+
+# ---- prices ---------------------------------------------------------------------------------
+
+def test_shipped_price_table_schema():
+    book = TablePriceBook.load(DEFAULT_TABLE)
+    assert book.date and book.source_text
+    for name in ("g4dn.xlarge", "g5.xlarge", "p3.2xlarge", "c6i.xlarge", "c6i.2xlarge", "m6i.xlarge",
+                 "n1-standard-4-t4", "g2-standard-4", "n2-standard-4", "e2-standard-4"):
+        info = book.types[name]
+        assert 0 < info.spot <= info.on_demand
+        assert book.hourly(name, "spot") == info.spot
+    assert {i.provider for i in book.types.values()} == {"aws", "gcp"}
+    assert "as of" in book.source()
+
+
+@pytest.mark.parametrize("raw, msg", [
+    ({"source": "x", "types": {"a": {}}}, "date"),
+    ({"date": "d", "source": "x", "types": {}}, "non-empty"),
+    ({"date": "d", "source": "x", "types": {"a": {"provider": "aws", "vcpus": 4, "memory_gib": 1,
+                                                  "on_demand": 1.0, "spot": 2.0}}}, "spot <= on_demand"),
+    ({"date": "d", "source": "x", "types": {"a": {"provider": "azure", "vcpus": 4, "memory_gib": 1,
+                                                  "on_demand": 1.0, "spot": 0.5}}}, "provider"),
+    ({"date": "d", "source": "x", "types": {"a": {"provider": "aws", "on_demand": 1.0}}}, "types.a"),
+])
+def test_bad_price_tables_are_rejected(raw, msg):
+    with pytest.raises(ValueError, match=msg):
+        TablePriceBook.from_dict(raw)
+
+
+def test_spot_history_replaces_the_table():
+    book = TablePriceBook.load()
+    pts = [SimpleNamespace(type="g4dn.xlarge", zone="us-east-1a", time=t, usd_per_hour=v)
+           for t, v in ((1000.0, 0.30), (2000.0, 0.20), (-10 * 86400.0, 9.0))]
+    b2 = book.with_spot_history(pts, now=2000.0)
+    assert b2.hourly("g4dn.xlarge", "spot") == pytest.approx(0.25)  # the old point is out of the window
+    assert b2.hourly("g4dn.xlarge", "on-demand") == book.hourly("g4dn.xlarge", "on-demand")
+    assert b2.hourly("c6i.xlarge", "spot") == book.hourly("c6i.xlarge", "spot")
+    assert "observed" in b2.source()
+
+
+# ---- search ---------------------------------------------------------------------------------
+
+def _planner() -> Planner:
+    types = (HostType("g4dn.xlarge", 2.0, 4, 1e9, 0.05), HostType("c6i.xlarge", 6.0, 4, 1e9, 0.03))
+    space = Space(types, (3, 3), ("spot", "on-demand"), (1, 2, 4), (1, 2), (8,), "c6i.xlarge", 30.0)
+    w = Workload(8, 10, 100_000)
+    return Planner(space, w, ServerCosts(0.2, {1: 1.0, 2: 1.7}, 0.05, 0.02), TablePriceBook.load(),
+                   simulate_top=False)
+
+
+def test_exact_is_the_brute_force_optimum_and_baselines_have_regret():
+    pl = _planner()
+    goal = Goal(deadline_s=120.0)
+    res, scored = exact(pl, goal)
+    assert res.evaluated == pl.space.size() == len(scored)
+    feasible = [s for s in scored if goal.feasible(s)]
+    assert res.best is not None and res.best.dollars == min(s.dollars for s in feasible)
+    for r in (greedy(pl, goal), genetic(pl, goal, seed=1)):
+        rg = regret(r.best, res.best, goal)
+        assert rg is not None and rg >= 0
+        assert r.evaluated <= len(scored) + 1
+    # Budget: fastest within it.
+    bgoal = Goal(budget=0.05)
+    bres, _ = exact(pl, bgoal)
+    assert bres.best.pred.job_s == min(s.pred.job_s for s in scored if s.dollars <= 0.05)
+
+
+def test_spot_saves_against_on_demand_and_pareto_is_a_front():
+    pl = _planner()
+    _, scored = exact(pl, Goal(deadline_s=1e6))
+    spot = [s for s in scored if s.cand.market == "spot"]
+    assert all(s.saving > 0 for s in spot)
+    front = pareto(scored)
+    for a, b in itertools.pairwise(front):
+        assert a.pred.job_s <= b.pred.job_s and a.dollars > b.dollars
+    for s in scored:  # nothing dominates the front strictly
+        assert not any(s.pred.job_s < f.pred.job_s and s.dollars < f.dollars for f in front)
+
+
+def test_goal_needs_exactly_one_limit():
+    with pytest.raises(ValueError):
+        Goal()
+    with pytest.raises(ValueError):
+        Goal(deadline_s=1.0, budget=1.0)
+
+
+# ---- history --------------------------------------------------------------------------------
+
+def test_history_from_units_csv(tmp_path):
+    p = tmp_path / "units.csv"
+    with p.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["unit", "train_s", "wall_s", "t", "failed"])
+        w.writeheader()
+        for i, t in enumerate((10.0, 10.5, 11.5, 12.0)):
+            w.writerow({"unit": f"u{i}", "train_s": 1.0 + i, "wall_s": 1.5 + i, "t": t})
+        w.writerow({"unit": "bad", "failed": "too many errors"})
+        w.writerow({"unit": "nan", "train_s": "nan", "wall_s": "x", "t": ""})
+    h = read_history(p)
+    assert h.units == 4
+    assert h.train_s == pytest.approx(2.5)
+    assert h.wall_s == pytest.approx(3.0)
+    assert h.merge_gap_s == pytest.approx(0.5)
+    assert h.span_s == pytest.approx(2.0)
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+def test_cli_plan_end_to_end(tmp_path):
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "types:\n"
+        "  g4dn.xlarge: {unit_s: 6.0, cores: 4, max_count: 3, preempt_p: 0.05}\n"
+        "  n2-standard-4: {unit_s: 20.0, cores: 4, max_count: 3, preempt_p: 0.03}\n"
+        "slots: [1, 2, 4]\nassimilators: [1, 2]\nserver: {type: c6i.xlarge}\nparams: 4970\n"
+        "costs: {merge_s: 0.05, speedup: {2: 1.5}}\n")
+    png = tmp_path / "plan.png"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+                          "--fleet", str(fleet), "--deadline", "10m", "--plot", str(png)],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "recommended (*)" in out.stdout
+    assert "cheapest predicted to finish within the deadline" in out.stdout
+    assert "greedy:" in out.stdout and "genetic:" in out.stdout and "regret" in out.stdout
+    assert "as of 2026-11-01" in out.stdout
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+                          "--fleet", str(fleet)], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode != 0
+
+
+# ---- local backend knob ---------------------------------------------------------------------
+
+def test_local_backend_runs_per_host_synthetic_unit_times(redis_server, tmp_path):
+    from server.faults.harness import run_headless, small_spec
+
+    spec = small_spec("perhost", training={"epochs": 1}, vcasgd={"n_subsets": 6},
+                      backend={"local": {"workers": 2, "slots": 1, "assimilators": 1}})
+    box: dict = {}
+    res = run_headless(spec, tmp_path / "run", redis_server.url, search_path=ROOT / "examples",
+                       backend_opts={"synthetic_unit_s": [0.2, 0.9]},
+                       on_start=lambda b, g: box.setdefault("b", b), timeout_s=120)
+    assert res.status == "done"
+    times = sorted(box["b"].unit_times)
+    assert times[0] < 0.6 and times[-1] >= 0.9  # both hosts ran units at their own speed
+    from server.backends.local import LocalJobSystem
+
+    with pytest.raises(ValueError, match="one time per host"):
+        LocalJobSystem(tmp_path / "x", redis_server.url, "j", workers=2, synthetic_unit_s=[0.1])
