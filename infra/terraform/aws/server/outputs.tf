@@ -32,3 +32,8 @@ output "security_group_id" {
   description = "Security group of the server."
   value       = aws_security_group.this.id
 }
+
+output "role_name" {
+  description = "IAM role of the server VM (attach the fleet controller's policy to run the controller there)."
+  value       = aws_iam_role.this.name
+}

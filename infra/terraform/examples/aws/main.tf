@@ -79,3 +79,14 @@ module "cpu_fleet" {
   root_volume_gb       = 40
   max_size             = var.cpu_max_hosts
 }
+
+# The fleet controller runs on the server (it reads BOINC's database and Redis there).
+resource "aws_iam_role_policy_attachment" "controller_gpu" {
+  role       = module.server.role_name
+  policy_arn = module.gpu_fleet.controller_policy_arn
+}
+
+resource "aws_iam_role_policy_attachment" "controller_cpu" {
+  role       = module.server.role_name
+  policy_arn = module.cpu_fleet.controller_policy_arn
+}

@@ -1,5 +1,5 @@
 # boinc-dl on GCP: the server, a GPU and a CPU SPOT fleet, each with an on-demand twin
-# group for the fleet controller's fallback.
+# group for the fleet controller's fallback. The controller runs on the server.
 
 module "server" {
   source          = "../../gcp/server"
@@ -23,6 +23,7 @@ module "gpu_fleet" {
   image                = var.gpu_image
   project_url          = module.server.project_url
   weak_key_secret_id   = module.server.weak_key_secret_id
+  controller_members   = ["serviceAccount:${module.server.service_account}"]
   boinc_dl_requirement = "boinc-dl[gpu]==${var.boinc_dl_version}"
 }
 
@@ -38,5 +39,6 @@ module "cpu_fleet" {
   boot_disk_gb         = 40
   project_url          = module.server.project_url
   weak_key_secret_id   = module.server.weak_key_secret_id
+  controller_members   = ["serviceAccount:${module.server.service_account}"]
   boinc_dl_requirement = "boinc-dl[cpu]==${var.boinc_dl_version}"
 }

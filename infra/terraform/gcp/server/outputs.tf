@@ -27,3 +27,8 @@ output "redis_password_secret_id" {
   description = "Secret Manager secret holding the stack's Redis password."
   value       = google_secret_manager_secret.redis_password.id
 }
+
+output "service_account" {
+  description = "Service account of the server VM (give it the fleet controller's roles to run the controller there)."
+  value       = google_service_account.server.email
+}

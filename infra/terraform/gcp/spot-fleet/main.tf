@@ -164,11 +164,12 @@ locals {
   mig_names          = [for m in values(local.markets) : m.name]
 }
 
+# count, not for_each: the members' e-mails are only known after apply.
 resource "google_project_iam_member" "resize" {
-  for_each = toset(local.controller_members)
-  project  = var.project
-  role     = google_project_iam_custom_role.resize.id
-  member   = each.value
+  count   = length(local.controller_members)
+  project = var.project
+  role    = google_project_iam_custom_role.resize.id
+  member  = local.controller_members[count.index]
   # Only these groups: list calls are not narrowed by conditions, these are.
   condition {
     title      = "${var.name}-groups-only"
@@ -177,8 +178,8 @@ resource "google_project_iam_member" "resize" {
 }
 
 resource "google_project_iam_member" "observe" {
-  for_each = toset(local.controller_members)
-  project  = var.project
-  role     = google_project_iam_custom_role.observe.id
-  member   = each.value
+  count   = length(local.controller_members)
+  project = var.project
+  role    = google_project_iam_custom_role.observe.id
+  member  = local.controller_members[count.index]
 }
