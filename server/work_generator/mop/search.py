@@ -272,6 +272,11 @@ class SearchProcedure(ABC):
         mode: ``"max"`` or ``"min"`` (higher or lower is better). NaN/missing ranks last.
     """
 
+    #: Whether the procedure decides at epoch boundaries (stops, adds or clones models):
+    #: then every model waits for the others at each epoch's end. Grid and random search
+    #: decide nothing there, so their models go on to the next epoch at once (pipelining).
+    epoch_barrier: bool = True
+
     def __init__(self, metric: str = DEFAULT_METRIC, mode: str = "max") -> None:
         if mode not in ("max", "min"):
             raise SpecError(f"search mode must be 'max' or 'min', got {mode!r}")
@@ -391,6 +396,8 @@ def _check_epochs(epochs: Any, what: str = "epochs") -> int:
 class GridSearch(SearchProcedure):
     """Every combination of ``param_grid`` trained for ``epochs`` epochs (one-shot template)."""
 
+    epoch_barrier = False
+
     def __init__(self, param_grid: Mapping[str, Any], epochs: int, **kw: Any) -> None:
         super().__init__(**kw)
         self.epochs = _check_epochs(epochs)
@@ -405,6 +412,8 @@ class GridSearch(SearchProcedure):
 
 class RandomSearch(SearchProcedure):
     """``budget`` random configurations of ``space``, trained for ``epochs`` epochs."""
+
+    epoch_barrier = False
 
     def __init__(
         self, space: Mapping[str, Any], budget: int, epochs: int, seed: int = 0, **kw: Any

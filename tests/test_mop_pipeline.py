@@ -1,0 +1,90 @@
+"""Pipelined MOP epochs: a model goes on to its next epoch as soon as it finished one,
+with every invariant kept per model-epoch, and across a restart."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from server.work_generator.mop import MOPScheduler, SchedulerError, make_search
+
+
+def _drive(s: MOPScheduler, epochs: int, seed: int, restart_every: int = 0) -> list:
+    """Pull mode with random completion order; returns every completed assignment."""
+    rng = random.Random(seed)
+    flight, done, n = [], [], 0
+    total = len(s.models) * s.n_partitions * epochs
+    while len(done) < total:
+        flight += s.issue(rng.randint(1, 3))
+        assert len({a.model for a in flight}) == len(flight)  # model isolation
+        assert len(flight) == len(s.in_flight())
+        a = flight.pop(rng.randrange(len(flight)))
+        assert s.complete(a.model, a.partition, a.attempt, a.epoch)
+        assert not s.complete(a.model, a.partition, a.attempt, a.epoch)  # duplicate: stale
+        done.append(a)
+        if s.model_finished(a.model) and s.model_epoch(a.model) < epochs:
+            assert s.advance_model(a.model) == a.epoch + 1
+        n += 1
+        if restart_every and n % restart_every == 0:
+            s = MOPScheduler.from_state(s.to_state())
+            flight = list(s.in_flight())
+    assert s.in_flight() == [] and s.pending() == []
+    return done
+
+
+@pytest.mark.parametrize("restart_every", [0, 5])
+def test_pipelined_epochs_keep_invariants(restart_every: int) -> None:
+    models = [f"m{i}" for i in range(5)]
+    s = MOPScheduler(models, 3, None, seed=1)
+    s.start_epoch()
+    done = _drive(s, epochs=3, seed=2, restart_every=restart_every)
+    per = defaultdict(list)
+    for a in done:
+        per[(a.model, a.epoch)].append(a.partition)
+    assert set(per) == {(m, e) for m in models for e in (1, 2, 3)}
+    assert all(sorted(v) == [0, 1, 2] for v in per.values())  # completeness per model-epoch
+    # A model's epochs follow each other: no unit of e+1 before all of e completed.
+    for m in models:
+        eps = [a.epoch for a in done if a.model == m]
+        assert eps == sorted(eps)
+
+
+def test_models_overlap_epochs_and_behind_models_go_first() -> None:
+    s = MOPScheduler(["a", "b", "c"], 2, None, seed=0)
+    s.start_epoch()
+    first = {a.model: a for a in s.issue()}
+    a1 = first["a"]
+    s.complete("a", a1.partition, a1.attempt, 1)
+    a2 = s.issue(1)[0]
+    assert a2.model == "a" and a2.epoch == 1
+    s.complete("a", a2.partition, a2.attempt, 1)
+    assert s.model_finished("a") and s.advance_model("a") == 2
+    assert s.model_epoch("a") == 2 and s.model_epoch("b") == 1
+    nxt = s.issue(1)[0]
+    assert (nxt.model, nxt.epoch) == ("a", 2)  # only runnable model: b and c are in flight
+    for m in ("b", "c"):
+        s.complete(m, first[m].partition, first[m].attempt, 1)
+    order = s.issue()
+    assert [a.model for a in order] == sorted(a.model for a in order)  # b, c (epoch 1): behind first
+    assert s.visit_order("a", 1) == [a1.partition, a2.partition]
+    st = MOPScheduler.from_state(s.to_state())
+    assert st.model_epoch("a") == 2 and st.model_epoch("b") == 1
+
+
+def test_advance_refuses_unfinished_or_unknown_models() -> None:
+    s = MOPScheduler(["a"], 2, None, seed=0)
+    s.start_epoch()
+    with pytest.raises(SchedulerError, match="not finished"):
+        s.advance_model("a")
+    with pytest.raises(SchedulerError, match="unknown"):
+        s.advance_model("zz")
+
+
+def test_only_grid_and_random_skip_the_barrier() -> None:
+    space = {"lr": {"loguniform": [1e-3, 1e-1]}, "units": [8, 16]}
+    assert not make_search("grid", {"lr": [0.1, 0.01]}, epochs=2).epoch_barrier
+    assert not make_search("random", space, epochs=2, budget=3).epoch_barrier
+    for name in ("sha", "hyperband", "pbt"):
+        assert make_search(name, space, epochs=4, budget=4).epoch_barrier
