@@ -10,6 +10,8 @@ import pytest
 
 from server.work_generator.mop import MOPScheduler, SchedulerError, make_search
 
+from .conftest import REPO
+
 
 def _drive(s: MOPScheduler, epochs: int, seed: int, restart_every: int = 0) -> list:
     """Pull mode with random completion order; returns every completed assignment."""
@@ -88,3 +90,28 @@ def test_only_grid_and_random_skip_the_barrier() -> None:
     assert not make_search("random", space, epochs=2, budget=3).epoch_barrier
     for name in ("sha", "hyperband", "pbt"):
         assert make_search(name, space, epochs=4, budget=4).epoch_barrier
+
+
+@pytest.mark.slow
+def test_grid_job_pipelines_epochs_on_the_local_backend(tmp_path, redis_server) -> None:
+    """The real generator: epoch-2 units exist before epoch 1 closes; per-model epoch
+    results, visits and the leaderboard are complete."""
+    import json
+
+    from server.common.store import JobStore, connect
+    from server.mop_run import leaderboard
+    from server.run import run_job
+    from tests.test_mop_run import _spec
+
+    spec = _spec("pipe")
+    res = run_job(spec, tmp_path / "run", redis_url=redis_server.url, live=False, search_path=REPO / "examples")
+    assert res.status == "done", res.reason
+    store = JobStore(connect(redis_server.url), "pipe")
+    results = {int(k): json.loads(v) for k, v in store.r.hgetall(store.k("mop_results")).items()}
+    assert sorted(results) == [1, 2] and all(len(r) == 4 for r in results.values())
+    assert all(sorted(r["visits"]) == [0, 1] for res_e in results.values() for r in res_e.values())
+    closed_1 = store.epochs()[1]["ended_at"]
+    created_2 = [json.loads(v)["created_at"] for v in store.r.hvals(store.k("units")) if json.loads(v)["epoch"] == 2]
+    assert len(created_2) == 8 and min(created_2) < closed_1  # no barrier
+    rows = leaderboard(store)
+    assert len(rows) == 4 and all(len(r["curve"]) == 2 and r["status"] == "finished" for r in rows)
