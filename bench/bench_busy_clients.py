@@ -1,7 +1,8 @@
 """Idle share of BOINC hosts while a job has work left: before/after, same script.
 
 A simulated clock drives clients that fetch work as BOINC 7.20's do (work-fetch backoff of
-0.5-1.5 x 600 s doubling up to a day after a "no tasks" reply; ``next_rpc_delay`` honoured;
+0.5-1.5 x 600 s doubling up to a day after a "no tasks" reply, cleared by a finished
+upload; results reported at once; 7 s ``request_delay``; ``next_rpc_delay`` honoured;
 ``server/boinc/workfetch_sim.py``) against:
 
 * MOP, the grid example's shape (8 configurations x 4 partitions, 3 epochs) on 1 and 2

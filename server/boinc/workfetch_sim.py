@@ -9,9 +9,14 @@ The client follows BOINC 7.20's rules (``client/cs_scheduler.cpp``, ``client/wor
 * every 5 s (``SCHEDULER_RPC_POLL_PERIOD``) it considers one scheduler RPC, in this order:
   a project-requested RPC once ``next_rpc_time`` passed (``RPC_REASON_PROJECT_REQ``),
   then, checked every 60 s (``WORK_FETCH_PERIOD``) or at once after a task exits:
-  results due (with ``<report_immediately/>``, or a day after completion) and
+  results due (``RESULTS_DUE``: at once when the deadline is less than a day away, which
+  is always the case for boinc-dl's ``delay_bound``, else an hour after completion) and
   work fetch (``RPC_REASON_NEED_WORK``) when a slot is idle and the project's work fetch
   is not backed off;
+* every RPC waits for ``min_rpc_time``: the reply's ``request_delay``, 7 s with
+  make_project's ``min_sendwork_interval`` of 6 s;
+* a task's upload finishing clears the work-fetch backoff (``clear_backoffs`` in
+  ``CLIENT_STATE::update_results``); uploads take no time here;
 * every RPC reports the finished tasks and piggybacks a work request for the idle slots,
   *also while backed off* (``piggyback_work_request`` accepts ``RSC_REASON_BACKED_OFF``);
   an RPC is held back only by ``min_rpc_time``, which "no tasks" replies do not set;
@@ -41,7 +46,7 @@ WF_MIN_BACKOFF_INTERVAL = 600.0
 WF_MAX_BACKOFF_INTERVAL = 86400.0
 SCHEDULER_RPC_POLL_PERIOD = 5.0
 WORK_FETCH_PERIOD = 60.0
-MAX_REPORT_DELAY = 86400.0
+MAX_REPORT_DELAY = 3600.0
 
 # RPC reasons (client/common_defs.h); only the ones that matter here.
 NEED_WORK, RESULTS_DUE, PROJECT_REQ = "need_work", "results_due", "project_req"
@@ -189,7 +194,9 @@ class Client:
     rng: random.Random
     unit_s: float = 60.0
     jitter: float = 0.25
-    report_immediately: bool = False
+    results_due_at_once: bool = True  # report deadline within REPORT_DEADLINE_CUSHION (a day)
+    request_delay: float = 7.0  # min_sendwork_interval 6 s: max(1.01 x 6, 6 + 1)
+    min_rpc_time: float = 0.0
     running: list = field(default_factory=list)  # (ends_at, unit)
     ready: list = field(default_factory=list)  # (completed_at, unit)
     backoff_time: float = 0.0
@@ -219,7 +226,8 @@ class Client:
         for u in got:
             d = self.unit_s * (1 + self.jitter * (2 * self.rng.random() - 1))
             self.running.append((now + d, u))
-        # handle_scheduler_reply: next_rpc_delay, then WORK_FETCH::handle_reply.
+        # handle_scheduler_reply: request_delay, next_rpc_delay, then WORK_FETCH::handle_reply.
+        self.min_rpc_time = now + self.request_delay
         self.next_rpc_time = now + p.next_rpc_delay if p.next_rpc_delay else 0.0
         if idle > 0 and not got and self.backoff_time < now and reason in (NEED_WORK, RESULTS_DUE):
             self._backoff(now)
@@ -232,11 +240,12 @@ class Client:
             self.running.remove((end, u))
             self.ready.append((end, u))
             self.must_check_work_fetch = True  # "application exited"
+            self.backoff_time = self.backoff_interval = 0.0  # upload done: clear_backoffs
         if counting:
             idle = self.slots - len(self.running)
             self.idle_s += idle * dt
             self.busy_s += len(self.running) * dt
-        if (now + self.phase) % SCHEDULER_RPC_POLL_PERIOD:
+        if (now + self.phase) % SCHEDULER_RPC_POLL_PERIOD or now < self.min_rpc_time:
             return
         if self.next_rpc_time and self.next_rpc_time < now:
             self._rpc(p, now, PROJECT_REQ)
@@ -244,7 +253,7 @@ class Client:
         if not self.must_check_work_fetch and now - self.last_work_fetch < WORK_FETCH_PERIOD:
             return
         self.must_check_work_fetch, self.last_work_fetch = False, now
-        due = [c for c, _ in self.ready if self.report_immediately or now > c + MAX_REPORT_DELAY]
+        due = [c for c, _ in self.ready if self.results_due_at_once or now > c + MAX_REPORT_DELAY]
         if due:
             self._rpc(p, now, RESULTS_DUE)
         elif len(self.running) < self.slots and now >= self.backoff_time:
@@ -263,7 +272,7 @@ class SimResult:
 
 
 def simulate(gen: Generator, hosts: int, slots: int, next_rpc_delay: float = 0.0, unit_s: float = 60.0,
-             seed: int = 0, report_immediately: bool = False, max_s: float = 86400.0,
+             seed: int = 0, request_delay: float = 7.0, max_s: float = 86400.0,
              project: SimProject | None = None, **server: float) -> SimResult:
     """Run ``hosts`` clients of ``slots`` slots against ``gen`` until every unit is merged."""
     rng = random.Random(seed)
@@ -273,7 +282,7 @@ def simulate(gen: Generator, hosts: int, slots: int, next_rpc_delay: float = 0.0
         gen.attach(p)
     clients = []
     for i in range(hosts):
-        c = Client(i, slots, random.Random(rng.random()), unit_s=unit_s, report_immediately=report_immediately)
+        c = Client(i, slots, random.Random(rng.random()), unit_s=unit_s, request_delay=request_delay)
         # Idle and not backed off when the job arrives, each at its own point of its
         # 60 s work-fetch cycle and 5 s poll cycle.
         c.last_work_fetch, c.phase = -rng.uniform(0, WORK_FETCH_PERIOD), rng.randrange(5)

@@ -85,6 +85,8 @@ class MOPWorkGenerator:
         #: at epoch boundaries): no host waits for the slowest model of an epoch.
         self.pipelined = not self.search.epoch_barrier
         self.sched = self._load_or_start()
+        if self.pipelined:
+            self._catch_up()
 
     # ---- Redis state ---------------------------------------------------------------------
     def _configs(self) -> dict[str, dict[str, Any]]:
@@ -308,6 +310,20 @@ class MOPWorkGenerator:
             e = self.sched.advance_model(model)
             if e > int(self.store.meta().get("epoch", 1)):
                 self.store.set_meta(epoch=e)
+
+    def _catch_up(self) -> None:
+        """After a restart: end the epoch of models that finished it without being
+        evaluated or moved on (a state saved by a generator that kept the barrier)."""
+        changed = False
+        for m in self.sched.models:
+            if self.sched.model_finished(m):
+                e = self.sched.model_epoch(m)
+                if e < self.spec.training.epochs or not self.store.r.hexists(
+                        self.store.k("mop_model_results"), f"{e}:{m}"):
+                    self._model_epoch_end(m, e)
+                    changed = True
+        if changed:
+            self._save()
 
     def _close_ready(self) -> None:
         """Pipelining: close every epoch whose models all have their end-of-epoch result."""
