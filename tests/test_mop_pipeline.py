@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import pytest
 
+from server.backends.base import JobSystem
 from server.work_generator.mop import MOPScheduler, SchedulerError, make_search
 
 from .conftest import REPO
@@ -115,3 +116,56 @@ def test_grid_job_pipelines_epochs_on_the_local_backend(tmp_path, redis_server) 
     assert len(created_2) == 8 and min(created_2) < closed_1  # no barrier
     rows = leaderboard(store)
     assert len(rows) == 4 and all(len(r["curve"]) == 2 and r["status"] == "finished" for r in rows)
+
+
+class _Recorder(JobSystem):
+    """A job system that only records what the generator submits (no hosts here)."""
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+
+    def submit(self, wu, limits) -> None:
+        self.submitted.append(wu.unit)
+
+    def cancel(self, unit: str) -> None:
+        raise AssertionError(f"nothing should be cancelled, got {unit}")
+
+
+@pytest.mark.slow
+def test_restart_from_a_barrier_state_catches_up(tmp_path, redis_server, monkeypatch) -> None:
+    """A grid job saved by a generator that kept the barrier: on restart, models that
+    finished their epoch are evaluated and go on at once instead of waiting forever."""
+    import json
+
+    from server.common.store import JobStore, connect
+    from server.work_generator.mop.search import GridSearch
+    from server.work_generator.mop_generator import MOPWorkGenerator
+    from server.work_generator.prepare import prepare_job
+    from tests.test_mop_run import _spec
+
+    spec = _spec("catchup")
+    store = JobStore(connect(redis_server.url), "catchup")
+    prepare_job(spec, store, tmp_path, search_path=REPO / "examples")
+    done = store.k("assimilated")
+
+    def finish(gen: MOPWorkGenerator, model: str) -> None:
+        for a in gen.sched.in_flight():
+            if a.model == model:
+                store.r.hset(done, gen._unit(a), json.dumps({"val_acc": 0.5}))
+
+    with monkeypatch.context() as m:
+        m.setattr(GridSearch, "epoch_barrier", True)
+        old = MOPWorkGenerator(store, spec, tmp_path, _Recorder(), None, search_path=REPO / "examples")
+        assert not old.pipelined
+        old.step()
+        target = old.sched.models[0]
+        for _ in range(2):  # both partitions of one model, the others stay in flight
+            finish(old, target)
+            old.step()
+        assert old.sched.model_finished(target) and old.sched.model_epoch(target) == 1
+    backend = _Recorder()
+    new = MOPWorkGenerator(store, spec, tmp_path, backend, None, search_path=REPO / "examples")
+    assert new.pipelined and new.sched.model_epoch(target) == 2
+    assert store.r.hexists(store.k("mop_model_results"), f"1:{target}")
+    new.step()
+    assert [u for u in backend.submitted if "_e0002_" in u] and all(target in u for u in backend.submitted)
