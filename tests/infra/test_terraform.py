@@ -307,6 +307,7 @@ def mirrored(provider: str) -> bool:
 @pytest.mark.skipif(not shutil.which("terraform"), reason="terraform not installed (no registry package ships it)")
 @pytest.mark.parametrize("mod", ["aws/server", "aws/spot-fleet", "examples/aws", "gcp/server", "gcp/spot-fleet", "examples/gcp"])
 def test_terraform_validate_offline(tmp_path: Path, mod: str) -> None:
+    """init from the local mirror only, validate, fmt, and terraform test where a module has tests."""
     needed = {"aws"} if mod.startswith(("aws", "examples/aws")) else {"google", "random"}
     absent = sorted(p for p in needed if not mirrored(p))
     if absent:
@@ -317,7 +318,10 @@ def test_terraform_validate_offline(tmp_path: Path, mod: str) -> None:
     rc.write_text(f'provider_installation {{\n  filesystem_mirror {{\n    path = "{MIRROR}"\n  }}\n}}\n')
     env = {**os.environ, "TF_CLI_CONFIG_FILE": str(rc), "TF_DATA_DIR": str(tmp_path / "data"),
            "TF_IN_AUTOMATION": "1", "CHECKPOINT_DISABLE": "1"}
-    for cmd in (["init", "-backend=false", "-input=false", "-no-color"], ["validate", "-no-color"]):
+    cmds = [["init", "-backend=false", "-input=false", "-no-color"], ["validate", "-no-color"]]
+    if (tree / mod / "tests").is_dir():
+        cmds.append(["test", "-no-color"])  # *.tftest.hcl against mock providers
+    for cmd in cmds:
         res = subprocess.run(["terraform", *cmd], cwd=tree / mod, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
     fmt = subprocess.run(["terraform", "fmt", "-check", "-recursive", str(tree)], capture_output=True, text=True)
