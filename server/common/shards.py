@@ -17,10 +17,12 @@ Keys of shard ``i`` of model ``M`` of job ``J`` (``B = bdl:J:s:{J/M/i}``):
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -112,6 +114,27 @@ if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], 'assimilated', 1) end
 redis.call('XADD', KEYS[4], '*', 'kind', 'merge', 'unit', ARGV[1], 'model', ARGV[4], 'data', rec)
 return {1, v}
 """
+
+
+def save_shard_versions(weights_path: Path, versions: list[int]) -> None:
+    """Record next to a server weights file the shard versions of the snapshot in it
+    (server side only: the workunit description carries them to the unit)."""
+    tmp = weights_path.with_name(f".tmp.{weights_path.name}.shards")
+    tmp.write_text(json.dumps(versions))
+    tmp.replace(shard_versions_path(weights_path))
+
+
+def load_shard_versions(weights_path: Path) -> list[int] | None:
+    """The shard versions recorded by :func:`save_shard_versions` (None if absent)."""
+    try:
+        v = json.loads(shard_versions_path(weights_path).read_text())
+    except (OSError, ValueError):
+        return None
+    return [int(x) for x in v] if isinstance(v, list) else None
+
+
+def shard_versions_path(weights_path: Path) -> Path:
+    return weights_path.with_name(f"{weights_path.name}.shards.json")
 
 
 def fault_kill_after_shards() -> int | None:
