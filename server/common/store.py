@@ -138,6 +138,10 @@ def connect(url: str, timeout: float = 10.0, wait_s: float = 0.0) -> redis.Redis
             time.sleep(0.1)
 
 
+# A shard read fetched ahead: (the cache entry popped for it, the read script's reply).
+_ReadAhead = tuple[tuple[bytes, np.ndarray] | None, list[Any]]
+
+
 @dataclass
 class MergeOutcome:
     """What one call of :meth:`JobStore.merge` did."""
@@ -401,13 +405,15 @@ class JobStore:
         # different shards at any moment instead of queueing on shard 0.
         start = int.from_bytes(os.urandom(2), "big") % lay.shards
         retries, applied_here = 0, 0
+        ahead: _ReadAhead | None = None
         for j in range(lay.shards):
             i = (start + j) % lay.shards
             sl = lay.bounds(i)
+            nxt = (start + j + 1) % lay.shards if j + 1 < lay.shards else None
 
             def fn(part: np.ndarray, sl: slice = sl) -> np.ndarray | None:
                 return combine(part) if one_arg else combine(part, sl)
-            status, r = self._merge_shard(model, i, unit, token, fn, strict, max_retries)
+            status, r, ahead = self._merge_shard(model, i, unit, token, fn, strict, max_retries, ahead, nxt)
             retries += r
             if status == "rejected":
                 if applied_here or j:
@@ -421,9 +427,14 @@ class JobStore:
 
     def _merge_shard(self, model: str, i: int, unit: str, token: str,
                      combine: Callable[[np.ndarray], np.ndarray | None], strict: bool,
-                     max_retries: int) -> tuple[str, int]:
+                     max_retries: int, ahead: _ReadAhead | None = None,
+                     next_shard: int | None = None) -> tuple[str, int, _ReadAhead | None]:
         """Apply ``combine`` to shard ``i`` once: ``applied``, ``skipped`` (already
-        carries the unit) or ``rejected``; with the number of conflicts retried."""
+        carries the unit) or ``rejected``; with the number of conflicts retried.
+
+        On one Redis the read of ``next_shard`` rides in the same round trip as this
+        shard's check-and-set (returned as a read-ahead for the next call): half the
+        round trips, and the next shard's conflict window is unchanged."""
         keys = self._shard_keys(model, i)
         read = self._script("read_shard", sh.READ_SHARD)
         cas = self._script("cas_shard", sh.CAS_SHARD)
@@ -432,15 +443,19 @@ class JobStore:
         deadline: float | None = None
         delay = 0.05
         while True:
-            # Popped: combine works in place, so a failed attempt must not leave a
-            # half-merged buffer in the cache.
-            cached = self._cache.pop((model, i), None)
             try:
-                tag, _v, mark, w = read(keys=keys, args=[field, cached[0] if cached else b""])
+                if ahead is not None:
+                    cached, (tag, _v, mark, w) = ahead
+                    ahead = None
+                else:
+                    # Popped: combine works in place, so a failed attempt must not leave
+                    # a half-merged buffer in the cache.
+                    cached = self._cache.pop((model, i), None)
+                    tag, _v, mark, w = read(keys=keys, args=[field, cached[0] if cached else b""])
                 if mark is not None:
                     if cached is not None:
                         self._cache[(model, i)] = cached
-                    return "skipped", retries
+                    return "skipped", retries, None
                 if w is None:
                     if tag is None or cached is None:
                         raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
@@ -449,14 +464,27 @@ class JobStore:
                     ws = np.frombuffer(w, dtype=np.float32).copy()
                 new = combine(ws)
                 if new is None:
-                    return "rejected", retries
+                    return "rejected", retries, None
                 new_tag = _new_tag()
-                res = cas(keys=keys, args=[tag if strict else b"", new_tag, field, token, _as_bytes(new)])
+                cas_args = [tag if strict else b"", new_tag, field, token, _as_bytes(new)]
+                nxt: _ReadAhead | None = None
+                if next_shard is not None and not self.cluster:
+                    nxt_cached = self._cache.pop((model, next_shard), None)
+                    p = self.r.pipeline(transaction=False)
+                    cas(keys=keys, args=cas_args, client=p)
+                    read(keys=self._shard_keys(model, next_shard),
+                         args=[field, nxt_cached[0] if nxt_cached else b""], client=p)
+                    res, nxt_read = p.execute()
+                    nxt = (nxt_cached, nxt_read)
+                else:
+                    res = cas(keys=keys, args=cas_args)
                 if int(res[0]) == 1:
                     self._cache[(model, i)] = (new_tag, new)
-                    return "applied", retries
+                    return "applied", retries, nxt
                 if int(res[0]) == 0:
-                    return "skipped", retries  # another merge of this unit got there first
+                    return "skipped", retries, nxt  # another merge of this unit got there first
+                if nxt is not None and nxt[0] is not None:
+                    self._cache[(model, next_shard)] = nxt[0]  # type: ignore[index]
                 retries += 1
                 if retries > max_retries:
                     raise StoreUnavailable(f"merge of {unit}: gave up after {retries} conflicts on shard {i}")
