@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -124,6 +125,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-bytes", type=int, default=sh.TARGET_SHARD_BYTES)
     a = ap.parse_args()
+    # A SIGTERM (timeout, Ctrl-C from a wrapper) still runs the finally blocks that stop
+    # the Redis servers this script started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(f"{a.procs} assimilator processes, {a.results} results, {a.params:,} float32 parameters, "
           f"{a.repeats} repeats")
     one_key = a.params * 4 + 1  # one shard: the whole model under one check-and-set

@@ -249,3 +249,30 @@ def test_list_of_node_urls_reaches_the_cluster(cluster: LocalRedisCluster) -> No
     assert store.cluster and store.k("meta") == "bdl:{listed}:meta"
     store.set_meta(x=1)
     assert JobStore(connect(cluster.url), "listed").meta()["x"] == "1"
+
+
+def test_cached_fast_path_and_a_second_writer(tmp_path: Path, monkeypatch) -> None:
+    """A lone assimilator merges from its cached shards in one pipelined round trip;
+    another writer in between makes its cache stale, and the merge re-reads: every
+    shard still ends at the exact value."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        a = _job(srv.url, 6, "fast")
+        b = JobStore(connect(srv.url), "fast")
+        wc = np.ones(N, np.float32)
+
+        def merge(st: JobStore, u: str) -> None:
+            assert st.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
+        merge(a, "m0")
+        assert len(a._cache) == 10  # every shard cached: the next merge takes the fast path
+        merge(a, "m1")
+        merge(b, "m2")              # a's cache is now stale everywhere
+        merge(a, "m3")
+        merge(a, "m4")
+        snap = b.snapshot("0")
+        assert snap.shard_versions == [5] * 10
+        np.testing.assert_array_equal(snap.flat, _expected(5, 0.5))
+        assert not a.merge("0", "m4", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
+    finally:
+        srv.kill()

@@ -404,19 +404,27 @@ class JobStore:
         # Start at a random shard: concurrent merges of one model then mostly touch
         # different shards at any moment instead of queueing on shard 0.
         start = int.from_bytes(os.urandom(2), "big") % lay.shards
-        retries, applied_here = 0, 0
-        ahead: _ReadAhead | None = None
-        for j in range(lay.shards):
-            i = (start + j) % lay.shards
-            sl = lay.bounds(i)
-            nxt = (start + j + 1) % lay.shards if j + 1 < lay.shards else None
+        order = [(start + j) % lay.shards for j in range(lay.shards)]
 
-            def fn(part: np.ndarray, sl: slice = sl) -> np.ndarray | None:
-                return combine(part) if one_arg else combine(part, sl)
-            status, r, ahead = self._merge_shard(model, i, unit, token, fn, strict, max_retries, ahead, nxt)
+        def fn_for(i: int) -> Callable[[np.ndarray], np.ndarray | None]:
+            sl = lay.bounds(i)
+            return (lambda part: combine(part)) if one_arg else (lambda part: combine(part, sl))
+        retries, applied_here = 0, 0
+        done: set[int] = set()
+        if not self.cluster and lay.shards > 1 and all((model, i) in self._cache for i in order):
+            applied_here, done, rejected = self._merge_cached(model, order, unit, token, fn_for, strict)
+            if rejected:
+                return MergeOutcome(False, self.version(model), 0)
+            if kill_after is not None and applied_here >= kill_after:
+                sh.die_now()
+        remaining = [i for i in order if i not in done]
+        ahead: _ReadAhead | None = None
+        for j, i in enumerate(remaining):
+            nxt = remaining[j + 1] if j + 1 < len(remaining) else None
+            status, r, ahead = self._merge_shard(model, i, unit, token, fn_for(i), strict, max_retries, ahead, nxt)
             retries += r
             if status == "rejected":
-                if applied_here or j:
+                if applied_here or done or j:
                     raise ValueError(f"merge of {unit}: combine rejected shard {i} after others were applied")
                 return MergeOutcome(False, self.version(model), retries)
             if status == "applied":
@@ -424,6 +432,55 @@ class JobStore:
                 if kill_after is not None and applied_here >= kill_after:
                     sh.die_now()
         return self._finalize(model, unit, token, record, epoch, retries)
+
+    def _merge_cached(self, model: str, order: list[int], unit: str, token: str,
+                      fn_for: Callable[[int], Callable[[np.ndarray], np.ndarray | None]],
+                      strict: bool) -> tuple[int, set[int], bool]:
+        """Fast path of a lone assimilator on one Redis: the shards whose cached copy is
+        still current are merged from the cache and committed in one pipelined round
+        trip (each shard's check-and-set still atomic on its own).
+
+        Returns (shards applied, shards now carrying the unit, rejected). Shards left
+        out (stale cache, a conflict, a lost reply) go through :meth:`_merge_shard`."""
+        field = f"u:{unit}"
+        try:
+            p = self.r.pipeline(transaction=False)
+            for i in order:
+                p.hmget(self._shard_keys(model, i)[1], "tag", field)
+            heads = p.execute()
+            marked = {i for i, (_tag, mark) in zip(order, heads, strict=True) if mark is not None}
+            fresh = [i for i, (tag, mark) in zip(order, heads, strict=True)
+                     if mark is None and tag is not None and self._cache[(model, i)][0] == tag]
+            if not fresh:
+                return 0, marked, False
+            news: list[tuple[int, bytes, np.ndarray, bytes]] = []
+            for i in fresh:
+                tag, buf = self._cache.pop((model, i))  # combine works in place
+                new = fn_for(i)(buf)
+                if new is None:
+                    if marked or news:
+                        raise ValueError(f"merge of {unit}: combine rejected shard {i} after others")
+                    return 0, set(), True
+                news.append((i, tag, new, _new_tag()))
+            cas = self._script("cas_shard", sh.CAS_SHARD)
+            p = self.r.pipeline(transaction=False)
+            for i, tag, new, new_tag in news:
+                cas(keys=self._shard_keys(model, i), args=[tag if strict else b"", new_tag, field, token,
+                                                           _as_bytes(new)], client=p)
+            res = p.execute()
+        except (redis.RedisError, redis.RedisClusterException, OSError) as e:
+            if not (isinstance(e, OSError) or is_transient(e)):
+                raise
+            return 0, set(), False  # the per-shard path re-reads every shard and retries
+        applied = 0
+        for (i, _tag, new, new_tag), r in zip(news, res, strict=True):
+            if int(r[0]) == 1:
+                self._cache[(model, i)] = (new_tag, new)
+                applied += 1
+                marked.add(i)
+            elif int(r[0]) == 0:
+                marked.add(i)
+        return applied, marked, False
 
     def _merge_shard(self, model: str, i: int, unit: str, token: str,
                      combine: Callable[[np.ndarray], np.ndarray | None], strict: bool,
