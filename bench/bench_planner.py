@@ -19,7 +19,7 @@ correlation, and the regret of the planner's recommendation — the cheapest pre
 configuration meeting a deadline (the median predicted time, fixed before measuring),
 priced as simulated instance types — against the cheapest measured one that met it.
 
-    python bench/bench_planner.py [--epochs 2] [--units 12] [--only fig3]
+    python bench/bench_planner.py [--epochs 2] [--units 8] [--only fig3]
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> ServerCosts:
     rate = {}
     n = 16
     for p in (1, 2, 4):
-        # Server-bound: 8 hosts x 1 slot of 0.02 s units keep P assimilators busy.
-        r = measure(work, f"cal-{size}-P{p}", size, p, [0.02] * 8, 1, n, 1, 0.0, args.seed)
+        # Server-bound: 4 hosts x 1 slot of 0.02 s units keep P assimilators busy.
+        r = measure(work, f"cal-{size}-P{p}", size, p, [0.02] * 4, 1, n, 1, 0.0, args.seed)
         ts = r["merges"]
         rate[p] = (len(ts) - 1) / (ts[-1] - ts[0])
     merge_s = 1 / rate[1]
@@ -160,7 +160,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--units", type=int, default=12, help="units per epoch")
+    ap.add_argument("--units", type=int, default=8, help="units per epoch")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--only", default="", help="run only cases whose label contains this")
     args = ap.parse_args()
