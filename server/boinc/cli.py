@@ -93,6 +93,14 @@ def work_generator(
     except BoincDLError as e:
         _fail(e)
         return
+    if not once:
+        # stopped by the stop_daemons file: leave without the interpreter's teardown,
+        # which takes seconds with TensorFlow loaded while bin/start waits for the lock
+        import logging
+        import os
+
+        logging.shutdown()
+        os._exit(code)
     raise typer.Exit(code)
 
 

@@ -321,7 +321,7 @@ class JobStore:
                     record: dict[str, Any], epoch: int | None, strict: bool, max_retries: int,
                     token: str, lock: bytes | None = None, released: list[bool] | None = None) -> MergeOutcome:
         wkey, vkey, akey = self.k("w", model), self.k("v", model), self.k("assimilated")
-        tkey = self.k("wt", model)
+        tkey, fkey = self.k("wt", model), self.k("failed")
         retries = 0
         deadline: float | None = None
         delay = 0.05
@@ -331,7 +331,8 @@ class JobStore:
                 with self.r.pipeline(transaction=True) as p:
                     reader: Any = p if strict else self.r
                     if strict:
-                        p.watch(wkey, akey)
+                        # the failed hash too: a unit given up on is never also merged
+                        p.watch(wkey, akey, fkey)
                     prev = reader.hget(akey, unit)
                     if prev is not None:
                         if cached is not None:
@@ -341,6 +342,10 @@ class JobStore:
                         if mine:
                             return MergeOutcome(True, int(json.loads(prev).get("version", v_now)), retries)
                         return MergeOutcome(False, v_now, retries, duplicate=True)
+                    if reader.hexists(fkey, unit):
+                        if cached is not None:
+                            self._cache[model] = cached
+                        return MergeOutcome(False, int(reader.get(vkey) or 0), retries, duplicate=True)
                     tag = reader.get(tkey)
                     v = int(reader.get(vkey) or 0)
                     if cached is not None and tag is not None and cached[0] == tag:
