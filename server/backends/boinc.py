@@ -312,7 +312,6 @@ class BoincJobSystem(JobSystem):
         old = current_instance(self.r, wu.job, unit)
         if old is not None and old != name and self.is_created(wu.job, old):
             self._cancel_workunit(old, wu.job)
-        self.r.hincrby(JobStore(self.r, wu.job).k("counters"), "boinc_regenerated", 1)
         limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
         self._queue(_Pending(wu, limits, name))
         return True

@@ -2,7 +2,7 @@
 
 What it does (each step reports what it changed; a second run changes nothing):
 
-1. ``boinc-dl.yaml``: boinc-dl's settings (Redis URL), created 0600 if missing;
+1. ``boinc-dl.yaml``: boinc-dl's settings (Redis URL), created 0640 if missing (the admin page, run by the web server in the project's group, reads it too);
 2. ``templates/boincdl_in`` and ``templates/boincdl_out`` (create_work's defaults for
    app ``boincdl``);
 3. shims in ``bin/``: ``bdl_assimilate``, ``bdl_validate``, ``bdl_compare``,
@@ -176,7 +176,7 @@ class Installer:
             return
         header = ("# boinc-dl settings for this BOINC project (see docs/boinc.md).\n"
                   "# BDL_REDIS_URL in the environment overrides redis_url.\n")
-        self.write_file(path, header + yaml.safe_dump(new or {"redis_url": None}, sort_keys=False), mode=0o600)
+        self.write_file(path, header + yaml.safe_dump(new or {"redis_url": None}, sort_keys=False), mode=0o640)
         self.p.__dict__.pop("settings", None)
         if not new.get("redis_url"):
             self.note(f"set redis_url in {path} (or BDL_REDIS_URL) before starting the daemons")

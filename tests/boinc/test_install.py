@@ -86,7 +86,7 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     assert (root / "bin/bdl_assimilate").stat().st_mode & stat.S_IXUSR
     settings = root / "boinc-dl.yaml"
     assert yaml.safe_load(settings.read_text())["redis_url"] == "redis://:pw@10.0.0.5:6379/0"
-    assert settings.stat().st_mode & 0o777 == 0o600
+    assert settings.stat().st_mode & 0o777 == 0o640  # the web server (project group) reads it for the admin page
     # second run: nothing changes, no tool runs again
     before = snapshot(root)
     n_calls = len(calls(root))
