@@ -80,6 +80,10 @@ log = logging.getLogger(__name__)
 #: whitespace/quote tokenizer, SQL and URLs unescaped).
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
 TOOL_TIMEOUT_S = 600.0
+#: Task size from the job's history: samples needed, refresh period, bound / estimate.
+FPOPS_MIN_SAMPLES = 3
+FPOPS_REFRESH_S = 60.0
+FPOPS_BOUND_FACTOR = 20.0
 
 
 class BoincToolError(BoincDLError):
@@ -164,6 +168,7 @@ class BoincJobSystem(JobSystem):
         self._md5_cache: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._specs: dict[str, JobSpec] = {}
         self._db: BoincDB | None = None
+        self._fpops: dict[str, tuple[float, tuple[float, float]]] = {}
 
     # ---- JobSystem ------------------------------------------------------------------------
     def submit(self, wu: Workunit, limits: RetryLimits) -> None:
@@ -267,6 +272,45 @@ class BoincJobSystem(JobSystem):
                 self._db.close()
             self._db = None
             return None
+
+    # ---- task size (rsc_fpops_est / rsc_fpops_bound) ---------------------------------------
+    def task_fpops(self, job: str) -> tuple[float, float]:
+        """``rsc_fpops_est`` and ``rsc_fpops_bound`` for the job's next workunits.
+
+        BOINC predicts a task's runtime as ``rsc_fpops_est`` divided by the speed it
+        assumes for the host, and sizes work requests and checks deadlines with that
+        prediction; a client aborts a task that passes ``rsc_fpops_bound``. Once
+        ``FPOPS_MIN_SAMPLES`` tasks of the job came back, the estimate is the median of
+        their measured cost (``elapsed_time * flops_estimate``, BOINC's own figures, start-up
+        included); the job's first units are its calibration, sized by the settings.
+        """
+        default = (self.settings.rsc_fpops_est, self.settings.rsc_fpops_bound)
+        if not self.settings.fpops_from_history:
+            return default
+        now = time.monotonic()
+        cached = self._fpops.get(job)
+        if cached is not None and now - cached[0] < FPOPS_REFRESH_S:
+            return cached[1]
+        value = default
+        costs = None
+        try:
+            if self._db is None:
+                self._db = BoincDB.connect(self.project)
+            costs = self._db.job_task_costs(f"{job}__")
+        except BoincDBError as e:
+            log.warning("task size of job %s from the settings: %s", job, e)
+            self._db = None
+        if costs and len(costs) >= FPOPS_MIN_SAMPLES:
+            sizes = sorted(t * f for t, f in costs)
+            est = sizes[len(sizes) // 2]
+            # the bound protects against runaway tasks, never against a slow host
+            value = (est, max(est * FPOPS_BOUND_FACTOR, sizes[-1] * 4))
+            if cached is None or abs(cached[1][0] - est) > 0.2 * cached[1][0]:
+                log.info("job %s: rsc_fpops_est %.3g (median of %d tasks, %.1f s each on the hosts' "
+                         "speeds), bound %.3g", job, est, len(sizes),
+                         sorted(t for t, _ in costs)[len(costs) // 2], value[1])
+        self._fpops[job] = (now, value)
+        return value
 
     # ---- stray workunits ------------------------------------------------------------------
     def cancel_stray(self, job: str) -> int:
@@ -378,6 +422,7 @@ class BoincJobSystem(JobSystem):
                 f"job {job}: units.max_total_results ({total}) must be at least the quorum ({q})")
         if errors > total:
             raise BoincDLError(f"job {job}: units.max_error_results ({errors}) > max_total_results ({total})")
+        est, bound = self.task_fpops(job)
         return [
             "bin/create_work",
             "--appname", APP_NAME,
@@ -389,8 +434,8 @@ class BoincJobSystem(JobSystem):
             "--max_error_results", str(errors),
             "--max_total_results", str(total),
             "--max_success_results", str(total),
-            "--rsc_fpops_est", f"{self.settings.rsc_fpops_est:.6g}",
-            "--rsc_fpops_bound", f"{self.settings.rsc_fpops_bound:.6g}",
+            "--rsc_fpops_est", f"{est:.6g}",
+            "--rsc_fpops_bound", f"{bound:.6g}",
             "--rsc_memory_bound", f"{self.settings.rsc_memory_bound:.6g}",
             "--rsc_disk_bound", f"{disk_bound:.6g}",
             "--stdin",
@@ -436,9 +481,10 @@ class BoincJobSystem(JobSystem):
     def ensure_output_template(self, max_nbytes: int) -> str:
         """Write the output template for this upload bound if missing; its project path."""
         gz = self.settings.gzip_outputs
-        rel = artifacts.output_template_name(max_nbytes, gz)
+        ri = self.settings.report_immediately
+        rel = artifacts.output_template_name(max_nbytes, gz, ri)
         path = self.project.root / rel
-        text = artifacts.output_template(max_nbytes, gz)
+        text = artifacts.output_template(max_nbytes, gz, ri)
         if path.exists():
             if path.read_text() != text:
                 raise BoincToolError(f"{path} exists with other content; BOINC reads it for every "

@@ -221,6 +221,19 @@ class BoincDB:
         rows = self.query("SELECT name FROM workunit WHERE id = %s", (int(wu_id),), limit=1)
         return str(rows[0]["name"]) if rows else None
 
+    def job_task_costs(self, wu_prefix: str, limit: int = 200) -> list[tuple[float, float]]:
+        """(elapsed_time, flops_estimate) of the latest successful results of the workunits
+        whose names start with ``wu_prefix``: what a task of the job really costs.
+        ``flops_estimate`` is the speed the scheduler assumed for the host when it sent the
+        result (``sched/sched_send.cpp``), so their product is the task's size in BOINC's
+        own unit, the one ``rsc_fpops_est`` is divided by to predict a runtime."""
+        like = wu_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self.query("SELECT r.elapsed_time, r.flops_estimate FROM result r JOIN workunit w "
+                          "ON w.id = r.workunitid WHERE w.name LIKE %s AND r.outcome = %s "
+                          "AND r.elapsed_time > 0 AND r.flops_estimate > 0 ORDER BY r.id DESC LIMIT %s",
+                          (like, RESULT_OUTCOME_SUCCESS, int(limit)), limit=limit)
+        return [(float(r["elapsed_time"]), float(r["flops_estimate"])) for r in rows]
+
     def host_fpops(self, active_within_s: float = 86400.0) -> list[float]:
         """Benchmarked floating-point speed (``host.p_fpops``) of the hosts that contacted
         the scheduler recently: what BOINC divides ``rsc_fpops_est`` by for a new app."""

@@ -31,10 +31,8 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -485,34 +483,19 @@ def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
 
 
 def lookup_wu_name(project: BoincProject, wu_id: int) -> str | None:
-    """A workunit's name from BOINC's database (``mysql`` client, credentials from
-    config.xml); None when that is not possible."""
-    cfg = project.config
-    db = cfg.get("db_name")
-    mysql = shutil.which("mysql")
-    if not db or not mysql:
-        return None
-    with tempfile.NamedTemporaryFile("w", suffix=".cnf", delete=False) as f:
-        f.write("[client]\n")
-        for key, opt in (("db_host", "host"), ("db_user", "user"), ("db_passwd", "password")):
-            if cfg.get(key):
-                f.write(f"{opt}={cfg.get(key)}\n")
-        defaults = f.name
+    """A workunit's name from BOINC's database (read-only, credentials from config.xml);
+    None when that is not possible."""
+    from server.boinc.boincdb import BoincDB, BoincDBError
+
     try:
-        os.chmod(defaults, 0o600)
-        proc = subprocess.run(
-            [mysql, f"--defaults-extra-file={defaults}", "-N", "-B", "-e",
-             f"select name from workunit where id={int(wu_id)}", db],
-            capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("mysql lookup of workunit #%d failed: %s", wu_id, e)
+        with BoincDB.connect(project) as db:
+            name = db.workunit_name(wu_id)
+    except BoincDBError as e:
+        log.warning("lookup of workunit #%d failed: %s", wu_id, e)
         return None
-    finally:
-        os.unlink(defaults)
-    name = proc.stdout.strip().splitlines()[0].strip() if proc.returncode == 0 and proc.stdout.strip() else ""
     if not name:
-        log.warning("mysql lookup of workunit #%d: %s", wu_id, (proc.stderr or "not found").strip()[:300])
-    return name or None
+        log.warning("lookup of workunit #%d: no such workunit", wu_id)
+    return name
 
 
 # ---- validator ----------------------------------------------------------------------------

@@ -51,8 +51,10 @@ def _exec(project: BoincProject, sql: str, params: tuple = ()) -> int:
     return n
 
 
-def send(project: BoincProject, wu_names: list[str], hostid: int = 1, now: float | None = None) -> list[str]:
-    """Send one UNSENT result of each named workunit (in the order given); their names."""
+def send(project: BoincProject, wu_names: list[str], hostid: int = 1, now: float | None = None,
+         flops: float = 4e9) -> list[str]:
+    """Send one UNSENT result of each named workunit (in the order given), to a host the
+    scheduler believes does ``flops`` per second; the results' names."""
     now = int(now if now is not None else time.time())
     sent = []
     for wu in wu_names:
@@ -60,17 +62,20 @@ def send(project: BoincProject, wu_names: list[str], hostid: int = 1, now: float
                           "WHERE w.name = %s AND r.server_state = 2 AND w.error_mask = 0 ORDER BY r.id LIMIT 1", (wu,))
         if not r:
             continue
-        _exec(project, "UPDATE result SET server_state = 4, sent_time = %s, report_deadline = %s, hostid = %s "
-                       "WHERE id = %s", (now, now + int(r[0]["delay_bound"]), hostid, r[0]["id"]))
+        _exec(project, "UPDATE result SET server_state = 4, sent_time = %s, report_deadline = %s, hostid = %s, "
+                       "flops_estimate = %s WHERE id = %s",
+              (now, now + int(r[0]["delay_bound"]), hostid, flops, r[0]["id"]))
         sent.append(r[0]["name"])
     return sent
 
 
-def report(project: BoincProject, result: str, success: bool = True, now: float | None = None) -> None:
-    """The host reports the result (a late report is accepted, as BOINC does)."""
+def report(project: BoincProject, result: str, success: bool = True, now: float | None = None,
+           elapsed_s: float = 0.0) -> None:
+    """The host reports the result after ``elapsed_s`` of run time (a late report is
+    accepted, as BOINC does)."""
     now = int(now if now is not None else time.time())
-    _exec(project, "UPDATE result SET server_state = 5, outcome = %s, received_time = %s, validate_state = 0 "
-                   "WHERE name = %s", (1 if success else 3, now, result))
+    _exec(project, "UPDATE result SET server_state = 5, outcome = %s, received_time = %s, validate_state = 0, "
+                   "elapsed_time = %s WHERE name = %s", (1 if success else 3, now, elapsed_s, result))
 
 
 def validate(project: BoincProject, result: str) -> None:

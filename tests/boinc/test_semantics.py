@@ -24,7 +24,7 @@ from server.boinc.daemon import finalize_job
 from server.boinc.install import InstallOptions, install
 from server.common.store import JobStore, connect
 from tests.boinc import fake_server
-from tests.boinc.conftest import make_result, run_script, script_env, seed_db_app
+from tests.boinc.conftest import calls, make_result, run_script, script_env, seed_db_app
 from tests.boinc.test_backend import LIMITS, make_inputs, units_of
 
 
@@ -281,3 +281,37 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+# ---- latency: report at once, assimilate promptly ------------------------------------------
+
+def test_install_sets_prompt_reporting_and_daemon_intervals(job) -> None:
+    import xml.etree.ElementTree as ET
+
+    project, store, spec, r = job
+    cmds = [d.findtext("cmd") for d in ET.parse(project.config_xml).getroot().findall("daemons/daemon")]
+    assert "transitioner -d 3 --sleep_interval 1" in cmds
+    ours = [c for c in cmds if "boincdl" in c]
+    assert ours and all(c.endswith("--sleep_interval 1") for c in ours)
+    be, (u,) = create_units(project, r, spec, 1)
+    (cw,) = calls(project.root, "create_work")
+    template = cw["argv"][cw["argv"].index("--result_template") + 1]
+    result = ET.parse(project.root / template).getroot().find("result")
+    assert result is not None and result.find("report_immediately") is not None
+
+
+# ---- task size from measured unit times --------------------------------------------------
+
+def test_fpops_estimate_follows_measured_task_times(job) -> None:
+    project, store, spec, r = job
+    be, units = create_units(project, r, spec, 4)
+    assert be.task_fpops(spec.name) == (be.settings.rsc_fpops_est, be.settings.rsc_fpops_bound)  # calibration
+    for u, elapsed in zip(units, (4.0, 5.0, 6.0, 60.0), strict=True):
+        (res,) = fake_server.send(project, [u], flops=2e9)
+        fake_server.report(project, res, elapsed_s=elapsed)
+    be2 = BoincJobSystem(project, r)
+    est, bound = be2.task_fpops(spec.name)
+    assert est == pytest.approx(6.0 * 2e9)  # the median task: 6 s on a 2 GFLOPS host
+    assert bound >= 60.0 * 2e9 * 4  # never aborts a task as slow as the slowest seen
+    args = be2.create_work_args(spec.name, LIMITS, "templates/x", 1e9)
+    assert args[args.index("--rsc_fpops_est") + 1] == "1.2e+10"

@@ -45,6 +45,7 @@ SCHEMA = (
         received_time INTEGER NOT NULL DEFAULT 0,
         name VARCHAR(254) NOT NULL UNIQUE,
         elapsed_time DOUBLE NOT NULL DEFAULT 0,
+        flops_estimate DOUBLE NOT NULL DEFAULT 0,
         KEY (workunitid)
     )""",
     """CREATE TABLE host (
