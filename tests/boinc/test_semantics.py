@@ -315,3 +315,29 @@ def test_fpops_estimate_follows_measured_task_times(job) -> None:
     assert bound >= 60.0 * 2e9 * 4  # never aborts a task as slow as the slowest seen
     args = be2.create_work_args(spec.name, LIMITS, "templates/x", 1e9)
     assert args[args.index("--rsc_fpops_est") + 1] == "1.2e+10"
+
+
+def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
+    """``boinc-dl boinc restart``: stop, wait for the old daemon, start, check its lock."""
+    from server.boinc.restart import lock_held, our_daemons
+
+    project = db_project
+    install(project.root, InstallOptions(run_db_tools=False, gpu=False, redis_url=redis_server.url,
+                                         command=[sys.executable, "-m", "server.boinc"]))
+    # BOINC's own script_validator/script_assimilator binaries are not here: leave only ours
+    text = project.config_xml.read_text().replace("<cmd>script_", "<disabled>1</disabled><cmd>script_")
+    project.config_xml.write_text(text)
+    env = script_env()
+    subprocess.run(["bin/start"], cwd=project.root, env=env, check=True, timeout=30)
+    first = wait_for(lambda: daemon_pid(project))
+    ((cmd, lock),) = our_daemons(project)
+    assert cmd == "bdl_work_generator" and wait_for(lambda: lock_held(lock))
+    try:
+        p = subprocess.run([sys.executable, "-m", "server.boinc", "restart", "--project", str(project.root)],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert "running: bdl_work_generator" in p.stdout
+        assert not _alive(first) and daemon_pid(project) not in (None, first)
+    finally:
+        subprocess.run(["bin/stop"], cwd=project.root, env=env, timeout=30)
+        assert wait_for(lambda: not lock_held(lock), 10)
