@@ -84,6 +84,8 @@ TOOL_TIMEOUT_S = 600.0
 FPOPS_MIN_SAMPLES = 3
 FPOPS_REFRESH_S = 60.0
 FPOPS_BOUND_FACTOR = 20.0
+#: Before measurements: predicted runtime at most this fraction of the deadline.
+CALIBRATION_FRACTION = 0.25
 
 
 class BoincToolError(BoincDLError):
@@ -300,6 +302,8 @@ class BoincJobSystem(JobSystem):
         except BoincDBError as e:
             log.warning("task size of job %s from the settings: %s", job, e)
             self._db = None
+        if (not costs or len(costs) < FPOPS_MIN_SAMPLES) and self._db is not None:
+            value = self._calibration_fpops(job, default)
         if costs and len(costs) >= FPOPS_MIN_SAMPLES:
             sizes = sorted(t * f for t, f in costs)
             est = sizes[len(sizes) // 2]
@@ -311,6 +315,24 @@ class BoincJobSystem(JobSystem):
                          sorted(t for t, _ in costs)[len(costs) // 2], value[1])
         self._fpops[job] = (now, value)
         return value
+
+    def _calibration_fpops(self, job: str, default: tuple[float, float]) -> tuple[float, float]:
+        """Before the job's own tasks are measured: an estimate that BOINC turns into a
+        predicted runtime of at most ``CALIBRATION_FRACTION`` of the deadline on the
+        median active host. The scheduler refuses a job whose predicted runtime, added
+        to the host's queue, passes ``delay_bound`` (``sched/sched_check.cpp``), so the
+        default estimate (an hour on a 1 GFLOPS host) with a 60 s deadline lets each
+        host hold one task at a time."""
+        assert self._db is not None
+        try:
+            speeds = sorted(self._db.host_fpops())
+        except BoincDBError as e:
+            log.warning("task size of job %s from the settings: %s", job, e)
+            return default
+        if not speeds:
+            return default
+        est = min(default[0], speeds[len(speeds) // 2] * self._spec(job).units.timeout_s * CALIBRATION_FRACTION)
+        return est, max(default[1], est * FPOPS_BOUND_FACTOR)
 
     # ---- stray workunits ------------------------------------------------------------------
     def cancel_stray(self, job: str) -> int:

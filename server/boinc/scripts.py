@@ -385,6 +385,14 @@ def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
         wu = wu_name_of_result(result) or call.wu_name or ""
         if wu and _late_call(store, wu, "a missing-files call" if missing else "a late result"):
             return EXIT_OK
+        state = store.unit_states_of([unit])[0] if unit else None
+        if state == "cancelled":
+            # the job ended (or the unit was cancelled) while this result ran: BOINC still
+            # validates and assimilates a cancelled workunit's late success
+            log.info("%s (%s): late result of a cancelled unit; nothing recorded", unit, result)
+            if wu:
+                forget_workunit(store.r, job, wu)
+            return EXIT_OK
         if missing:
             reason = f"result files missing on the server: {', '.join(Path(m).name for m in missing)}"
             if store.unit_states_of([unit])[0] in UNIT_DONE:

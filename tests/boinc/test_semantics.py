@@ -179,6 +179,22 @@ def test_given_up_unit_is_never_merged(job) -> None:
     assert store.unit_states_of([u]) == ["failed"]
 
 
+def test_late_success_of_a_cancelled_unit_is_not_merged(job) -> None:
+    """BOINC validates and assimilates a cancelled workunit's late success (its result
+    was in progress when cancel_jobs ran): the job has ended, nothing changes."""
+    project, store, spec, r = job
+    be, (u,) = create_units(project, r, spec, 1)
+    (res,) = fake_server.send(project, [u])
+    store.set_meta(status="cancelled", finished_at=time.time())
+    finalize_job(store, be)
+    assert store.unit_states_of([u]) == ["cancelled"]
+    paths = make_result(project.root, res, spec.name, u, np.ones(15), upload=project)
+    a = assimilate(project, f"1 {' '.join(paths)}")
+    assert a.returncode == 0, a.stderr
+    assert store.unit_states_of([u]) == ["cancelled"] and store.version("0") == 0
+    assert not store.is_assimilated(u)
+
+
 def test_files_deleted_after_merge_do_not_fail_the_unit(job) -> None:
     project, store, spec, r = job
     _, (u,) = create_units(project, r, spec, 1)
@@ -305,7 +321,13 @@ def test_install_sets_prompt_reporting_and_daemon_intervals(job) -> None:
 def test_fpops_estimate_follows_measured_task_times(job) -> None:
     project, store, spec, r = job
     be, units = create_units(project, r, spec, 4)
-    assert be.task_fpops(spec.name) == (be.settings.rsc_fpops_est, be.settings.rsc_fpops_bound)  # calibration
+    assert be.task_fpops(spec.name) == (be.settings.rsc_fpops_est, be.settings.rsc_fpops_bound)  # no host yet
+    # calibration: a quarter of the deadline (90 s) on the median active host (3 GFLOPS)
+    for speed in (1e9, 3e9, 8e9):
+        fake_server._exec(project, "INSERT INTO host (create_time, rpc_time, p_fpops) VALUES (0, %s, %s)",
+                          (int(time.time()), speed))
+    est, bound = BoincJobSystem(project, r).task_fpops(spec.name)
+    assert est == pytest.approx(3e9 * 90 * 0.25) and bound >= est * 20
     for u, elapsed in zip(units, (4.0, 5.0, 6.0, 60.0), strict=True):
         (res,) = fake_server.send(project, [u], flops=2e9)
         fake_server.report(project, res, elapsed_s=elapsed)
