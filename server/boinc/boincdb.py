@@ -79,6 +79,16 @@ class ResultRow:
     hostid: int
 
 
+@dataclass(frozen=True)
+class HostRow:
+    """The columns of one ``host`` row boinc-dl uses."""
+
+    id: int
+    rpc_time: int
+    p_ncpus: int
+    p_fpops: float
+
+
 @dataclass
 class WorkunitState:
     """A workunit and its results, as BOINC sees them."""
@@ -233,6 +243,13 @@ class BoincDB:
                           "AND r.elapsed_time > 0 AND r.flops_estimate > 0 ORDER BY r.id DESC LIMIT %s",
                           (like, RESULT_OUTCOME_SUCCESS, int(limit)), limit=limit)
         return [(float(r["elapsed_time"]), float(r["flops_estimate"])) for r in rows]
+
+    def active_hosts(self, active_within_s: float = 86400.0) -> list[HostRow]:
+        """Hosts that contacted the scheduler within ``active_within_s``, with their
+        CPU count and benchmarked speed (``host`` table)."""
+        rows = self.query("SELECT id, rpc_time, p_ncpus, p_fpops FROM host WHERE rpc_time > UNIX_TIMESTAMP() - %s "
+                          "ORDER BY id", (float(active_within_s),), limit=100_000)
+        return [HostRow(int(r["id"]), int(r["rpc_time"]), int(r["p_ncpus"]), float(r["p_fpops"])) for r in rows]
 
     def host_fpops(self, active_within_s: float = 86400.0) -> list[float]:
         """Benchmarked floating-point speed (``host.p_fpops``) of the hosts that contacted

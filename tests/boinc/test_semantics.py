@@ -363,3 +363,32 @@ def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
     finally:
         subprocess.run(["bin/stop"], cwd=project.root, env=env, timeout=30)
         assert wait_for(lambda: not lock_held(lock), 10)
+
+
+# ---- the read-only database module ---------------------------------------------------------
+
+def test_boincdb_is_read_only_and_bounded(db_project) -> None:
+    from server.boinc.boincdb import BoincDB, BoincDBError, credentials
+
+    project = db_project
+    now = int(time.time())
+    for rpc, ncpus in ((now - 10, 4), (now - 200_000, 8)):
+        fake_server._exec(project, "INSERT INTO host (create_time, rpc_time, p_ncpus, p_fpops) VALUES (0, %s, %s, 3e9)",
+                          (rpc, ncpus))
+    args = credentials(project)
+    assert (args["host"], args["port"], args["user"]) == ("127.0.0.1", 3306, "root")
+    with BoincDB.connect(project, timeout_s=3) as db:
+        assert [h.p_ncpus for h in db.active_hosts()] == [4]
+        assert db.query("SELECT id FROM host ORDER BY id", limit=1) == [{"id": 1}]
+        assert db.workunits(["nope"]) == {}
+        with pytest.raises(BoincDBError, match="SELECT"):
+            db.query("DELETE FROM host")
+        import pymysql
+
+        with pytest.raises(pymysql.MySQLError, match="READ ONLY"), db.conn.cursor() as c:
+            c.execute("UPDATE host SET p_ncpus = 1")  # even past query(): the session is read-only
+    text = project.config_xml.read_text().replace("<db_port>3306</db_port>", "<db_port>1</db_port>")
+    project.config_xml.write_text(text)
+    project.__dict__.pop("config", None)
+    with pytest.raises(BoincDBError, match="cannot read BOINC's database"):
+        BoincDB.connect(project, timeout_s=2)
