@@ -243,15 +243,22 @@ class BoincJobSystem(JobSystem):
         if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
             return []
         store = JobStore(self.r, job)
+        # Only the workunits BOINC may still run (the live ledger: units in flight), not
+        # the job's every unit, on every pass.
+        live = {k.decode(): v.decode() for k, v in self.r.hgetall(live_key(store)).items()}
+        units = sorted(set(live.values()))
+        if not units:
+            return []
         cand: list[tuple[str, int, str]] = []
-        for unit, raw in self.r.hgetall(issued_key(store)).items():
+        for unit, raw in zip(units, self.r.hmget(issued_key(store), units), strict=True):
+            if not raw:
+                continue
             rec = json.loads(raw)
             # (the last workunit max_total_results allows is left to BOINC's own re-issue)
-            if int(rec["attempt"]) + 1 < spec.units.max_total_results:
-                cand.append((unit.decode(), int(rec["attempt"]), str(rec["name"])))
+            if rec["name"] in live and int(rec["attempt"]) + 1 < spec.units.max_total_results:
+                cand.append((unit, int(rec["attempt"]), str(rec["name"])))
         if not cand:
             return []
-        # Only the candidates' states, not the job's whole state hash, on every pass.
         states = store.unit_states_of([u for u, _, _ in cand])
         cand = [c for c, st in zip(cand, states, strict=True) if st == "in_progress"]
         if not cand:

@@ -120,8 +120,11 @@ class WorkGeneratorDaemon:
 
     @staticmethod
     def _exit_now(why: str) -> None:
-        log.info("got %s: exiting now", why)
-        logging.shutdown()
+        # Written straight to fd 2 (the daemon's log file), not through logging: the
+        # watchdog may run while the main thread holds a logging handler's lock.
+        # (logging's StreamHandler flushes every record, so nothing is left buffered)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(2, f"{stamp} [INFO] {log.name}: got {why}: exiting now\n".encode())
         os._exit(0)
 
     def should_stop(self) -> bool:

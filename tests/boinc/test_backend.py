@@ -94,7 +94,7 @@ def test_batched_create_work_command_line(setup) -> None:
     assert opts["--max_error_results"] == "3" and opts["--max_total_results"] == "6"
     assert opts["--max_success_results"] == "6"
     assert opts["--wu_template"] == "templates/boincdl_in"
-    assert opts["--result_template"] == f"templates/boincdl_out_{spec.units.max_upload_bytes}"
+    assert opts["--result_template"] == f"templates/boincdl_out_{spec.units.max_upload_bytes}_ri"
     assert argv[-1] == "--stdin"
     lines = cw[0]["stdin"].splitlines()
     assert len(lines) == 3
