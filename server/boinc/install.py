@@ -389,6 +389,9 @@ class Installer:
         self.daemons()
         self.admin_page()
         self.db_tools(project_changed, versions_changed)
+        if self.report.changes:
+            self.note(f"restart the daemons: boinc-dl boinc restart --project {self.p.root} "
+                      "(a plain 'bin/stop && bin/start' can leave a daemon stopped)")
         return self.report
 
 
