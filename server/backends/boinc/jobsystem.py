@@ -23,7 +23,7 @@ Facts from BOINC's source that shape this driver (``tools/create_work.cpp``,
 Re-issue policy ``fresh`` (VC-ASGD's ``vcasgd.reissue``): BOINC itself only re-issues a
 lost result with the same inputs. For ``fresh`` this driver keeps, per unit, the name
 of its current workunit; a unit is lost only by BOINC's own account, read from its
-database (:mod:`server.boinc.boincdb`): a *sent* result passed its report deadline
+database (:mod:`server.backends.boinc.boincdb`): a *sent* result passed its report deadline
 (``report_deadline = sent_time + delay_bound``) or BOINC timed it out or saw it fail,
 and no result is back. A workunit still queued in BOINC is never late, and one whose
 result is back (waiting for the validator or the assimilator) is never regenerated.
@@ -66,9 +66,9 @@ from pathlib import Path
 import redis
 
 from server.backends.base import JobSystem, RetryLimits
-from server.boinc import artifacts
-from server.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
-from server.boinc.project import APP_NAME, BoincProject, BoincSettings
+from server.backends.boinc import artifacts
+from server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
+from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec, spec_from_json
 from server.common.store import JobStore

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.boinc.project import BoincProject
+from server.backends.boinc.project import BoincProject
 from server.common.errors import BoincDLError
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.boinc.install import is_our_daemon
-from server.boinc.project import BoincProject
-from server.boinc.xmlmerge import child_text
+from server.backends.boinc.install import is_our_daemon
+from server.backends.boinc.project import BoincProject
+from server.backends.boinc.xmlmerge import child_text
 
 
 @dataclass
