@@ -209,6 +209,9 @@ def test_fresh_reissue_through_fake_boinc(db_project, redis_server, tmp_path) ->
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
     env = script_env()
+    # one active host with one CPU: the window from BOINC's hosts is its slot plus a spare
+    fake_server._exec(project, "INSERT INTO host (create_time, rpc_time, p_ncpus, p_fpops) VALUES (0, %s, 1, 3e9)",
+                      (int(time.time()),))
     daemon = WorkGeneratorDaemon(project, poll_s=0.1)
     daemon.one_pass()
     wus = fake_db(project.root)["workunits"]
