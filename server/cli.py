@@ -7,7 +7,6 @@ prints one line and exits non-zero; tracebacks are for bugs only.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +17,11 @@ from rich.console import Console
 from rich.table import Table
 
 from server.common.errors import BoincDLError, UnknownJob
+from server.common.tf_env import quiet_env
 
-# TensorFlow's C++ logging floods the terminal from every worker process; keep errors
+# TensorFlow's start-up lines flood the terminal from every worker process; keep them
 # in the run's log files instead (set TF_CPP_MIN_LOG_LEVEL yourself to see them).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+quiet_env()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deep-learning training and model selection on BOINC and preemptible VMs.")
@@ -29,8 +29,19 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _error_line(message: str) -> None:
+    """``error: message`` on stderr as one line, whatever the terminal's width (no
+    wrapping, the message's brackets are not markup)."""
+    from rich.text import Text
+
+    from server.common.spec import one_line
+
+    err_console.print(Text.assemble(("error:", "red"), " ", one_line(str(message), limit=2000)),
+                      soft_wrap=True, highlight=False)
+
+
 def _fail(e: BoincDLError) -> None:
-    err_console.print(f"[red]error:[/] {e}", markup=True, highlight=False)
+    _error_line(str(e))
     raise typer.Exit(e.exit_code)
 
 
@@ -49,7 +60,10 @@ def run(
 ) -> None:
     """Run a job on the embedded local backend (private Redis, N hosts x T slots)."""
     from server.common.spec import load_spec
+    from server.common.spec_checks import check_resources
+    from server.common.tf_env import require_tensorflow
     from server.run import run_job, summary_table
+    from server.signals import stop_on_signals
 
     try:
         spec = load_spec(spec_file)
@@ -57,16 +71,20 @@ def run(
             spec = spec.model_copy(update={"training": spec.training.model_copy(update={"epochs": epochs})})
         opts = {k: v for k, v in {"workers": workers, "slots": slots, "assimilators": assimilators,
                                   "preempt_prob": preempt_prob}.items() if v is not None}
-        res = run_job(spec, run_dir, resume=resume, redis_url=redis_url, console=console,
-                      live=not quiet and console.is_terminal, backend_opts=opts,
-                      search_path=spec_file.resolve().parent)
+        check_resources(spec, opts)
+        require_tensorflow()
+        with stop_on_signals():  # SIGTERM and SIGHUP stop the run as Ctrl-C does
+            res = run_job(spec, run_dir, resume=resume, redis_url=redis_url, console=console,
+                          live=not quiet and console.is_terminal, backend_opts=opts,
+                          search_path=spec_file.resolve().parent)
     except BoincDLError as e:
         _fail(e)
         return
     console.print(summary_table(res, spec))
     if res.status == "interrupted":
-        raise typer.Exit(130)
+        raise typer.Exit(res.exit_code or 130)
     if res.status != "done":
+        _error_line(f"job {spec.name} {res.status}" + (f": {res.reason}" if res.reason else ""))
         raise typer.Exit(1)
 
 
@@ -204,13 +222,20 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     """Check a job spec (and that its dataset and model can be loaded) without running it."""
     from server.common.datasets import load_dataset
     from server.common.spec import load_spec
+    from server.common.spec_checks import check_model_fits, check_resources, check_split
 
     try:
         spec = load_spec(spec_file)
+        check_resources(spec)
         data = load_dataset(spec.dataset, spec.seed)
+        check_split(spec, len(data.x_train))
         from server.common.keras_model import build_model, model_fingerprint
 
-        fp = model_fingerprint(build_model(spec.model, spec.model_args, spec_file.resolve().parent))
+        model = build_model(spec.model, spec.model_args, spec_file.resolve().parent)
+        fp = model_fingerprint(model)
+        check_model_fits(tuple(model.inputs[0].shape[1:]) if getattr(model, "inputs", None) else (),
+                         tuple(model.outputs[0].shape[1:]) if getattr(model, "outputs", None) else (),
+                         tuple(data.x_train.shape[1:]), data.n_classes)
     except BoincDLError as e:
         _fail(e)
         return

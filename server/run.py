@@ -24,7 +24,11 @@ from server.common.errors import BoincDLError
 from server.common.redis_server import EmbeddedRedis
 from server.common.spec import JobSpec
 from server.common.store import JobStore, connect
+from server.eta import EtaEstimator, format_eta
+from server.failfast import FailFastWatch
 from server.report import collect_history, plot_learning_curve, save_final_model, write_history
+from server.signals import RunStopped
+from server.status import record_heartbeat
 from server.work_generator.prepare import n_shards, prepare_job
 from server.work_generator.vcasgd import VCASGDWorkGenerator
 
@@ -42,13 +46,16 @@ class RunResult:
     elapsed_s: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    #: For an interrupted run, the exit code its signal asks for (130 for Ctrl-C).
+    exit_code: int = 0
 
 
 def default_run_dir(spec: JobSpec) -> Path:
     return Path("runs") / spec.name
 
 
-def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0: float) -> Table:
+def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0: float,
+                    eta: EtaEstimator | None = None) -> Table:
     meta = store.meta()
     n = n_shards(spec)
     epoch = int(float(meta.get("epoch", 1)))
@@ -58,7 +65,9 @@ def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0:
     total = n * spec.training.epochs
     snap = backend.snapshot()
     elapsed = time.time() - t0
-    eta = elapsed / done_units * (total - done_units) if done_units else float("nan")
+    eta = eta or EtaEstimator(total)
+    eta.total = total
+    left = eta.observe(time.time(), done_units)
     acc = meta.get("latest_val_acc")
     t = Table(title=f"boinc-dl · {spec.name} · VC-ASGD on {backend.n_hosts} hosts x {backend.n_slots} slots, "
                     f"{backend.n_assim} assimilators", show_header=False, box=None)
@@ -67,7 +76,7 @@ def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0:
     t.add_row("faults", f"re-issued {snap['reissued']}, timed out {snap['timed_out']}, preempted "
                         f"{snap['preempted']}, rejected {snap['rejected']}, late {snap['late_results']}")
     t.add_row("val accuracy", f"{float(acc):.4f}" if acc else "-")
-    t.add_row("elapsed / ETA", f"{elapsed:6.1f} s / " + (f"{eta:6.1f} s" if eta == eta else "-"))
+    t.add_row("elapsed / ETA", f"{elapsed:6.1f} s / {format_eta(left)}")
     return t
 
 
@@ -75,7 +84,9 @@ def open_store(run_dir: Path, redis_url: str | None, job: str) -> tuple[Embedded
     """The job's store: on ``redis_url``, or on a private Redis kept in ``run_dir/redis``."""
     server = None
     if redis_url is None:
-        server = EmbeddedRedis(run_dir / "redis").start()
+        # Supervised: a Redis that dies is restarted on its AOF within a second and the
+        # run carries on (clients retry); it dies with this process, whatever kills it.
+        server = EmbeddedRedis(run_dir / "redis", die_with_parent=True).start().supervise()
         redis_url = server.url
     return server, redis_url, JobStore(connect(redis_url), job)
 
@@ -86,7 +97,8 @@ def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
     opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
     backend = LocalJobSystem(run_dir, redis_url, spec.name, workers=opts["workers"], slots=opts["slots"],
                              assimilators=opts["assimilators"], threads_per_slot=opts["threads_per_slot"],
-                             preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed)
+                             preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed,
+                             synthetic_unit_s=opts.get("synthetic_unit_s"))
     backend.start()
     return backend
 
@@ -118,13 +130,14 @@ def _run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     backend: LocalJobSystem | None = None
     t0 = time.time()
     status = "interrupted"
+    exit_code = 0
     try:
         console.print(f"[bold]boinc-dl[/] preparing job [cyan]{spec.name}[/] in {run_dir}")
         files = prepare_job(spec, store, run_dir, resume=resume, search_path=search_path)
         if store.meta().get("status") in ("done", "failed", "cancelled") and resume:
             console.print(f"job {spec.name} already {store.meta()['status']}: writing its outputs")
         else:
-            store.set_meta(status="running")
+            store.set_meta(status="running", reason="")
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = VCASGDWorkGenerator(store, spec, run_dir, backend)
             # A restarted run's job system is new: units in flight before are resubmitted.
@@ -133,10 +146,11 @@ def _run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
                 console.print(f"resumed: {recovered} unit(s) in flight re-submitted")
             _drive(gen, spec, store, backend, console, live, t0)
         status = store.meta().get("status", "running")
-    except KeyboardInterrupt:
-        console.print("\n[yellow]interrupted[/]: state is saved; continue with [bold]--resume[/]")
+    except KeyboardInterrupt as e:
+        stopped, exit_code = stop_reason(e)
+        console.print(f"\n[yellow]interrupted[/] ({stopped}): state is saved; continue with [bold]--resume[/]")
         try:
-            store.set_meta(status="interrupted")
+            store.set_meta(status="interrupted", reason=stopped)
         except BoincDLError:
             pass
     finally:
@@ -145,6 +159,7 @@ def _run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             backend.stop()
     result = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
                        reason=store.meta().get("reason", ""))
+    result.exit_code = exit_code
     hist = collect_history(store)
     hist["backend"] = snap
     result.epochs = hist["epochs"]
@@ -164,29 +179,67 @@ def _run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     return result
 
 
+def stop_reason(e: KeyboardInterrupt) -> tuple[str, int]:
+    """(what stopped the run, in words; the exit code that says so: 128 + signal)."""
+    if isinstance(e, RunStopped):
+        return f"stopped by {e}", e.exit_code
+    return "stopped by Ctrl-C", 130
+
+
+def fail_job(store: JobStore, gen: object, reason: str) -> None:
+    """End the job as failed now (units in flight are cancelled by the generator)."""
+    finish = getattr(gen, "fail", None)
+    if callable(finish):
+        finish(reason)
+    else:
+        store.set_meta(status="failed", stopping=1, finished_at=time.time(), reason=reason)
+    log.error("job %s failed: %s", store.job, reason)
+
+
+class RunWatch:
+    """What the run's loop does besides stepping the generator, every ``every_s``: push
+    fault counters, beat the heartbeat, and fail the job fast when no unit can succeed."""
+
+    def __init__(self, spec: JobSpec, store: JobStore, backend: LocalJobSystem, gen: object, every_s: float = 0.5):
+        self.store, self.gen, self.every_s = store, gen, every_s
+        self.sync = _CounterSync(store, backend)
+        self.fail_fast = FailFastWatch(backend, k=min(3, n_shards(spec)))
+        self.last = 0.0
+
+    def tick(self, force: bool = False) -> bool:
+        """True when it did its work (time to refresh a view too)."""
+        now = time.time()
+        if not force and now - self.last < self.every_s:
+            return False
+        self.last = now
+        self.sync.push()
+        record_heartbeat(self.store)
+        verdict = self.fail_fast.check()
+        if verdict and self.store.meta().get("status") == "running":
+            fail_job(self.store, self.gen, verdict)
+        return True
+
+
 def _drive(gen: VCASGDWorkGenerator, spec: JobSpec, store: JobStore, backend: LocalJobSystem,
            console: Console, live: bool, t0: float) -> None:
     """Step the work generator until the job finishes, refreshing the progress view."""
-    sync = _CounterSync(store, backend)
-    if not live:
-        last = 0.0
+    watch = RunWatch(spec, store, backend, gen, every_s=0.25 if live else 0.5)
+    eta = EtaEstimator(n_shards(spec) * spec.training.epochs)
+    view = Live(_progress_table(spec, store, backend, t0, eta), console=console, refresh_per_second=4) \
+        if live else None
+    if view:
+        view.start()
+    try:
         while gen.step():
             time.sleep(0.05)
-            if time.time() - last > 1.0:
-                sync.push()
-                last = time.time()
-        sync.push()
-        return
-    with Live(_progress_table(spec, store, backend, t0), console=console, refresh_per_second=4) as view:
-        last = 0.0
-        while gen.step():
-            time.sleep(0.05)
-            if time.time() - last > 0.25:
-                view.update(_progress_table(spec, store, backend, t0))
-                sync.push()
-                last = time.time()
-        view.update(_progress_table(spec, store, backend, t0))
-    sync.push()
+            if watch.tick() and view:
+                view.update(_progress_table(spec, store, backend, t0, eta))
+        if view:
+            view.update(_progress_table(spec, store, backend, t0, eta))
+    finally:
+        if view:
+            view.stop()
+    watch.tick(force=True)
 
 
 class _CounterSync:

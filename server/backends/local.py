@@ -419,6 +419,9 @@ class LocalJobSystem(JobSystem):
         #: replacement (a new slot process, standing in for a new VM) said "ready".
         self.slot_downtimes: list[float] = []
         self.poisoned: set[str] = set()
+        #: (unit, reason) of every failed instance: client errors and rejected results, in
+        #: order (the first ones are what a failing job reports; bounded).
+        self.failure_log: list[tuple[str, str]] = []
         self.unit_times: list[float] = []
         self.host_data: dict[int, set[str]] = {h: set() for h in range(workers)}
         self.slot_busy_s = 0.0
@@ -428,6 +431,7 @@ class LocalJobSystem(JobSystem):
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         (self.base / "upload").mkdir(parents=True, exist_ok=True)
+        self._start_forkserver()
         for i in range(self.n_assim):
             a = _Assimilator(i)
             self._spawn_assimilator(a)
@@ -440,6 +444,18 @@ class LocalJobSystem(JobSystem):
         self.started_at = time.time()
         self.thread = threading.Thread(target=self._loop, name="bdl-local-dispatcher", daemon=True)
         self.thread.start()
+
+    def _start_forkserver(self) -> None:
+        """Start the fork server (if this process has none yet) with its stdout and stderr
+        on the backend's log: TensorFlow's start-up lines in every slot, and any child's
+        traceback, go there instead of the run's console."""
+        from multiprocessing import forkserver
+
+        from server.common.tf_env import quiet_env, stdio_to
+
+        quiet_env()
+        with stdio_to(self.log_file):
+            forkserver.ensure_running()
 
     def _spawn(self, slot: _Slot) -> None:
         _, notice_file = _slot_paths(self.base, slot.host, slot.index)
@@ -677,6 +693,15 @@ class LocalJobSystem(JobSystem):
             self.reissue_delays.append({"unit": u.wu.unit, "via": u.lost_via, "reissue_s": now - u.lost_at})
         self._new_instance(u.wu.unit)
 
+    def _log_failure(self, unit: str, reason: str) -> None:
+        if len(self.failure_log) < 1000:
+            self.failure_log.append((unit, reason))
+
+    def failures_since(self, index: int) -> list[tuple[str, str]]:
+        """Failed instances (unit, reason) from position ``index`` of the failure log on."""
+        with self.lock:
+            return self.failure_log[index:]
+
     def _mark_lost(self, name: str, now: float) -> None:
         inst = self.instances.get(name)
         if inst is not None and inst.lost_at is None:
@@ -797,6 +822,7 @@ class LocalJobSystem(JobSystem):
         if status != "ok" or not paths:
             self.counters["client_errors"] += 1
             log.warning("result %s: client error %s", result, err or status)
+            self._log_failure(inst.unit, f"client error: {err or status}")
             if not late and inst.state == "in_progress":
                 self._instance_failed(inst, "client_error")
             return
@@ -827,6 +853,7 @@ class LocalJobSystem(JobSystem):
             self._drop_unsent(u)
         elif status == "rejected" and result:
             self.counters["rejected"] += 1
+            self._log_failure(unit, f"result rejected: {reason}")
             inst = self.instances.get(result)
             if inst is not None and not u.done:
                 inst.state = "in_progress"  # let _instance_failed account it
