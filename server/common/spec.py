@@ -285,8 +285,12 @@ def one_line(text: str, limit: int = 600) -> str:
 
 def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) -> JobSpec:
     """Validate a decoded spec mapping; relative file paths resolve against ``base_dir``."""
+    if data is None:
+        raise SpecError(f"{source}: the job spec is empty")
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: the job spec must be a YAML mapping, got {type(data).__name__}")
+        kind = {list: "a list", str: "text", int: "a number", float: "a number", bool: "true/false"}.get(
+            type(data), type(data).__name__)
+        raise SpecError(f"{source}: the job spec must be a YAML mapping (key: value lines), got {kind}")
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
@@ -339,6 +343,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _yaml_error(e: yaml.YAMLError) -> str:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    if context:
+        problem = f"{context}, {problem}"
     where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
     return one_line(f"{problem}{where}")
 
