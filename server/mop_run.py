@@ -163,6 +163,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         status = store.meta().get("status", "running")
     except KeyboardInterrupt as e:
         stopped, exit_code = stop_reason(e)
+        store.retry_s = min(store.retry_s, 5.0)  # stopping: do not wait out a long Redis outage
         console.print(f"\n[yellow]interrupted[/] ({stopped}): state is saved; continue with [bold]--resume[/]")
         store.set_meta(status="interrupted", reason=stopped)
     finally:

@@ -148,6 +148,7 @@ def _run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         status = store.meta().get("status", "running")
     except KeyboardInterrupt as e:
         stopped, exit_code = stop_reason(e)
+        store.retry_s = min(store.retry_s, 5.0)  # stopping: do not wait out a long Redis outage
         console.print(f"\n[yellow]interrupted[/] ({stopped}): state is saved; continue with [bold]--resume[/]")
         try:
             store.set_meta(status="interrupted", reason=stopped)
