@@ -13,16 +13,11 @@ from rich.table import Table
 
 from server.common.store import JobStore
 
-#: A running job's owner writes a heartbeat this often; one older than HEARTBEAT_STALE_S
-#: means the process that ran it is gone (crashed, killed, its machine lost).
-HEARTBEAT_S = 0.5
+#: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
+#: second; one older than this means the process that ran it is gone (crashed,
+#: killed, its machine lost).
 HEARTBEAT_STALE_S = 30.0
 FINISHED = ("done", "failed", "cancelled")
-
-
-def record_heartbeat(store: JobStore) -> None:
-    """Say that this process owns the running job, and is alive now."""
-    store.set_meta(owner_pid=os.getpid(), owner_host=socket.gethostname(), heartbeat_at=time.time())
 
 
 def _pid_alive(pid: int) -> bool:

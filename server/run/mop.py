@@ -21,8 +21,8 @@ from rich.table import Table
 from server.backends.local import LocalJobSystem
 from server.common.spec import JobSpec
 from server.common.store import JobStore
-from server.run import RunResult, RunWatch, start_local_backend, stop_reason
-from server.work_generator.mop.scheduler import round_robin_availability
+from server.run.lifecycle import RunResult, RunWatch, start_local_backend, stop_reason
+from server.work_generator.mop.assignment import round_robin_availability
 from server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from server.work_generator.prepare import prepare_job
 
@@ -88,7 +88,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
     out["learning_curves"] = str(png)
     best = next((r for r in rows if r["best_val_acc"] is not None), None)
     if best is not None:
-        from server.report import save_final_model
+        from server.run.outputs import save_final_model
 
         flat, _ = store.get_weights(best["model"])
         files_dir = Path(store.meta().get("job_dir", run_dir))

@@ -1,0 +1,166 @@
+"""What every ``boinc-dl run`` shares: the run directory, the store, the local backend,
+logging, counters and the end-of-run summary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from server.backends.local import LocalJobSystem
+from server.common.redis_server import EmbeddedRedis
+from server.common.spec import JobSpec
+from server.common.store import JobStore, connect
+from server.run.failfast import FailFastWatch
+from server.run.signals import RunStopped
+from server.work_generator.prepare import n_shards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    """What a finished (or interrupted) run produced."""
+
+    status: str
+    run_dir: Path
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    backend: dict[str, Any] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+    outputs: dict[str, str] = field(default_factory=dict)
+    reason: str = ""
+    #: For an interrupted run, the exit code its signal asks for (130 for Ctrl-C).
+    exit_code: int = 0
+
+
+def default_run_dir(spec: JobSpec) -> Path:
+    return Path("runs") / spec.name
+
+
+def open_store(run_dir: Path, redis_url: str | None, job: str) -> tuple[EmbeddedRedis | None, str, JobStore]:
+    """The job's store: on ``redis_url``, or on a private Redis kept in ``run_dir/redis``."""
+    server = None
+    if redis_url is None:
+        # Supervised: a Redis that dies is restarted on its AOF within a second and the
+        # run carries on (clients retry); it dies with this process, whatever kills it.
+        server = EmbeddedRedis(run_dir / "redis", die_with_parent=True).start().supervise()
+        redis_url = server.url
+    return server, redis_url, JobStore(connect(redis_url), job)
+
+
+def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
+                        backend_opts: dict[str, Any] | None) -> LocalJobSystem:
+    """The local job system the spec asks for (options overridden by ``backend_opts``), started."""
+    opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
+    backend = LocalJobSystem(run_dir, redis_url, spec.name, workers=opts["workers"], slots=opts["slots"],
+                             assimilators=opts["assimilators"], threads_per_slot=opts["threads_per_slot"],
+                             preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed,
+                             synthetic_unit_s=opts.get("synthetic_unit_s"))
+    backend.start()
+    return backend
+
+
+class CounterSync:
+    """Mirror the job system's fault counters into Redis (status, admin page) as deltas,
+    so a resumed run adds to the totals instead of resetting them."""
+
+    KEYS = ("reissued", "timed_out", "preempted", "late_results", "given_up", "client_errors", "slot_restarts")
+
+    def __init__(self, store: JobStore, backend: LocalJobSystem):
+        self.store, self.backend = store, backend
+        self.pushed = dict.fromkeys(self.KEYS, 0)
+
+    def push(self) -> None:
+        snap = self.backend.snapshot()
+        for k in self.KEYS:
+            delta = int(snap.get(k, 0)) - self.pushed[k]
+            if delta:
+                self.store.incr_counter(k, delta)
+                self.pushed[k] += delta
+
+
+def record_heartbeat(store: JobStore) -> None:
+    """Say that this process owns the running job and is alive now (read by ``status``)."""
+    store.set_meta(owner_pid=os.getpid(), owner_host=socket.gethostname(), heartbeat_at=time.time())
+
+
+def stop_reason(e: KeyboardInterrupt) -> tuple[str, int]:
+    """(what stopped the run, in words; the exit code that says so: 128 + signal)."""
+    if isinstance(e, RunStopped):
+        return f"stopped by {e}", e.exit_code
+    return "stopped by Ctrl-C", 130
+
+
+def fail_job(store: JobStore, gen: object, reason: str) -> None:
+    """End the job as failed now (units in flight are cancelled by the generator)."""
+    finish = getattr(gen, "fail", None)
+    if callable(finish):
+        finish(reason)
+    else:
+        store.set_meta(status="failed", stopping=1, finished_at=time.time(), reason=reason)
+    log.error("job %s failed: %s", store.job, reason)
+
+
+class RunWatch:
+    """What the run's loop does besides stepping the generator, every ``every_s``: push
+    fault counters, beat the heartbeat, and fail the job fast when no unit can succeed."""
+
+    def __init__(self, spec: JobSpec, store: JobStore, backend: LocalJobSystem, gen: object, every_s: float = 0.5):
+        self.store, self.gen, self.every_s = store, gen, every_s
+        self.sync = CounterSync(store, backend)
+        self.fail_fast = FailFastWatch(backend, k=min(3, n_shards(spec)))
+        self.last = 0.0
+
+    def tick(self, force: bool = False) -> bool:
+        """True when it did its work (time to refresh a view too)."""
+        now = time.time()
+        if not force and now - self.last < self.every_s:
+            return False
+        self.last = now
+        self.sync.push()
+        record_heartbeat(self.store)
+        verdict = self.fail_fast.check()
+        if verdict and self.store.meta().get("status") == "running":
+            fail_job(self.store, self.gen, verdict)
+        return True
+
+
+def setup_logging(run_dir: Path) -> None:
+    root = logging.getLogger()
+    if any(getattr(h, "_bdl", False) for h in root.handlers):
+        return
+    h = logging.FileHandler(run_dir / "boinc-dl.log")
+    h.setFormatter(logging.Formatter("%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"))
+    h._bdl = True  # type: ignore[attr-defined]
+    root.addHandler(h)
+    root.setLevel(logging.INFO)
+
+
+def summary_table(res: RunResult, spec: JobSpec) -> Table:
+    """The one-screen summary printed at the end of a run."""
+    t = Table(title=f"{spec.name}: {res.status}" + (f" ({res.reason})" if res.reason else ""), show_header=False)
+    if res.epochs:
+        last = res.epochs[-1]
+        best = max(res.epochs, key=lambda e: e["val_acc"])
+        t.add_row("epochs", str(len(res.epochs)))
+        t.add_row("final val accuracy", f"{last['val_acc']:.4f}")
+        t.add_row("best val accuracy", f"{best['val_acc']:.4f} (epoch {best['epoch']})")
+        if last.get("client_val_acc_mean") is not None:
+            t.add_row("last epoch, units", f"mean {last['client_val_acc_mean']:.4f} ± {last['client_val_acc_std']:.4f}")
+    b = res.backend
+    if b:
+        busy = b.get("slot_busy_s", 0.0)
+        t.add_row("units", f"{b.get('merged', 0)} merged, {b.get('reissued', 0)} re-issued, "
+                           f"{b.get('timed_out', 0)} timed out, {b.get('rejected', 0)} rejected, "
+                           f"{b.get('given_up', 0)} given up")
+        t.add_row("slot utilisation", f"{busy / max(1e-9, b.get('elapsed_s', 0) * b.get('slots', 1)):.0%}")
+    t.add_row("elapsed", f"{res.elapsed_s:.1f} s")
+    for k, v in res.outputs.items():
+        t.add_row(k, v)
+    return t
