@@ -19,7 +19,8 @@ import numpy as np
 from server.common.errors import ResultRejected
 from server.common.spec import JobSpec, spec_from_json
 from server.common.store import JobStore
-from server.validator.checks import ValidResult, validate_result
+from server.validator import norms
+from server.validator.checks import ValidResult, unit_for_workunit, validate_result
 
 
 @dataclass
@@ -59,18 +60,20 @@ def assimilate_valid(
     epoch = int(info.get("epoch", 0))
     model = str(info.get("model", "0"))
     alpha = alpha_for(spec, epoch)
-    bound = spec.validation.max_update_norm
+    bound, source = norms.bound_for(store, spec, model)
     rejected: list[str] = []
+    dists: list[float] = []
 
     def combine(ws: np.ndarray) -> np.ndarray | None:
         if ws.size != res.weights.flat.size:
             rejected.append(f"server weights have {ws.size} values, result {res.weights.flat.size}")
             return None
-        if bound is not None:
-            dist = float(np.linalg.norm(res.weights.flat - ws))
-            if not np.isfinite(dist) or dist > bound:
-                rejected.append(f"update distance {dist:.4g} from the server weights exceeds the bound {bound:.4g}")
-                return None
+        dist = float(np.linalg.norm(res.weights.flat - ws))
+        reason = norms.check_distance(dist, bound, source)
+        if reason:
+            rejected.append(reason)
+            return None
+        dists.append(dist)
         return merge_into(ws, res.weights.flat, alpha)
 
     m = res.metrics
@@ -93,6 +96,11 @@ def assimilate_valid(
     if rejected:
         store.record_rejection(unit, str(m.get("result", "")), rejected[0])
         return AssimilationOutcome("rejected", unit, out.version, rejected[0], out.retries)
+    if out.given_up:
+        reason = "the unit was already given up; a late result is not merged"
+        return AssimilationOutcome("duplicate", unit, out.version, reason, out.retries)
+    if out.applied and dists:
+        norms.record_norm(store, model, dists[-1])
     if out.applied and spec.mode == "mop" and res.weights.optimizer is not None:
         # MOP hops the optimizer state with the model. Tagged with the weights version it
         # belongs to: a crash before this write only means the next unit starts a fresh
@@ -103,25 +111,30 @@ def assimilate_valid(
 
 
 def assimilate_files(
-    store: JobStore, paths: Sequence[str | Path], spec: JobSpec | None = None, result_name: str = ""
+    store: JobStore,
+    paths: Sequence[str | Path],
+    spec: JobSpec | None = None,
+    result_name: str = "",
+    unit: str | None = None,
 ) -> AssimilationOutcome:
     """Validate then merge a result given by its files (the BOINC entry point's core).
 
-    A rejected result is recorded in Redis and reported as ``rejected``; a transient
-    fault (Redis down) propagates as :class:`~server.common.errors.StoreUnavailable`.
+    ``unit`` is the unit the job system issued the result for (never read from the
+    file); without it, the unit of the workunit named by ``result_name``
+    (``<workunit>_<n>``, BOINC's result names). A rejected result is recorded in Redis
+    and reported as ``rejected``; a transient fault (Redis down) propagates as
+    :class:`~server.common.errors.StoreUnavailable`.
     """
     if spec is None:
         spec = spec_from_json(store.spec_json())
+    if unit is None:
+        wu, sep, seq = result_name.rpartition("_")
+        unit = (unit_for_workunit(store, wu) if sep and seq.isdigit() else None) or ""
     try:
-        res = validate_result(paths, store, spec.units.max_upload_bytes)
+        if not unit:
+            raise ResultRejected(f"result {result_name[:80]!r} is not a result of a known unit of {store.job!r}")
+        res = validate_result(paths, store, spec.units.max_upload_bytes, unit)
     except ResultRejected as e:
-        unit = ""
-        try:
-            from server.validator.checks import peek_identity
-
-            unit = peek_identity(paths)[1]
-        except ResultRejected:
-            pass
         store.record_rejection(unit, result_name, e.reason)
         return AssimilationOutcome("rejected", unit, reason=e.reason)
     if store.is_assimilated(res.unit):

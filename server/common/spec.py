@@ -136,6 +136,14 @@ class ValidationSpec(_Strict):
     max_update_norm: float | None = Field(
         None, gt=0, description="reject a result whose L2 distance from the server copy exceeds this"
     )
+    update_norm_k: float | None = Field(
+        10.0, gt=0,
+        description="reject a result whose distance from the server copy exceeds the median + k * MAD "
+        "(scaled to a standard deviation) of this model's accepted distances; null disables",
+    )
+    update_norm_warmup: int = Field(
+        10, ge=3, description="accepted results seen before the adaptive distance bound applies"
+    )
 
 
 class LocalBackendSpec(_Strict):

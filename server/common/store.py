@@ -124,6 +124,7 @@ class MergeOutcome:
     version: int
     retries: int = 0
     duplicate: bool = False
+    given_up: bool = False  # the unit was marked failed before: never merged after that
 
 
 class JobStore:
@@ -321,7 +322,7 @@ class JobStore:
                     record: dict[str, Any], epoch: int | None, strict: bool, max_retries: int,
                     token: str, lock: bytes | None = None, released: list[bool] | None = None) -> MergeOutcome:
         wkey, vkey, akey = self.k("w", model), self.k("v", model), self.k("assimilated")
-        tkey = self.k("wt", model)
+        tkey, fkey = self.k("wt", model), self.k("failed")
         retries = 0
         deadline: float | None = None
         delay = 0.05
@@ -330,8 +331,9 @@ class JobStore:
             try:
                 with self.r.pipeline(transaction=True) as p:
                     reader: Any = p if strict else self.r
-                    if strict:
-                        p.watch(wkey, akey)
+                    # The failed mark is watched in both modes: a unit given up while this
+                    # merge runs aborts it, so no unit is ever both merged and given up.
+                    p.watch(*((wkey, akey, fkey) if strict else (fkey,)))
                     prev = reader.hget(akey, unit)
                     if prev is not None:
                         if cached is not None:
@@ -341,8 +343,14 @@ class JobStore:
                         if mine:
                             return MergeOutcome(True, int(json.loads(prev).get("version", v_now)), retries)
                         return MergeOutcome(False, v_now, retries, duplicate=True)
-                    tag = reader.get(tkey)
                     v = int(reader.get(vkey) or 0)
+                    if reader.hexists(fkey, unit):
+                        # Given up for good (its epoch counted it failed): a late result may
+                        # not also count as merged. Watched, so a concurrent give-up aborts us.
+                        if cached is not None:
+                            self._cache[model] = cached
+                        return MergeOutcome(False, v, retries, given_up=True)
+                    tag = reader.get(tkey)
                     if cached is not None and tag is not None and cached[0] == tag:
                         ws = cached[1]
                     else:
