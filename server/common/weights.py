@@ -326,7 +326,7 @@ class _Dataset:
 
 
 def _dataset(g: Any, name: str, what: str, file_size: int, shape: tuple[int, ...] | None,
-             kinds: str = "f") -> _Dataset:
+             kinds: str = "f", tensor_name: str | None = None) -> _Dataset:
     """Open and check one dataset without reading it (see the section comment)."""
     if h5py.h5o.get_info(g, name.encode()).type != h5py.h5o.TYPE_DATASET:
         raise WeightsFormatError(f"{what} is not a dataset")
@@ -371,6 +371,8 @@ def _dataset(g: Any, name: str, what: str, file_size: int, shape: tuple[int, ...
     n_attrs = h5py.h5o.get_info(g, name.encode()).num_attrs
     if n_attrs > 1 or (n_attrs == 1 and not h5py.h5a.exists(d, b"name")):
         raise WeightsFormatError(f"{what} has unexpected attributes")
+    if tensor_name is not None and n_attrs and _attr_str(d, "name", max_bytes=4096) != tensor_name:
+        raise WeightsFormatError(f"{what}: dataset name attribute differs from the fingerprint's")
     return _Dataset(d, got, dt, offset)
 
 
@@ -480,7 +482,8 @@ def _checked_datasets(root: Any, fp: Fingerprint, size: int, has_optimizer: bool
     if names != want:
         raise WeightsFormatError(f"file holds {len(names)} tensors named {names[:3]}..., its fingerprint "
                                  f"lists {len(fp.tensors)}")
-    tensors = [_dataset(g, k, f"tensor {t.name}", size, t.shape) for k, t in zip(want, fp.tensors, strict=True)]
+    tensors = [_dataset(g, k, f"tensor {t.name}", size, t.shape, tensor_name=t.name)
+               for k, t in zip(want, fp.tensors, strict=True)]
     if not has_optimizer:
         return tensors, None
     og = _group(root, "optimizer", "/optimizer")
