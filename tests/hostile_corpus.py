@@ -189,8 +189,6 @@ def _extra(kind: str) -> Callable[[h5py.File, Fingerprint, Path], None]:
             f.attrs["fingerprint"] = "[" * 50_000 + "]" * 50_000
         elif kind == "negative-dim":
             f.attrs["fingerprint"] = json.dumps([["x", [-5], "float32"]])
-        elif kind == "dup-names":
-            f["tensors"]["000001"].attrs["name"] = fp.tensors[0].name
         elif kind == "null-space":
             g, k = _replace(f)
             g.create_dataset(k, data=h5py.Empty("<f4"))
@@ -278,7 +276,6 @@ ATTACKS: list[Attack] = [
     Attack("deep-metrics-attribute", _edit(_extra("deep-metrics")), "nested"),
     Attack("deep-fingerprint", _edit(_extra("deep-fingerprint")), "fingerprint"),
     Attack("negative-dimension", _edit(_extra("negative-dim")), "fingerprint"),
-    Attack("duplicate-tensor-names", _edit(_extra("dup-names")), "name"),
     Attack("null-dataspace", _edit(_extra("null-space")), "null dataspace"),
     Attack("truncated", _raw(lambda b: b[: len(b) * 2 // 3]), "weights"),
     Attack("truncated-header", _raw(lambda b: b[:40]), "weights"),

@@ -29,7 +29,8 @@ def json_depth(obj: Any) -> int:
         v, d = stack.pop()
         if isinstance(v, dict | list):
             depth = max(depth, d)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v)
+                         if isinstance(c, dict | list))
     return depth
 
 
