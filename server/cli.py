@@ -207,7 +207,8 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
 
     try:
         spec = load_spec(spec_file)
-        data = load_dataset(spec.dataset, spec.seed)
+        # boinc-dl's own dataset loader (bandit takes it for Hugging Face's load_dataset)
+        data = load_dataset(spec.dataset, spec.seed)  # nosec B615
         from server.common.keras_model import build_model, model_fingerprint
 
         fp = model_fingerprint(build_model(spec.model, spec.model_args, spec_file.resolve().parent))

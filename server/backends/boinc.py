@@ -91,7 +91,7 @@ class _Pending:
 
 def file_md5(path: Path) -> tuple[str, int]:
     """(md5 hex, size) of a file, read in 1 MiB blocks."""
-    h = hashlib.md5()
+    h = hashlib.md5(usedforsecurity=False)  # BOINC's file checksum, not a security hash
     n = 0
     with path.open("rb") as f:
         while block := f.read(1 << 20):

@@ -476,11 +476,12 @@ def lookup_wu_name(project: BoincProject, wu_id: int) -> str | None:
             if cfg.get(key):
                 f.write(f"{opt}={cfg.get(key)}\n")
         defaults = f.name
+    # The only value in the query is int()-converted: no string reaches the SQL.
+    query = f"select name from workunit where id={int(wu_id)}"  # nosec B608
     try:
         os.chmod(defaults, 0o600)
         proc = subprocess.run(
-            [mysql, f"--defaults-extra-file={defaults}", "-N", "-B", "-e",
-             f"select name from workunit where id={int(wu_id)}", db],
+            [mysql, f"--defaults-extra-file={defaults}", "-N", "-B", "-e", query, db],
             capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("mysql lookup of workunit #%d failed: %s", wu_id, e)
