@@ -45,7 +45,7 @@ class XmlDoc:
             doc.changes.append(f"created {path.name}")
             return doc
         text = path.read_text()
-        # Not host data: the project's own templates/config (admin-written), never host data;
+        # Not host data: the project's own templates and config (admin-written);
         # expat neither fetches external entities nor expands entity bombs (>= 2.4.1).
         parser = ET.XMLParser(target=ET.TreeBuilder(insert_comments=True, insert_pis=True))  # nosec B314
         try:
