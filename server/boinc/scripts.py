@@ -306,20 +306,24 @@ def _store_for(project: BoincProject, job: str, wait_s: float = 0.0) -> JobStore
             time.sleep(1.0)
 
 
-def _identity(call: ScriptCall, paths: Sequence[str]) -> tuple[str, str]:
+def identity_from_names(paths: Sequence[str | Path], wu_name: str | None = None) -> tuple[str, str]:
     """(job, workunit name) of a result, from what BOINC names: the output files'
     names (``<wu>_<n>_r<random>_<i>``, checked to agree) or the ``wu_name`` argument;
     ("", "") when BOINC names no boinc-dl workunit. Never from inside the files."""
     names = {wu_name_of_result(result_name_of(p)) for p in paths}
     wu = names.pop() if len(names) == 1 else ""
     if not wu and not names:
-        wu = call.wu_name or ""
-    if call.wu_name and wu and call.wu_name != wu:
+        wu = wu_name or ""
+    if wu_name and wu and wu_name != wu:
         return "", ""
     parsed = parse_unit_name(wu) if is_safe_name(wu) else None
     if not parsed or not JOB_NAME_RE.match(parsed["job"]):
         return "", ""
     return parsed["job"], wu
+
+
+def _identity(call: ScriptCall, paths: Sequence[str]) -> tuple[str, str]:
+    return identity_from_names(paths, call.wu_name)
 
 
 # ---- assimilator --------------------------------------------------------------------------
