@@ -20,8 +20,11 @@ import time
 import tracemalloc
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server.assimilator.core import assimilate_error, assimilate_files
 from server.backends.local import assimilate_guarded
@@ -41,6 +44,7 @@ from .hostile_corpus import (
     SECRET,
     TRAVERSAL_UNITS,
     gzip_bomb,
+    secret_files,
     valid,
 )
 
@@ -322,4 +326,114 @@ def test_huge_declaration_through_the_validator(tiny_job, tmp_path: Path) -> Non
     t0 = time.perf_counter()
     with pytest.raises(ResultRejected, match=str(4 * HUGE)):
         validate_result([str(d / "weights_out.h5")], store, spec.units.max_upload_bytes, "u0")
+    assert time.perf_counter() - t0 < 1.0
+
+
+# ---- structure-aware fuzzing of the reader ---------------------------------------------------
+
+_REPLACEMENTS = ["chunked", "external-storage", "external-link", "soft-link", "hard-alias", "virtual",
+                 "gzip", "shuffle", "fletcher32", "unallocated", "shape", "float64", "big-endian", "huge",
+                 "scalar"]
+_BENIGN = {"chunked"}
+_EXTRAS = ["root-attr", "root-dataset", "tensor-attr", "optimizer-ok", "optimizer-huge", "optimizer-text",
+           "metrics-deep", "unit-array"]
+_BENIGN_EXTRAS = {"optimizer-ok"}
+READER_FUZZ = settings(max_examples=int(os.environ.get("BDL_FUZZ_EXAMPLES", "60")), deadline=None,
+                       derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _mutate_tensor(f: h5py.File, i: int, how: str, secret: Path, secret_h5: Path) -> None:
+    t = FP.tensors[i]
+    g, k = f["tensors"], f"{i:06d}"
+    data = g[k][()]
+    del g[k]
+    if how == "chunked":
+        g.create_dataset(k, data=data, chunks=True)
+    elif how == "external-storage":
+        g.create_dataset(k, shape=t.shape, dtype="<f4", external=[(str(secret), 0, 4 * t.size)])
+    elif how == "external-link":
+        g[k] = h5py.ExternalLink(str(secret_h5), "/data")
+    elif how == "soft-link":
+        g[k] = h5py.SoftLink(f"/tensors/{(i + 1) % len(FP.tensors):06d}")
+    elif how == "hard-alias":
+        g.create_dataset(k, data=data)
+        f[f"alias{i}"] = g[k]
+    elif how == "virtual":
+        lay = h5py.VirtualLayout(shape=(t.size,), dtype="<f4")
+        lay[:] = h5py.VirtualSource(str(secret_h5), "data", shape=(4 * FP.n_params,))[: t.size]
+        g.create_virtual_dataset(k, lay)
+    elif how in ("gzip", "shuffle", "fletcher32"):
+        g.create_dataset(k, data=data, chunks=True, **{"gzip": {"compression": "gzip"}, "shuffle": {"shuffle": True},
+                                                        "fletcher32": {"fletcher32": True}}[how])
+    elif how == "unallocated":
+        g.create_dataset(k, shape=t.shape, dtype="<f4")
+    elif how == "shape":
+        g.create_dataset(k, data=np.zeros(t.size + 1, np.float32))
+    elif how in ("float64", "big-endian"):
+        g.create_dataset(k, data=data.astype("<f8" if how == "float64" else ">f4"))
+    elif how == "huge":
+        g.create_dataset(k, shape=(HUGE,), dtype="<f4", chunks=(1 << 16,))
+    elif how == "scalar":
+        g.create_dataset(k, data=np.float32(1.0))
+
+
+def _extra(f: h5py.File, how: str) -> None:
+    if how == "root-attr":
+        f.attrs["extra"] = 1
+    elif how == "root-dataset":
+        f.create_dataset("extra", data=np.zeros(2))
+    elif how == "tensor-attr":
+        f["tensors"]["000000"].attrs["more"] = "x"
+    elif how.startswith("optimizer") and "optimizer" not in f:
+        og = f.create_group("optimizer")
+        og.attrs["kind"] = "adam"
+        if how == "optimizer-ok":
+            og.create_dataset("000000", data=np.zeros(FP.n_params, np.float32))
+        elif how == "optimizer-huge":
+            og.create_dataset("000000", shape=(HUGE,), dtype="<f4", chunks=(1 << 16,))
+        else:
+            og.create_dataset("000000", data="text")
+    elif how == "metrics-deep":
+        f.attrs["metrics"] = "[" * 5000 + "]" * 5000
+    elif how == "unit-array":
+        f.attrs["unit"] = np.arange(3)
+
+
+@READER_FUZZ
+@given(data=st.data())
+def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> None:
+    """Valid files mutated structurally (storage, links, filters, sizes, dtypes, extra
+    objects, superblock/user block): the reader accepts exactly the benign mutations,
+    rejects every other with WeightsFormatError, fast, and never returns server bytes."""
+    d = tmp_path_factory.mktemp("rf")
+    secret, secret_h5 = secret_files(d / "server", 4 * FP.n_params)
+    path = d / "w.h5"
+    valid(path, FP, "j", "u")
+    tensor_muts = data.draw(st.dictionaries(st.integers(0, len(FP.tensors) - 1), st.sampled_from(_REPLACEMENTS),
+                                            max_size=2))
+    extras = data.draw(st.lists(st.sampled_from(_EXTRAS), max_size=2, unique=True))
+    with h5py.File(path, "a") as f:
+        for i, how in tensor_muts.items():
+            _mutate_tensor(f, i, how, secret, secret_h5)
+        for how in extras:
+            _extra(f, how)
+    file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip"]))
+    raw = bytearray(path.read_bytes())
+    if file_level == "userblock":
+        raw = bytearray(512) + raw
+    elif file_level == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    elif file_level == "flip":
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    path.write_bytes(bytes(raw))
+    benign = (set(tensor_muts.values()) <= _BENIGN and set(extras) <= _BENIGN_EXTRAS
+              and file_level in ("none",))
+    t0 = time.perf_counter()
+    try:
+        wf = read_weights(path, FP, max_bytes=1 << 20)
+    except WeightsFormatError:
+        assert not benign, (tensor_muts, extras, file_level)
+    else:
+        assert benign or file_level == "flip", (tensor_muts, extras, file_level)
+        assert wf.flat.size == FP.n_params and not np.isin(_secret_floats(), wf.flat).any()
     assert time.perf_counter() - t0 < 1.0
