@@ -440,3 +440,13 @@ def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> N
         assert benign or file_level == "flip", (tensor_muts, extras, file_level)
         assert wf.flat.size == FP.n_params and not np.isin(_secret_floats(), wf.flat).any()
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_host_metrics_are_typed_in_the_merge_record(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    metrics = b'{"val_acc": "NaN please", "val_loss": [1, 2], "train_loss": 1e999, "train_acc": ' + b"9" * 400 + \
+        b', "wall_s": 3.5, "host": {"x": 1}}'
+    assert assimilate_files(store, _result(tmp_path / "r", metrics=metrics), spec, unit="u0").status == "merged"
+    rec = store.assimilated()["u0"]
+    assert [rec[k] for k in ("val_acc", "val_loss", "train_loss", "train_acc", "wall_s", "host")] == \
+        [None, None, None, None, 3.5, None]

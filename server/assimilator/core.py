@@ -9,6 +9,7 @@ merge twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,17 @@ def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
     ws *= np.float32(alpha)
     ws += wc
     return ws
+
+
+def _number(v: Any) -> float | None:
+    """A finite float from a host's metrics value, else None."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an int of 400 digits
+        return None
+    return f if math.isfinite(f) else None
 
 
 def alpha_for(spec: JobSpec, epoch: int) -> float:
@@ -83,18 +95,15 @@ def assimilate_valid(
         "alpha": alpha,
         "base_version": res.weights.base_version,
         "examples_seen": res.weights.examples_seen,
-        "val_acc": m.get("val_acc"),
-        "val_loss": m.get("val_loss"),
-        "train_loss": m.get("train_loss"),
-        "train_acc": m.get("train_acc"),
-        "train_s": m.get("train_s"),
-        "wall_s": m.get("wall_s"),
-        "host": m.get("host"),
+        # A host's metrics are typed here: what the generator, status and reports read
+        # from the merge record is a finite number or None, the host a short string.
+        **{k: _number(m.get(k)) for k in ("val_acc", "val_loss", "train_loss", "train_acc", "train_s", "wall_s")},
+        "host": str(m["host"])[:64] if isinstance(m.get("host"), str | int) else None,
     }
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
     if rejected:
-        store.record_rejection(unit, str(m.get("result", "")), rejected[0])
+        store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
         return AssimilationOutcome("rejected", unit, out.version, rejected[0], out.retries)
     if out.given_up:
         reason = "the unit was already given up; a late result is not merged"
