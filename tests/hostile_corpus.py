@@ -66,7 +66,7 @@ def _edit(fn: Callable[[h5py.File, Fingerprint, Path], None]) -> Callable[[Path,
 
 
 def _replace(f: h5py.File, i: int = 0) -> tuple[h5py.Group, str]:
-    key = f"{i:06d}"
+    key = f"{i % len(f['tensors']):06d}"  # -1: the last tensor, found after all the others
     del f["tensors"][key]
     return f["tensors"], key
 
@@ -137,6 +137,18 @@ def _huge_tensor(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
 def _unallocated(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
     g, k = _replace(f)
     g.create_dataset(k, shape=fp.tensors[0].shape, dtype="<f4")  # right shape, no data stored
+
+
+def _last_external(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
+    raw, _ = secret_files(sd, fp.n_params)
+    g, k = _replace(f, -1)
+    t = fp.tensors[-1]
+    g.create_dataset(k, shape=t.shape, dtype="<f4", external=[(str(raw), 0, 4 * t.size)])
+
+
+def _last_unallocated(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
+    g, k = _replace(f, -1)
+    g.create_dataset(k, shape=fp.tensors[-1].shape, dtype="<f4", chunks=True)  # 8 GB of fill value at most
 
 
 def _huge_optimizer(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
@@ -260,6 +272,8 @@ ATTACKS: list[Attack] = [
     Attack("huge-optimizer", _edit(_huge_optimizer), "declares"),
     Attack("huge-fingerprint", _edit(_huge_fingerprint), "tensor"),
     Attack("unallocated", _edit(_unallocated), "fill values"),
+    Attack("last-tensor-external-storage", _edit(_last_external), "external files"),
+    Attack("last-tensor-unallocated", _edit(_last_unallocated), "fill values"),
     Attack("dtype-float64", _edit(_dtype("<f8")), "float32"),
     Attack("dtype-big-endian", _edit(_dtype(">f4")), "float32"),
     Attack("dtype-int", _edit(_dtype("<i4")), "float32"),

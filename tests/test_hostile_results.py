@@ -419,7 +419,10 @@ def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> N
         for i, how in tensor_muts.items():
             _mutate_tensor(f, i, how, secret, secret_h5)
         for how in extras:
-            _extra(f, how)
+            try:
+                _extra(f, how)
+            except (RuntimeError, KeyError):  # e.g. an attribute on a tensor now a link loop
+                extras = [x for x in extras if x != how]
     file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip"]))
     raw = bytearray(path.read_bytes())
     if file_level == "userblock":

@@ -511,7 +511,12 @@ def read_weights(path: str | Path, expected: Fingerprint | None = None, max_byte
 def _checked_datasets(root: Any, fp: Fingerprint, size: int, has_optimizer: bool,
                       objs: dict[str, tuple[int, int]]
                       ) -> tuple[list[_Dataset], tuple[str, list[_Dataset]] | None]:
-    """Every dataset of the file checked against ``fp`` and the file size, none read."""
+    """Every dataset of the file checked against ``fp`` and the file size, none read.
+
+    The optimizer state first: a few datasets, so a bad one is refused before the
+    hundreds of tensor headers are opened.
+    """
+    optimizer = _checked_optimizer(root, fp, size, objs) if has_optimizer else None
     g = _group(root, "tensors", "/tensors", objs)
     _check_attr_names(g, frozenset(), "/tensors")
     names = sorted(_members(g, "/tensors"))
@@ -521,8 +526,11 @@ def _checked_datasets(root: Any, fp: Fingerprint, size: int, has_optimizer: bool
                                  f"lists {len(fp.tensors)}")
     tensors = [_dataset(g, k, f"tensor {t.name}", size, t.shape, objs[f"tensors/{k}"])
                for k, t in zip(want, fp.tensors, strict=True)]
-    if not has_optimizer:
-        return tensors, None
+    return tensors, optimizer
+
+
+def _checked_optimizer(root: Any, fp: Fingerprint, size: int, objs: dict[str, tuple[int, int]]
+                       ) -> tuple[str, list[_Dataset]]:
     og = _group(root, "optimizer", "/optimizer", objs)
     _check_attr_names(og, frozenset({"kind"}), "/optimizer")
     kind = _attr_str(og, "kind", max_bytes=256)
@@ -537,7 +545,7 @@ def _checked_datasets(root: Any, fp: Fingerprint, size: int, has_optimizer: bool
         if total > 4 * fp.n_params + 16:
             raise WeightsFormatError(f"optimizer state has over {total} values for a model of {fp.n_params}")
         dss.append(ds)
-    return tensors, (kind, dss)
+    return kind, dss
 
 
 def check_fingerprint(got: Fingerprint, want: Fingerprint) -> None:
