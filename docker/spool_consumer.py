@@ -59,7 +59,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 
 from server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
-from server.boinc.scripts import identity_from_names, result_name_of
+from server.backends.boinc.scripts import identity_from_names, result_name_of
 from server.common.errors import StoreUnavailable
 from server.common.store import JobStore, connect
 from server.common.workunit import parse_unit_name

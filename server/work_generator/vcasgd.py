@@ -71,7 +71,10 @@ class VCASGDWorkGenerator:
         self.spec = spec
         self.files = JobFiles(Path(job_dir).resolve(), spec.name)
         self.backend = backend
+        #: Fixed window (units in flight) when given or when the job system cannot tell
+        #: how many hosts are asking; see :meth:`current_window`.
         self.window = window or spec.vcasgd.window or backend.capacity or 8
+        self._fixed_window = window
         self.n = n_shards(spec)
         self.model = "0"
         self.fp = store.fingerprint(self.model)
@@ -239,6 +242,22 @@ class VCASGDWorkGenerator:
             self.store.incr_counter("regenerated", n)
         return n
 
+    def current_window(self) -> int:
+        """Units to keep in flight now.
+
+        A job system whose hosts come and go (BOINC) reports what the hosts asking for work
+        can take (:meth:`JobSystem.live_capacity`); the spec's ``vcasgd.window`` (or the
+        system's configured capacity) bounds it, and at least one unit stays in flight so
+        the first host to ask finds work. Otherwise the fixed :attr:`window`.
+        """
+        if self._fixed_window:
+            return self._fixed_window
+        live = self.backend.live_capacity()
+        if live is None:
+            return self.window
+        bound = self.spec.vcasgd.window or self.backend.capacity
+        return max(1, min(live, bound) if bound else live)
+
     def in_flight(self) -> int:
         meta = self.store.meta()
         closed = self._meta_int(meta, "closed_epoch", 0)
@@ -347,7 +366,7 @@ class VCASGDWorkGenerator:
         if self.status() in FINISHED:
             return False
         self.service_regenerations()
-        free = self.window - self.in_flight()
+        free = self.current_window() - self.in_flight()
         while free > 0 and self._create_next():
             free -= 1
         return True

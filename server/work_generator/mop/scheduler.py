@@ -93,66 +93,26 @@ API at a glance
 
 Cost: a decision at |S|=256, p=16 takes ~20 us (one idle worker) and ~25 us per unit when
 16 workers are idle at once; the JSON state is ~130 KiB mid-epoch at that size.
+
+This module is kept whole (about 550 lines, most of it this description and the one
+class): the queues Q/Q', the in-flight units and their recovery are one state machine
+and read best together. The batch matching is in :mod:`.matching`, what it hands out
+in :mod:`.assignment`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-from server.common.errors import BoincDLError
+from server.work_generator.mop.assignment import (
+    Assignment,
+    SchedulerError,
+)
+from server.work_generator.mop.matching import match_batch
 
 STATE_FORMAT = 1
 POLICIES = ("random", "random-matching", "fifo")
-
-
-class SchedulerError(BoincDLError):
-    """The scheduler was asked something inconsistent (unknown model/worker, busy worker...)."""
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One training unit handed out: train ``model`` on ``partition`` for one sub-epoch.
-
-    ``worker`` is ``None`` for units issued in pull mode. ``attempt`` counts how many times
-    this unit was handed out in this epoch (1 for the first time); pass it back to
-    :meth:`MOPScheduler.complete` / :meth:`MOPScheduler.fail` to reject stale results.
-    """
-
-    model: str
-    partition: int
-    worker: str | None
-    attempt: int
-    epoch: int
-
-    def to_json(self) -> list:
-        return [self.model, self.partition, self.worker, self.attempt, self.epoch]
-
-    @classmethod
-    def from_json(cls, v: list) -> Assignment:
-        return cls(str(v[0]), int(v[1]), None if v[2] is None else str(v[2]), int(v[3]), int(v[4]))
-
-
-def round_robin_availability(
-    workers: Iterable[str], n_partitions: int, replication: int = 1
-) -> dict[str, set[int]]:
-    """Place partition ``j`` on worker ``(j + r) mod n`` for ``r < replication``.
-
-    With ``replication=1`` this is Cerebro's default (partition ``j`` on worker ``j mod n``).
-    """
-    ws = list(workers)
-    if not ws:
-        raise SchedulerError("at least one worker is needed")
-    if n_partitions < 1:
-        raise SchedulerError(f"n_partitions must be >= 1, got {n_partitions}")
-    if not 1 <= replication <= len(ws):
-        raise SchedulerError(f"replication must be in [1, {len(ws)}], got {replication}")
-    avail: dict[str, set[int]] = {w: set() for w in ws}
-    for j in range(n_partitions):
-        for r in range(replication):
-            avail[ws[(j + r) % len(ws)]].add(j)
-    return avail
 
 
 class MOPScheduler:
@@ -210,6 +170,8 @@ class MOPScheduler:
         self._attempts: dict[str, dict[int, int]] = {}
         self._visits: dict[int, dict[str, list[int]]] = {}
         self._log: list[Assignment] = []  # completed units of the current epoch, in order
+        # Per-model epochs (pipelining, :meth:`advance_model`): models ahead of ``epoch`` only.
+        self._ahead: dict[str, int] = {}
 
     # ------------------------------------------------------------------ validation helpers
     @staticmethod
@@ -262,7 +224,39 @@ class MOPScheduler:
         self._attempts = {m: {} for m in self._models}
         self._visits[self.epoch] = {m: [] for m in self._models}
         self._log = []
+        self._ahead = {}
         return self.epoch
+
+    # ------------------------------------------------------------------ per-model epochs
+    def model_epoch(self, model: str) -> int:
+        """The epoch ``model`` is in (ahead of :attr:`epoch` once :meth:`advance_model` ran)."""
+        return self._ahead.get(model, self.epoch)
+
+    def model_finished(self, model: str) -> bool:
+        """True when ``model`` has no unit left to do or in flight in its epoch."""
+        return self._left.get(model, 0) == 0 and model not in self._inflight
+
+    def advance_model(self, model: str) -> int:
+        """Pipelining: start ``model``'s next epoch now, without waiting for the others.
+
+        For searches that decide nothing at epoch boundaries (grid, random): the model's
+        units of the next epoch become runnable at once. The invariants hold per model
+        (each partition once per model-epoch, one unit per model in flight). Returns the
+        model's new epoch. Raises if the model still has work in its current epoch.
+        """
+        if model not in self._models:
+            raise SchedulerError(f"unknown model {model!r}")
+        if not self.model_finished(model):
+            raise SchedulerError(f"model {model!r} has not finished epoch {self.model_epoch(model)}")
+        e = self.model_epoch(model) + 1
+        self._ahead[model] = e
+        for q in self._pending:
+            q[model] = None
+        self._n_pending += self.n_partitions
+        self._left[model] = self.n_partitions
+        self._attempts[model] = {}
+        self._visits.setdefault(e, {})[model] = []
+        return e
 
     def epoch_done(self) -> bool:
         """True when every unit of the epoch has completed (Q and Q' both empty)."""
@@ -281,6 +275,7 @@ class MOPScheduler:
             if q.pop(model, 0) is None:
                 self._n_pending -= 1
         self._left.pop(model, None)
+        self._ahead.pop(model, None)
         a = self._inflight.pop(model, None)
         if a is not None:
             self._release(a)
@@ -340,7 +335,9 @@ class MOPScheduler:
         if self.policy != "fifo" and len(ws) > 1:
             self._rng.shuffle(ws)
         if self.policy == "random-matching":
-            return [self._dispatch(m, j, w) for w, m, j in self._match_batch(ws)]
+            batch = match_batch(ws, self._models, self._avail, self._pending,  # type: ignore[arg-type]
+                                self._inflight, self._left, self._holder_counts(), self._rng)
+            return [self._dispatch(m, j, w) for w, m, j in batch]
         out = []
         for w in ws:
             unit = self._pick_for_worker(w)
@@ -354,105 +351,6 @@ class MOPScheduler:
             for j in ps:
                 h[j] += 1
         return h
-
-    def _match_batch(self, ws: list[str]) -> list[tuple[str, str, int]]:
-        """Critical units first, and a maximum matching of idle workers to idle models.
-
-        A unit ``(m, j)`` is ranked by ``(max(left[m], pressure[j]), left[m])`` where
-        ``left[m]`` is the number of units model ``m`` still has to do this epoch (it needs
-        at least that many more sequential units) and ``pressure[j]`` the units left on
-        partition ``j`` per worker holding it (the rounds its holders still need): the unit
-        on the more critical of the two resources goes first; ties are broken at random.
-        Each worker's eligible models are ordered that way and Kuhn's augmenting-path
-        algorithm then starts as many units as possible at once. The partition of a matched
-        (worker, model) pair is the most pressed one it holds (ties at random).
-        """
-        inflight, rng, pending, left = self._inflight, self._rng, self._pending, self._left
-        hold = self._holder_counts()
-        if len(ws) == 1:  # the common case in continuous time: no matching needed
-            w = ws[0]
-            best: tuple[float, int] = (-1.0, -1)
-            cands: list[tuple[str, int]] = []
-            for j in self._avail[w]:  # type: ignore[index]
-                q = pending[j]
-                # Within one partition the key grows with left[m]: find the top models first.
-                nbest, ms = -1, []
-                for m in q:
-                    if m in inflight:
-                        continue
-                    n = left[m]
-                    if n > nbest:
-                        nbest, ms = n, [m]
-                    elif n == nbest:
-                        ms.append(m)
-                if nbest < 0:
-                    continue
-                pr = len(q) / hold[j]
-                k = (nbest if nbest > pr else pr, nbest)
-                if k > best:
-                    best, cands = k, [(m, j) for m in ms]
-                elif k == best:
-                    cands.extend((m, j) for m in ms)
-            if not cands:
-                return []
-            m, j = cands[rng.randrange(len(cands))]
-            return [(w, m, j)]
-        order = [m for m in self._models if m not in inflight and left.get(m, 0) > 0]
-        rank = {m: rng.random() for m in order}  # random tie-break, shared by all workers
-        order.sort(key=lambda m: (-left[m], rank[m]))
-        adj: dict[str, list[str]] = {}
-        choice: dict[tuple[str, str], list[int]] = {}
-        for w in ws:
-            mine = self._avail[w]  # type: ignore[index]
-            if len(mine) == 1:  # one partition: the key is monotone in left[m], reuse order
-                q = pending[mine[0]]
-                adj[w] = [m for m in order if m in q]
-                continue
-            key: dict[str, tuple[float, int]] = {}
-            top: dict[str, float] = {}
-            for j in self._avail[w]:  # type: ignore[index]
-                q = pending[j]
-                pr = len(q) / hold[j]
-                for m in q:
-                    if m in inflight:
-                        continue
-                    n = left[m]
-                    k = (n if n > pr else pr, n)
-                    if m not in key or k > key[m]:
-                        key[m] = k
-                    if m not in top or pr > top[m]:
-                        top[m], choice[w, m] = pr, [j]
-                    elif pr == top[m]:
-                        choice[w, m].append(j)
-            adj[w] = sorted(key, key=lambda m, key=key: (-key[m][0], -key[m][1], rank[m]))
-        owner: dict[str, str] = {}  # model -> worker
-
-        def augment(w: str, seen: set[str]) -> bool:
-            for m in adj[w]:
-                if m in seen:
-                    continue
-                seen.add(m)
-                if m not in owner or augment(owner[m], seen):
-                    owner[m] = w
-                    return True
-            return False
-
-        unmatched = []
-        for w in ws:  # greedy pass first: the cheap common case, and keeps priorities
-            m = next((m for m in adj[w] if m not in owner), None)
-            if m is None:
-                unmatched.append(w)
-            else:
-                owner[m] = w
-        for w in unmatched:  # then augmenting paths make the matching maximum
-            if adj[w]:
-                augment(w, set())
-        out = []
-        for m, w in owner.items():
-            mine = self._avail[w]  # type: ignore[index]
-            ps = mine if len(mine) == 1 else choice[w, m]
-            out.append((w, m, ps[rng.randrange(len(ps))] if len(ps) > 1 else ps[0]))
-        return out
 
     def _pick_for_worker(self, worker: str) -> tuple[str, int] | None:
         inflight = self._inflight
@@ -509,7 +407,8 @@ class MOPScheduler:
             self._rng.shuffle(models)
         elif self.policy == "random-matching":
             rank = {m: self._rng.random() for m in models}
-            models.sort(key=lambda m: (-self._left[m], rank[m]))
+            # Models behind (pipelining) first: they hold back the oldest open epoch.
+            models.sort(key=lambda m: (self.model_epoch(m), -self._left[m], rank[m]))
         out: list[Assignment] = []
         for m in models:
             if max_units is not None and len(out) >= max_units:
@@ -534,7 +433,7 @@ class MOPScheduler:
         self._left[model] -= 1
         att = self._attempts[model]
         att[partition] = att.get(partition, 0) + 1
-        a = Assignment(model, partition, worker, att[partition], self.epoch)
+        a = Assignment(model, partition, worker, att[partition], self.model_epoch(model))
         self._inflight[model] = a
         self._part_load[partition] += 1
         if worker is not None:
@@ -581,7 +480,7 @@ class MOPScheduler:
             return False
         del self._inflight[model]
         self._release(a)
-        self._visits[self.epoch][model].append(partition)
+        self._visits[a.epoch][model].append(partition)
         self._log.append(a)
         return True
 
@@ -650,6 +549,7 @@ class MOPScheduler:
             "visits": {str(e): v for e, v in self._visits.items()},
             "log": [a.to_json() for a in self._log],
             "rng": [version, list(internal), gauss],
+            "ahead": dict(self._ahead),
         }
 
     @classmethod
@@ -684,6 +584,7 @@ class MOPScheduler:
             s._part_load[a.partition] += 1
             if a.worker is not None:
                 s._busy[a.worker] = a.model
+        s._ahead = {str(m): int(e) for m, e in state.get("ahead", {}).items()}
         version, internal, gauss = state["rng"]
         s._rng.setstate((version, tuple(internal), gauss))
         return s
