@@ -32,6 +32,7 @@ from typing import Any
 
 from server.backends.base import JobSystem, RetryLimits
 from server.common.errors import BoincDLError, ModelError
+from server.common.shards import load_shard_versions, save_shard_versions
 from server.common.spec import JobSpec
 from server.common.store import JobStore
 from server.common.weights import OptimizerState, WeightsFile, write_weights
@@ -193,12 +194,14 @@ class MOPWorkGenerator:
         return state if v == version else None
 
     def _weights_path(self, model: str) -> tuple[int, Path]:
-        flat, version = self.store.get_weights(model)
+        snap = self.store.snapshot(model)
+        version = snap.version
         path = self.files.weights(model, version)
         if not path.exists():
-            write_weights(path, WeightsFile(flat, self.store.fingerprint(model), job=self.spec.name,
+            write_weights(path, WeightsFile(snap.flat, self.store.fingerprint(model), job=self.spec.name,
                                             model=model, base_version=version,
                                             optimizer=self._optimizer_state(model, version)))
+            save_shard_versions(path, snap.shard_versions)
         return version, path
 
     def _describe(self, a: Assignment) -> Workunit:
@@ -208,7 +211,7 @@ class MOPWorkGenerator:
         name = self._unit(a)
         wu = Workunit(
             job=self.spec.name, unit=name, mode="mop", epoch=a.epoch, model=a.model, shard=a.partition,
-            weights_version=version,
+            weights_version=version, weights_shard_versions=load_shard_versions(wpath),
             training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
                       "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
             hyper=cfg.get("hyper", {}),

@@ -46,6 +46,7 @@ import numpy as np
 
 from server.backends.base import JobSystem, RetryLimits
 from server.common.errors import StoreUnavailable
+from server.common.shards import load_shard_versions, save_shard_versions
 from server.common.spec import JobSpec
 from server.common.store import JobStore
 from server.common.weights import WeightsFile, write_weights
@@ -111,13 +112,15 @@ class VCASGDWorkGenerator:
     # ---- units ----------------------------------------------------------------------------
     def _weights_path(self) -> tuple[int, Path]:
         """The file holding the current server weights (written once per version)."""
-        flat, version = self.store.get_weights(self.model)
+        snap = self.store.snapshot(self.model)
+        version = snap.version
         if self._weights_file and self._weights_file[0] == version:
             return self._weights_file
         path = self.files.weights(self.model, version)
         if not path.exists():
-            write_weights(path, WeightsFile(flat, self.fp, job=self.spec.name, model=self.model,
+            write_weights(path, WeightsFile(snap.flat, self.fp, job=self.spec.name, model=self.model,
                                             unit="", base_version=version))
+            save_shard_versions(path, snap.shard_versions)
         self._weights_file = (version, path)
         return self._weights_file
 
@@ -128,7 +131,7 @@ class VCASGDWorkGenerator:
         name = unit_name(self.spec.name, epoch, shard, self.model)
         wu = Workunit(
             job=self.spec.name, unit=name, mode="vcasgd", epoch=epoch, model=self.model, shard=shard,
-            weights_version=version,
+            weights_version=version, weights_shard_versions=load_shard_versions(wpath),
             training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
                       "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
             seed=unit_seed(self.spec.seed, epoch, shard),
