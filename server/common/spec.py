@@ -401,7 +401,8 @@ def load_spec(path: str | Path) -> JobSpec:
         raise SpecError(f"{p}: not a regular file")
     text = read_spec_text(p)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        # _UniqueKeyLoader is a SafeLoader subclass (it only refuses duplicate keys).
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506  # nosec B506
         _check_size(data)
     except yaml.YAMLError as e:
         raise SpecError(f"{p}: not valid YAML: {_yaml_error(e)}") from None
