@@ -228,6 +228,10 @@ def _mount_optional() -> None:
     except ImportError:
         return
     app.add_typer(boinc_app, name="boinc", help="BOINC server integration (install, daemons, scripts).")
+    from server.fleet.cli import cost, fleet_app
+
+    app.add_typer(fleet_app, name="fleet")
+    app.command("cost")(cost)
 
 
 _mount_optional()

@@ -28,7 +28,9 @@ generator, which rebuilds it from the freshest weights, and
 :meth:`BoincJobSystem.resubmit_regenerated` cancels the old workunit (``cancel_jobs``)
 and creates ``<unit>_r<n>``. Regeneration stops one short of ``max_total_results``
 workunits, after which BOINC's own re-issue of the last one takes over, so a unit
-never runs more instances than the limit allows.
+never runs more instances than the limit allows. A workunit named in the job's
+``reissue_now`` set (the fleet controller's request when a cloud reclaims the host
+running it) is handed over at once, without waiting for its deadline.
 
 Inputs are staged once into the download hierarchy (``download/<hash>/<name>``, the
 layout of ``dir_hier_path``, with the ``.md5`` cache file), either natively or with
@@ -116,6 +118,11 @@ def current_instance(r: redis.Redis, job: str, unit: str) -> str | None:
     return str(json.loads(raw)["name"]) if raw else None
 
 
+def reissue_now_key(store: JobStore) -> str:
+    """Redis set of the job's workunit names to regenerate now (their host was reclaimed)."""
+    return store.k("boinc", "reissue_now")
+
+
 def staged_key(store: JobStore) -> str:
     """Redis set of the physical names the job staged into the download hierarchy."""
     return store.k("boinc", "staged")
@@ -201,17 +208,27 @@ class BoincJobSystem(JobSystem):
             return []
         store = JobStore(self.r, job)
         now = time.time()
-        overdue = []
+        # Workunits whose host was reclaimed: honoured only while still the unit's current
+        # workunit, so a request can never re-issue a unit twice.
+        asked = {x.decode() for x in self.r.smembers(reissue_now_key(store))}
+        overdue, honoured = [], set()
         for unit, raw in self.r.hgetall(issued_key(store)).items():
             rec = json.loads(raw)
-            if now >= float(rec["t"]) + float(rec["delay"]) and int(rec["attempt"]) + 1 < spec.units.max_total_results:
+            now_asked = rec["name"] in asked
+            if (now_asked or now >= float(rec["t"]) + float(rec["delay"])) \
+                    and int(rec["attempt"]) + 1 < spec.units.max_total_results:
                 overdue.append((unit.decode(), int(rec["attempt"])))
+                if now_asked:
+                    honoured.add(rec["name"])
         # (the last workunit max_total_results allows is left to BOINC's own re-issue)
-        if not overdue:
-            return []
+        states = store.unit_states_of([u for u, _ in overdue]) if overdue else []
         # Only the overdue units' states, not the job's whole state hash, on every pass.
-        states = store.unit_states_of([u for u, _ in overdue])
-        return sorted((u, a) for (u, a), st in zip(overdue, states, strict=True) if st == "in_progress")
+        out = sorted((u, a) for (u, a), st in zip(overdue, states, strict=True) if st == "in_progress")
+        if asked:  # requests handed over now, superseded or finished are done with
+            self.r.srem(reissue_now_key(store), *asked)
+            if honoured:
+                log.info("job %s: re-issuing %d unit(s) of reclaimed hosts now", job, len(honoured))
+        return out
 
     def resubmit_regenerated(self, unit: str, wu: Workunit, name: str) -> bool:
         """Cancel ``unit``'s current workunit and queue the regenerated one as ``name``."""
