@@ -180,3 +180,11 @@ def inject_spot_prices(monkeypatch, history: list[tuple[str, str, float, Decimal
         return ActionResult({"SpotPriceHistory": rows})
 
     monkeypatch.setattr(SpotInstances, "describe_spot_price_history", describe)
+
+
+@pytest.fixture
+def project(tmp_path):
+    """The fake BOINC project of the BOINC tests (real layout, fake tools)."""
+    from tests.boinc.conftest import make_project
+
+    return make_project(tmp_path / "project")
