@@ -137,6 +137,9 @@ class AwsProvider:
                                 "gone", 0.0))
         return out
 
+    def poll_interruptions(self) -> list[Interruption]:
+        return self._drain_queue()
+
     def _drain_queue(self) -> list[Interruption]:
         events: list[Interruption] = []
         read = 0

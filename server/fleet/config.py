@@ -83,6 +83,8 @@ class FleetConfig(_Strict):
     slots_per_host: int = Field(1, ge=1, description="units one host runs at once")
     budget_per_hour: Decimal | None = Field(None, gt=0, description="$/h the fleet may cost")
     period_s: float = Field(30.0, gt=0, description="seconds between control periods")
+    interrupt_poll_s: float = Field(2.0, gt=0, description="seconds between looks for reclaims "
+                                    "between periods (re-issue latency)")
     reissue_on_rebalance: bool = Field(False, description="re-issue on a rebalance "
                                        "recommendation too (it is only a risk signal)")
     on_demand_prices: dict[str, Decimal] = Field(default_factory=dict, description="$/h by "

@@ -298,8 +298,25 @@ class FleetController:
         if rep.reissued:
             self.r.hincrby(STATUS_KEY, "reissued_total", len(rep.reissued))
 
+    def fast_path(self) -> list[str]:
+        """Between periods: handle new reclaims at once (re-issue, replace); the filed
+        workunits."""
+        now = self.clock()
+        events = self.provider.poll_interruptions()
+        if not events:
+            return []
+        filed, doomed = self.handle_interruptions(events, now)
+        replaced = self.provider.replace(doomed) if doomed else []
+        for iid in replaced:
+            self.ends[iid] = min(self.ends.get(iid, now), now)
+        if filed:
+            self.r.hincrby(STATUS_KEY, "reissued_total", len(filed))
+        return filed
+
     def run(self, stop: Any, max_periods: int | None = None) -> int:
-        """Loop until ``stop`` (a threading.Event) is set; errors are logged and retried."""
+        """Loop until ``stop`` (a threading.Event) is set: a period every ``period_s``,
+        a look for reclaims every ``interrupt_poll_s`` in between; errors are logged and
+        retried."""
         n = 0
         log.info("fleet controller for %s started (period %.0fs)", self.provider.name, self.cfg.period_s)
         while not stop.is_set():
@@ -311,7 +328,13 @@ class FleetController:
             n += 1
             if max_periods is not None and n >= max_periods:
                 break
-            stop.wait(max(0.0, self.cfg.period_s - (time.monotonic() - t)))
+            while not stop.wait(min(self.cfg.interrupt_poll_s, max(0.0, self.cfg.period_s - (time.monotonic() - t)))):
+                if time.monotonic() - t >= self.cfg.period_s:
+                    break
+                try:
+                    self.fast_path()
+                except Exception:  # noqa: BLE001
+                    log.exception("looking for reclaims failed; retrying")
         log.info("fleet controller stopped")
         return 0
 

@@ -114,6 +114,9 @@ class GcpProvider:
         return Observation(time=0.0, instances=instances, shape=FleetShape(total, percent),
                            interruptions=self._preemptions(), refusals=refusals)
 
+    def poll_interruptions(self) -> list[Interruption]:
+        return self._preemptions()
+
     def _preemptions(self) -> list[Interruption]:
         out = []
         for op in self.ops.list(request=self.compute.ListZoneOperationsRequest(

@@ -87,6 +87,10 @@ class FleetProvider(Protocol):
         """Instances, current shape, new interruptions and capacity refusals."""
         ...
 
+    def poll_interruptions(self) -> list[Interruption]:
+        """New interruptions only (cheap: called every ``interrupt_poll_s`` between periods)."""
+        ...
+
     def apply(self, shape: FleetShape) -> None:
         """Ask the cloud for ``shape`` (only what changed)."""
         ...

@@ -220,3 +220,13 @@ def test_config_errors_are_one_line_naming_the_field(bad, msg) -> None:
     with pytest.raises(FleetConfigError) as e:
         parse_config(bad)
     assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["fleet-aws.yaml", "fleet-gcp.yaml"])
+def test_examples_are_valid(name) -> None:
+    from pathlib import Path
+
+    from server.fleet.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / name)
+    assert cfg.provider == name.split("-")[1].split(".")[0] and cfg.max_hosts >= 1
