@@ -185,6 +185,7 @@ class FleetController:
                 if parsed and parsed["job"] in jobs:
                     lost[parsed["job"]] = min(lost.get(parsed["job"], f.sent_time), f.sent_time)
             self.ledger.reclaimed(inst, self.ends.get(inst.id, now), lost)
+        self.ledger.publish()
         if filed:
             log.info("re-issuing %d unit(s) of %d reclaimed instance(s) now: %s", len(filed), len(doomed),
                      ", ".join(filed[:5]) + (" ..." if len(filed) > 5 else ""))

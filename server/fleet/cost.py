@@ -57,6 +57,7 @@ class CostLedger:
         self.r = r
         self.book = book
         self.touched: set[str] = set()
+        self._incr: Counter[tuple[str, str]] = Counter()  # (key, field) -> amount, until publish
 
     def charge(self, inst: Instance, t0: float, t1: float, shares: dict[str, int]) -> None:
         """Charge ``inst`` for [t0, t1) to the jobs in ``shares`` (job -> results in flight)."""
@@ -66,33 +67,37 @@ class CostLedger:
         usd = _nanos(cost_between(self.book, inst.type, inst.zone, inst.market, t0, t1))
         od = _nanos(cost_between(self.book, inst.type, inst.zone, "on-demand", t0, t1))
         ms = round(t1 * 1000) - round(t0 * 1000)
-        p = self.r.pipeline(transaction=False)
         cu, co, cm = _split(usd, shares), _split(od, shares), _split(ms, shares)
         for job in shares:
             k = cost_key(job)
-            p.hincrby(k, f"ms|{inst.type}|{inst.market}", cm[job])
-            p.hincrby(k, f"nusd|{inst.type}|{inst.market}", cu[job])
-            p.hincrby(k, "od_nusd", co[job])
-        p.execute()
+            self._incr[(k, f"ms|{inst.type}|{inst.market}")] += cm[job]
+            self._incr[(k, f"nusd|{inst.type}|{inst.market}")] += cu[job]
+            self._incr[(k, "od_nusd")] += co[job]
         self.touched.update(shares)
 
     def reclaimed(self, inst: Instance, ends: float, lost_by_job: dict[str, float]) -> None:
         """A reclaim of ``inst`` at ``ends``; ``lost_by_job``: per job, the earliest time
         a result it lost was sent."""
-        p = self.r.pipeline(transaction=False)
         for job, since in lost_by_job.items():
             start = max(since, inst.launched)
             if start >= ends:
                 continue
             k = cost_key(job)
-            p.hincrby(k, "lost_ms", round(ends * 1000) - round(start * 1000))
-            p.hincrby(k, "lost_nusd", _nanos(cost_between(self.book, inst.type, inst.zone, inst.market, start, ends)))
-            p.hincrby(k, "reclaims", 1)
+            self._incr[(k, "lost_ms")] += round(ends * 1000) - round(start * 1000)
+            self._incr[(k, "lost_nusd")] += _nanos(cost_between(self.book, inst.type, inst.zone, inst.market,
+                                                                start, ends))
+            self._incr[(k, "reclaims")] += 1
             self.touched.add(job)
-        p.execute()
 
     def publish(self) -> None:
-        """Refresh the summaries of the jobs charged since the last call."""
+        """Write the charges since the last call (one round trip) and refresh the
+        summaries of the jobs concerned."""
+        if self._incr:
+            p = self.r.pipeline(transaction=False)
+            for (k, f), v in self._incr.items():
+                p.hincrby(k, f, v)
+            p.execute()
+            self._incr.clear()
         for job in sorted(self.touched):
             s = cost_report(self.r, job)
             flat = {k: str(v) for k, v in s.items() if k != "lines"}
