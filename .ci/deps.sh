@@ -1,6 +1,6 @@
 #!/bin/sh
 # System tools for the docker-stack and admin-page tests (idempotent; safe to re-run):
-#   php-cli          serves server/boinc/html/boincdl.php (php -S)
+#   php-cli          serves server/backends/boinc/html/boincdl.php (php -S)
 #   chromium         headless screenshot of the admin page
 #   docker-compose   ships the compose-spec JSON schema and `docker-compose config`
 #   ShellCheck       lints the POSIX-sh shims

@@ -12,7 +12,7 @@ real Redis. For N simulated hosts (2 results in flight on each):
   The work generator's own pass interval (``poll_s``, 5 s by default) comes on top of
   both and is reported apart.
 * **decision time** of one period at N instances (the pure decision plus the price of
-  the current mix), median of 20 periods.
+  the current mix), median of 10 periods.
 * **recovery**: 30% of the group reclaimed (two thirds terminated by EC2, the rest only
   warned): control periods until the group is back at its desired size.
 * **cost**: the simulated day of ``tests/fleet/test_cost.py`` against its independent
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
 
 from bench._common import emit, machine  # noqa: E402
-from server.backends.boinc import BoincJobSystem, issued_key, reissue_now_key  # noqa: E402
+from server.backends.boinc.jobsystem import BoincJobSystem, issued_key, reissue_now_key  # noqa: E402
 from server.common.redis_server import EmbeddedRedis  # noqa: E402
 from server.common.store import connect  # noqa: E402
 from server.fleet.aws import AwsProvider  # noqa: E402
@@ -48,6 +48,10 @@ from server.fleet.boinchosts import BoincHosts  # noqa: E402
 from server.fleet.controller import FleetController  # noqa: E402
 
 DELAY_BOUND_S = 3600.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -80,7 +84,7 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
     requests.post(f"{url}/moto-api/reset", timeout=30)
     session = boto3.session.Session(region_name="us-east-1")
     project = make_project(tmp / f"project{n_hosts}")
-    from server.boinc.install import InstallOptions, install
+    from server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     store, units = boinc_job(r, project, f"bench{n_hosts}", 2 * n_hosts)
@@ -104,10 +108,12 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
         on_host[inst.id] = units[2 * k:2 * k + 2]
     ctl.step()
 
-    # decision time at n_hosts
+    # decision time at n_hosts (each period also reads the whole group from moto: slow)
+    log(f"{n_hosts} hosts: fleet up, timing decisions")
     decision = []
-    for _ in range(20):
+    for _ in range(10):
         decision.append(ctl.step().decision_ms)
+    log(f"{n_hosts} hosts: re-issue latency, {trials} reclaims")
 
     # re-issue latency: one warning at a time, the fast path polling every second
     stop = threading.Event()
@@ -139,6 +145,7 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
     th.join()
 
     # a 30% reclaim storm: periods until the group is back at its desired size
+    log(f"{n_hosts} hosts: 30% reclaim storm")
     ctl.step()
     alive = [i.id for i in ctl.provider.observe().instances if i.state == "running"]
     storm = rng.sample(alive, int(0.3 * len(alive)))

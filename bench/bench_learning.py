@@ -96,7 +96,7 @@ def main() -> None:
              gap_points=gap * 100, meets_goal=gap * 100 <= 3.0, vcasgd_s=res.elapsed_s, single_s=single_s,
              vcasgd_curve=vc, single_curve=single, **{f"overhead_{k}": v for k, v in ov.items()})
         curves[spec.name] = (res.epochs, single)
-    from server.report import plot_learning_curve
+    from server.run.outputs import plot_learning_curve
 
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot_in = {}

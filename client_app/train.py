@@ -29,14 +29,10 @@ import hashlib
 import json
 import logging
 import math
-import os
-import shutil
 import socket
 import time
-import zipfile
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +46,18 @@ from client_app.boinc_io import (
     resolve,
     write_fraction_done,
 )
-from server.common.errors import BoincDLError, WeightsFormatError
+from client_app.model_cache import ModelCache
+from client_app.unit_inputs import (
+    Settings,
+    UnitInputError,
+    check_against_model,
+    load_npz,
+    one_line,
+    read_workunit,
+    sha256_file,
+)
+from server.common.errors import WeightsFormatError
 from server.common.weights import (
-    Fingerprint,
     OptimizerState,
     WeightsFile,
     read_weights,
@@ -66,7 +71,6 @@ from server.common.workunit import (
     WEIGHTS_IN,
     WEIGHTS_OUT,
     WU_JSON,
-    Workunit,
 )
 
 log = logging.getLogger("client_app")
@@ -79,77 +83,6 @@ _TRAIN_SHARE = 0.99
 _PROGRESS_PERIOD_S = 1.0
 _EVAL_BATCH = 1024
 
-TRAINING_DEFAULTS: dict[str, Any] = {
-    "batch_size": 32,
-    "optimizer": "adam",
-    "learning_rate": 0.001,
-    "momentum": 0.0,
-    "local_epochs": 1,
-    "loss": "sparse_categorical_crossentropy",
-}
-OPTIMIZERS = ("adam", "sgd", "rmsprop", "adagrad")
-# Short names a search space may use for a training setting (the full name wins).
-HYPER_ALIASES = {"lr": "learning_rate"}
-
-
-class UnitInputError(BoincDLError):
-    """A permanent problem with the unit's input files: retrying on this host cannot help."""
-
-    exit_code = 1
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The training settings of one unit: ``training`` with ``hyper`` overrides applied."""
-
-    batch_size: int
-    optimizer: str
-    learning_rate: float
-    momentum: float
-    local_epochs: int
-    loss: str
-
-    @classmethod
-    def from_workunit(cls, wu: Workunit) -> Settings:
-        """Merge and validate; errors name the field (``training.batch_size: ...``)."""
-        if not isinstance(wu.training, dict):
-            raise UnitInputError(f"{WU_JSON}: training must be an object")
-        if not isinstance(wu.hyper, dict):
-            raise UnitInputError(f"{WU_JSON}: hyper must be an object")
-        merged: dict[str, tuple[str, Any]] = {k: ("training", v) for k, v in TRAINING_DEFAULTS.items()}
-        merged.update({k: ("training", v) for k, v in wu.training.items() if k in TRAINING_DEFAULTS})
-        # MOP configurations carry their own learning rate, batch size, ...; other keys
-        # in hyper (architecture arguments) are already baked into model.keras.
-        merged.update({HYPER_ALIASES[k]: ("hyper", v) for k, v in wu.hyper.items()
-                       if k in HYPER_ALIASES and HYPER_ALIASES[k] not in wu.hyper})
-        merged.update({k: ("hyper", v) for k, v in wu.hyper.items() if k in TRAINING_DEFAULTS})
-
-        def bad(k: str, why: str) -> UnitInputError:
-            return UnitInputError(f"{WU_JSON}: {merged[k][0]}.{k}: {why} (got {merged[k][1]!r})")
-
-        def positive_int(k: str) -> int:
-            v = merged[k][1]
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise bad(k, "must be a positive integer")
-            return v
-
-        def number(k: str) -> float:
-            v = merged[k][1]
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-                raise bad(k, "must be a finite number")
-            return float(v)
-
-        lr, momentum = number("learning_rate"), number("momentum")
-        if lr <= 0:
-            raise bad("learning_rate", "must be > 0")
-        if not 0.0 <= momentum < 1.0:
-            raise bad("momentum", "must be in [0, 1)")
-        opt, loss = merged["optimizer"][1], merged["loss"][1]
-        if opt not in OPTIMIZERS:
-            raise bad("optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
-        if not isinstance(loss, str) or not loss:
-            raise bad("loss", "must be a Keras loss name")
-        return cls(positive_int("batch_size"), opt, lr, momentum, positive_int("local_epochs"), loss)
 
 
 @dataclass
@@ -167,250 +100,8 @@ class UnitResult:
         return self.status == INTERRUPTED
 
 
-# ----------------------------------------------------------------------------------------
-# Model cache
-
-
-class _Trainer:
-    """An optimizer plus compiled train/eval steps for one model and one set of settings."""
-
-    def __init__(self, model: Any, settings: Settings, x_spec: Any, y_spec: Any):
-        import keras
-        import tensorflow as tf
-
-        from server.common.keras_model import make_optimizer
-
-        try:
-            loss_fn = keras.losses.get(settings.loss)
-        except (ValueError, TypeError):
-            loss_fn = None
-        if not callable(loss_fn):
-            raise UnitInputError(f"{WU_JSON}: training.loss: unknown Keras loss {settings.loss!r}")
-        self.optimizer = make_optimizer(settings.optimizer, settings.learning_rate, settings.momentum)
-        # Build the slot variables now, outside the traced function, so that they can
-        # be reset and checkpointed before the first step.
-        self.optimizer.build(model.trainable_variables)
-        opt = self.optimizer
-        n_out = model.outputs[0].shape[-1] if getattr(model, "outputs", None) else None
-
-        def n_correct(y: Any, pred: Any) -> Any:
-            if y.shape.rank == pred.shape.rank and (n_out or 0) > 1:  # one-hot labels
-                hit = tf.equal(tf.argmax(y, -1), tf.argmax(pred, -1))
-            elif (n_out or 0) == 1:  # one sigmoid unit
-                hit = tf.equal(tf.cast(tf.reshape(pred, [-1]) > 0.5, tf.int32),
-                               tf.cast(tf.reshape(y, [-1]), tf.int32))
-            else:
-                hit = tf.equal(tf.cast(tf.argmax(pred, -1), tf.int32), tf.cast(tf.reshape(y, [-1]), tf.int32))
-            return tf.reduce_sum(tf.cast(hit, tf.float64))
-
-        @tf.function(input_signature=[x_spec, y_spec])
-        def train_step(x: Any, y: Any) -> tuple[Any, Any]:
-            with tf.GradientTape() as tape:
-                pred = model(x, training=True)
-                per_example = loss_fn(y, pred)
-                loss = tf.reduce_mean(per_example)
-                if model.losses:  # regularisation terms, as Keras' fit adds them
-                    loss = loss + tf.add_n(model.losses)
-            grads = tape.gradient(loss, model.trainable_variables)
-            opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-            return tf.reduce_sum(tf.cast(per_example, tf.float64)), n_correct(y, pred)
-
-        @tf.function(input_signature=[x_spec, y_spec])
-        def eval_step(x: Any, y: Any) -> tuple[Any, Any]:
-            pred = model(x, training=False)
-            return tf.reduce_sum(tf.cast(loss_fn(y, pred), tf.float64)), n_correct(y, pred)
-
-        self.train_step = train_step
-        self.eval_step = eval_step
-
-    def reset(self, learning_rate: float) -> None:
-        """Fresh optimizer state (zeroed slots and step counter) at a new learning rate.
-
-        Cheaper than recompiling between units, and bitwise the same as a new optimizer.
-        """
-        lr_var = self.optimizer.learning_rate
-        for v in self.optimizer.variables:
-            if v is not lr_var:
-                v.assign(np.zeros(tuple(v.shape), dtype=v.dtype))
-        self.optimizer.learning_rate = learning_rate
-
-
-@dataclass
-class _Entry:
-    model: Any
-    fingerprint: Fingerprint
-    trainers: dict[tuple[Any, ...], _Trainer] = field(default_factory=dict)
-    units: int = 0
-
-
-class ModelCache:
-    """Loaded models and their compiled steps, kept across units in one process.
-
-    Keyed by the SHA-256 of ``model.keras``, so a long-lived worker does not reload
-    the model nor retrace its steps for each unit. Least recently used entries are
-    dropped beyond ``max_models``.
-    """
-
-    def __init__(self, max_models: int = 2):
-        self.max_models = max(1, int(max_models))
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, sha: object) -> bool:
-        return sha in self._entries
-
-    def clear(self) -> None:
-        """Forget every cached model."""
-        self._entries.clear()
-
-    def get(self, path: Path, sha: str, scratch_dir: Path | None = None) -> tuple[_Entry, bool]:
-        """The entry for the model file ``path`` whose hash is ``sha``; True if cached.
-
-        ``scratch_dir`` may receive a short-lived file while the model loads.
-        """
-        entry = self._entries.get(sha)
-        if entry is not None:
-            self._entries.move_to_end(sha)
-            return entry, True
-        import keras
-
-        from server.common.keras_model import model_fingerprint
-
-        try:
-            model = _load_keras_file(keras, path, sha, scratch_dir or path.parent)
-        except Exception as e:  # noqa: BLE001 - any loader failure means a bad model file
-            raise UnitInputError(f"{MODEL}: cannot load the Keras model ({type(e).__name__}: {_one_line(e)})") from None
-        if not isinstance(model, keras.Model):
-            raise UnitInputError(f"{MODEL}: holds a {type(model).__name__}, not a Keras model")
-        if len(model.inputs) != 1 or len(model.outputs) != 1:
-            raise UnitInputError(f"{MODEL}: the client trains single-input, single-output models "
-                                 f"(this one has {len(model.inputs)} inputs, {len(model.outputs)} outputs)")
-        entry = _Entry(model, model_fingerprint(model))
-        self._entries[sha] = entry
-        while len(self._entries) > self.max_models:
-            self._entries.popitem(last=False)
-        return entry, False
-
-    @staticmethod
-    def trainer(entry: _Entry, settings: Settings, x: np.ndarray, y: np.ndarray) -> _Trainer:
-        """The entry's trainer for these settings and data layout (built on first use)."""
-        import tensorflow as tf
-
-        x_spec = tf.TensorSpec((None, *x.shape[1:]), tf.as_dtype(x.dtype))
-        y_spec = tf.TensorSpec((None, *y.shape[1:]), tf.as_dtype(y.dtype))
-        key = (settings.optimizer, settings.momentum, settings.loss, str(x_spec), str(y_spec))
-        tr = entry.trainers.get(key)
-        if tr is None:
-            tr = entry.trainers[key] = _Trainer(entry.model, settings, x_spec, y_spec)
-        return tr
-
-
-# ----------------------------------------------------------------------------------------
-# Inputs
-
-
-def _load_keras_file(keras: Any, path: Path, sha: str, scratch_dir: Path) -> Any:
-    """Load a ``.keras`` file whatever its name.
-
-    Keras only recognises the format by the ``.keras`` suffix, and BOINC's physical
-    file names have none: load through a temporary suffixed link (or copy) in
-    ``scratch_dir`` (the slot directory, which the app may always write) instead.
-    """
-    if path.suffix == ".keras":
-        return keras.models.load_model(path, compile=False)
-    alias = scratch_dir / f".model.{sha[:16]}.{os.getpid()}.keras"
-    try:
-        alias.unlink(missing_ok=True)
-        try:
-            alias.symlink_to(path.resolve())
-        except OSError:  # no symlinks (some filesystems, Windows without privilege)
-            shutil.copyfile(path, alias)
-        return keras.models.load_model(alias, compile=False)
-    finally:
-        alias.unlink(missing_ok=True)
-
-
-def _one_line(e: BaseException) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= 300 else s[:297] + "..."
-
-
 def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.4f}"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _load_npz(path: Path, name: str, allow_empty: bool) -> tuple[np.ndarray, np.ndarray]:
-    """x as float32, y as int32 (or float32 for non-integer targets), validated."""
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            missing = [k for k in ("x", "y") if k not in z.files]
-            if missing:
-                raise UnitInputError(f"{name}: missing array(s) {', '.join(missing)} (has {', '.join(z.files) or 'none'})")
-            x, y = z["x"], z["y"]
-    except UnitInputError:
-        raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as e:
-        raise UnitInputError(f"{name}: not a readable .npz file ({_one_line(e)})") from None
-    if x.ndim < 1 or y.ndim < 1 or len(x) != len(y):
-        raise UnitInputError(f"{name}: x has {x.shape[:1]} rows and y {y.shape[:1]}; they must match")
-    if not allow_empty and len(x) == 0:
-        raise UnitInputError(f"{name}: no examples")
-    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-        raise UnitInputError(f"{name}: x has dtype {x.dtype}, expected numbers")
-    if np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_:
-        y = y.astype(np.int32, copy=False)
-    elif np.issubdtype(y.dtype, np.floating):
-        y = y.astype(np.float32, copy=False)
-    else:
-        raise UnitInputError(f"{name}: y has dtype {y.dtype}, expected integer labels")
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if not np.isfinite(x).all():
-        raise UnitInputError(f"{name}: x contains NaN or Inf")
-    return x, y
-
-
-def _check_against_model(model: Any, name: str, x: np.ndarray, y: np.ndarray) -> None:
-    want = tuple(model.inputs[0].shape[1:])
-    got = x.shape[1:]
-    if len(want) != len(got) or any(w is not None and w != g for w, g in zip(want, got, strict=False)):
-        raise UnitInputError(f"{name}: examples have shape {got}, the model expects {want}")
-    n_out = model.outputs[0].shape[-1]
-    if y.dtype == np.int32 and y.ndim == 1 and y.size and n_out:
-        lo, hi = int(y.min()), int(y.max())
-        top = 1 if n_out == 1 else n_out - 1
-        if lo < 0 or hi > top:
-            raise UnitInputError(f"{name}: labels span [{lo}, {hi}], the model has {n_out} output(s)")
-
-
-def _read_workunit(path: Path) -> tuple[Workunit, bytes]:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise UnitInputError(f"{WU_JSON}: not found in the slot directory") from None
-    except OSError as e:
-        raise UnitInputError(f"{WU_JSON}: cannot read ({e.strerror})") from None
-    try:
-        wu = Workunit.from_json(raw.decode("utf-8"))
-    except (ValueError, TypeError, UnicodeDecodeError) as e:
-        raise UnitInputError(f"{WU_JSON}: not a valid workunit description ({_one_line(e)})") from None
-    if isinstance(wu.seed, bool) or not isinstance(wu.seed, int) or wu.seed < 0:
-        raise UnitInputError(f"{WU_JSON}: seed: must be a non-negative integer (got {wu.seed!r})")
-    if isinstance(wu.checkpoint_every_s, bool) or not isinstance(wu.checkpoint_every_s, int | float):
-        raise UnitInputError(f"{WU_JSON}: checkpoint_every_s: must be a number (got {wu.checkpoint_every_s!r})")
-    for k in ("job", "unit", "model"):
-        if not isinstance(getattr(wu, k), str):
-            raise UnitInputError(f"{WU_JSON}: {k}: must be a string")
-    return wu, raw
 
 
 def _device_name() -> str:
@@ -424,10 +115,6 @@ def _device_name() -> str:
         return f"GPU:0 ({details.get('device_name', 'unknown')})"
     except (IndexError, ValueError, RuntimeError):
         return "GPU:0"
-
-
-# ----------------------------------------------------------------------------------------
-# Progress
 
 
 class _Progress:
@@ -461,10 +148,6 @@ class _Progress:
             return int(d["done"]) if d.get("key") == key else None
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-
-
-# ----------------------------------------------------------------------------------------
-# The unit
 
 
 def run_unit(
@@ -509,15 +192,15 @@ class _Run:
             raise UnitInputError(f"slot directory {self.slot} does not exist")
         paths = {n: resolve(self.slot, n) for n in (WU_JSON, MODEL, WEIGHTS_IN, DATA, VAL, WEIGHTS_OUT, METRICS)}
         self.paths = paths
-        wu, wu_raw = _read_workunit(paths[WU_JSON])
+        wu, wu_raw = read_workunit(paths[WU_JSON])
         self.wu = wu
         self.settings = Settings.from_workunit(wu)
         for n in (MODEL, WEIGHTS_IN, DATA, VAL):
             if not paths[n].is_file():
                 shown = n if paths[n] == self.slot / n else f"{n} (-> {paths[n]})"
                 raise UnitInputError(f"missing input file {shown}")
-        self.x, self.y = _load_npz(paths[DATA], DATA, allow_empty=False)
-        self.xv, self.yv = _load_npz(paths[VAL], VAL, allow_empty=True)
+        self.x, self.y = load_npz(paths[DATA], DATA, allow_empty=False)
+        self.xv, self.yv = load_npz(paths[VAL], VAL, allow_empty=True)
         if self.xv.shape[1:] != self.x.shape[1:]:
             raise UnitInputError(f"{VAL}: examples have shape {self.xv.shape[1:]}, {DATA} has {self.x.shape[1:]}")
         if self.yv.dtype != self.y.dtype or self.yv.shape[1:] != self.y.shape[1:]:
@@ -532,16 +215,16 @@ class _Run:
         configure_tf(self.threads)
         import keras
 
-        model_sha = _sha256_file(paths[MODEL])
+        model_sha = sha256_file(paths[MODEL])
         self.entry, self.cache_hit = self.cache.get(paths[MODEL], model_sha, self.slot)
         model = self.model = self.entry.model
-        _check_against_model(model, DATA, self.x, self.y)
-        _check_against_model(model, VAL, self.xv, self.yv)
+        check_against_model(model, DATA, self.x, self.y)
+        check_against_model(model, VAL, self.xv, self.yv)
         try:
             wf = read_weights(paths[WEIGHTS_IN], expected=self.entry.fingerprint)
         except WeightsFormatError as e:
             # read_weights names the physical file; report the logical name instead
-            msg = _one_line(e).removeprefix(f"{paths[WEIGHTS_IN].name}: ")
+            msg = one_line(e).removeprefix(f"{paths[WEIGHTS_IN].name}: ")
             raise UnitInputError(f"{WEIGHTS_IN}: {msg}") from None
         if not np.isfinite(wf.flat).all():
             raise UnitInputError(f"{WEIGHTS_IN}: contains NaN or Inf")
@@ -556,7 +239,7 @@ class _Run:
 
         # The unit's identity for checkpoints: its description, its starting point and
         # (cheaply) its data; a checkpoint left by another unit in a reused slot is not ours.
-        ident = [wu_raw, model_sha.encode(), _sha256_file(paths[WEIGHTS_IN]).encode(),
+        ident = [wu_raw, model_sha.encode(), sha256_file(paths[WEIGHTS_IN]).encode(),
                  f"{self.x.shape}{self.y.shape}{self.xv.shape}".encode()]
         self.key = hashlib.sha256(b"\0".join(ident)).hexdigest()
         self.nb = math.ceil(len(self.x) / self.settings.batch_size)

@@ -1,4 +1,4 @@
-"""The BOINC admin page (server/boinc/html/boincdl.php), served for real.
+"""The BOINC admin page (server/backends/boinc/html/boincdl.php), served for real.
 
 PHP's built-in web server (Debian's php-cli) serves the page against a real Redis
 started by the test and filled through JobStore; the HTML is fetched over HTTP and
@@ -31,7 +31,7 @@ from server.common.weights import fingerprint_of
 from server.common.workunit import unit_name
 
 ROOT = Path(__file__).resolve().parents[1]
-HTML = ROOT / "server" / "boinc" / "html"
+HTML = ROOT / "server" / "backends" / "boinc" / "html"
 PHP = shutil.which("php")
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 # Set BDL_SCREENSHOT_DIR to keep the screenshot (CI artifacts); else it goes to tmp_path.

@@ -32,7 +32,7 @@ from server.faults.audit import audit_job
 from server.faults.chaos import ChaosMonkey, ChaosPlan
 from server.faults.harness import run_headless, small_spec
 from server.run import run_job
-from server.status import job_status
+from server.run.status import job_status
 from server.work_generator.prepare import prepare_job
 from server.work_generator.vcasgd import VCASGDWorkGenerator
 

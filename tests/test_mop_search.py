@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from server.common.errors import SpecError
-from server.work_generator.mop.search import (
+from server.work_generator.mop import (
     PBT,
     Config,
     GridSearch,

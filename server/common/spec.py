@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from server.common.errors import SpecError
+from server.common.space import parse_space
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BUILTIN_DATASETS = ("digits", "mnist")
@@ -103,13 +104,11 @@ class MOPSpec(_Strict):
 
     @model_validator(mode="after")
     def _space(self) -> MOPSpec:
-        from server.work_generator.mop.search import parse_space
-
         if not self.param_grid:
             raise ValueError("param_grid: the search space is empty")
         try:
             parse_space(self.param_grid, allow_distributions=self.search in ("random", "pbt", "sha", "hyperband"))
-        except Exception as e:  # noqa: BLE001 - SpecError from the search module, re-raised as a field error
+        except Exception as e:  # noqa: BLE001 - SpecError from the space grammar, re-raised as a field error
             raise ValueError(f"param_grid: {e}") from None
         return self
 

@@ -36,6 +36,9 @@ applied it, so every write is idempotent or made so:
   and does nothing;
 * a merge carries a token in its record: a retry that finds the unit already
   marked by *its own* token reports the merge as applied, not as a duplicate.
+
+Kept as one module (about 600 lines): every Redis key of a job and the Lua scripts that
+change them together are one contract, read best whole.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class BoincHosts:
         """Connect with the credentials of the project's ``config.xml`` (PyMySQL)."""
         import pymysql
 
-        from server.boinc.project import APP_NAME
+        from server.backends.boinc.project import APP_NAME
 
         cfg = project.config
         conn = pymysql.connect(host=cfg.get("db_host") or "localhost", user=cfg.get("db_user") or "",

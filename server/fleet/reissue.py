@@ -13,7 +13,7 @@ import time
 
 import redis
 
-from server.backends.boinc import reissue_now_key
+from server.backends.boinc.jobsystem import reissue_now_key
 from server.common.store import PREFIX, JobStore
 from server.common.workunit import parse_unit_name
 

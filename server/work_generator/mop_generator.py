@@ -36,8 +36,10 @@ from server.common.spec import JobSpec
 from server.common.store import JobStore
 from server.common.weights import OptimizerState, WeightsFile, write_weights
 from server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON, Workunit, unit_name
-from server.work_generator.mop.scheduler import Assignment, MOPScheduler
-from server.work_generator.mop.search import Config, SearchProcedure, make_search
+from server.work_generator.mop.assignment import Assignment
+from server.work_generator.mop.procedures import make_search
+from server.work_generator.mop.scheduler import MOPScheduler
+from server.work_generator.mop.search import Config, SearchProcedure
 from server.work_generator.prepare import JobFiles
 from server.work_generator.vcasgd import FINISHED, unit_seed
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.boinc.project import BoincProject, short_hostname
+from server.backends.boinc.project import BoincProject, short_hostname
 from server.common.store import JobStore, connect
 from server.common.weights import WeightsFile, fingerprint_of, write_weights
 
@@ -174,7 +174,7 @@ def make_result(dir_: Path, result: str, job: str, unit: str, flat: np.ndarray, 
     (``<result>_r<random>_<i>``), into ``dir_`` or the project's upload hierarchy."""
     import gzip as _gzip
 
-    from server.boinc.project import dir_hier_path
+    from server.backends.boinc.project import dir_hier_path
 
     names = [f"{result}_r123456_0", f"{result}_r123456_1"]
     paths = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import xml.etree.ElementTree as ET
 
-from server.boinc import artifacts
+from server.backends.boinc import artifacts
 from server.common.workunit import INPUT_NAMES, OUTPUT_NAMES
 
 # elements process_file_info() reads; anything else is copied into the workunit
@@ -167,9 +167,9 @@ def test_launcher_is_posix_sh() -> None:
 def test_shim() -> None:
     from pathlib import Path
 
-    s = artifacts.shim(["/usr/bin/python3", "-m", "server.boinc"], Path("/home/boincadm/my project"), "assimilate")
+    s = artifacts.shim(["/usr/bin/python3", "-m", "server.backends.boinc"], Path("/home/boincadm/my project"), "assimilate")
     assert s.startswith("#!/bin/sh\n")
-    assert "exec /usr/bin/python3 -m server.boinc assimilate --project '/home/boincadm/my project' -- \"$@\"" in s
+    assert "exec /usr/bin/python3 -m server.backends.boinc assimilate --project '/home/boincadm/my project' -- \"$@\"" in s
 
 
 def test_launcher_resumes_after_an_interruption(tmp_path) -> None:

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from server.backends.base import RetryLimits
-from server.backends.boinc import (
+from server.backends.boinc.jobsystem import (
     BoincJobSystem,
     BoincToolError,
     created_key,
     current_instance,
     issued_key,
 )
-from server.boinc.project import BoincProject, BoincSettings, dir_hier_path
+from server.backends.boinc.project import BoincProject, BoincSettings, dir_hier_path
 from server.common.errors import BoincDLError
 from server.common.store import connect
 from server.common.workunit import Workunit
@@ -50,7 +50,7 @@ def make_inputs(project: BoincProject, job: str, units: list[str], version: int 
 
 @pytest.fixture
 def setup(project, tiny_boinc_job, redis_server):
-    from server.boinc.install import InstallOptions, install
+    from server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     seed_db_app(project.root)

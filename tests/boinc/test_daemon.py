@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from server.backends.boinc import created_key
-from server.boinc.daemon import WorkGeneratorDaemon, finalize_job, job_is_ours
-from server.boinc.install import InstallOptions, install
-from server.boinc.submit import cancel_job
+from server.backends.boinc.daemon import WorkGeneratorDaemon, finalize_job, job_is_ours
+from server.backends.boinc.install import InstallOptions, install
+from server.backends.boinc.jobsystem import created_key
+from server.backends.boinc.submit import cancel_job
 from server.common.errors import BoincDLError
 from tests.boinc.conftest import REPO, calls, fake_db, script_env
 
@@ -22,7 +22,7 @@ from tests.boinc.conftest import REPO, calls, fake_db, script_env
 @pytest.fixture
 def installed(project, redis_server):
     install(project.root, InstallOptions(redis_url=redis_server.url, gpu=False,
-                                         command=[sys.executable, "-m", "server.boinc"]))
+                                         command=[sys.executable, "-m", "server.backends.boinc"]))
     return project
 
 
@@ -60,8 +60,8 @@ def test_exits_on_stop_daemons_file(installed) -> None:
 
 def test_refuses_to_start_without_redis_url(project) -> None:
     install(project.root, InstallOptions(gpu=False, run_db_tools=False,
-                                         command=[sys.executable, "-m", "server.boinc"]))
-    p = subprocess.run([sys.executable, "-m", "server.boinc", "work-generator", "--project", str(project.root),
+                                         command=[sys.executable, "-m", "server.backends.boinc"]))
+    p = subprocess.run([sys.executable, "-m", "server.backends.boinc", "work-generator", "--project", str(project.root),
                         "--once"], cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "no Redis URL" in p.stderr
 
@@ -92,7 +92,7 @@ def test_finished_job_is_swept_and_cancel(installed, tiny_boinc_job) -> None:
     # the daemon sweeps a finished job again (late units), without error
     d = WorkGeneratorDaemon(installed, poll_s=0.1)
     assert d.one_pass() == 0
-    from server.backends.boinc import BoincJobSystem
+    from server.backends.boinc.jobsystem import BoincJobSystem
 
     assert finalize_job(store, BoincJobSystem(installed, store.r)) == 0
 

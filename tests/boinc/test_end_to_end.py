@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from server.boinc import artifacts
-from server.boinc.daemon import WorkGeneratorDaemon
-from server.boinc.install import InstallOptions, install
-from server.boinc.project import dir_hier_path
-from server.boinc.submit import submit_job
+from server.backends.boinc import artifacts
+from server.backends.boinc.daemon import WorkGeneratorDaemon
+from server.backends.boinc.install import InstallOptions, install
+from server.backends.boinc.project import dir_hier_path
+from server.backends.boinc.submit import submit_job
 from server.common.spec import parse_spec
 from server.common.store import JobStore, connect
 from tests.boinc.conftest import REPO, calls, fake_db, run_script, script_env
@@ -71,7 +71,7 @@ def install_with_wrapper(project, redis_url: str, tmp_path: Path, assimilators: 
     wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
     wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
     return install(project.root, InstallOptions(redis_url=redis_url, wrapper=wrapper, assimilators=assimilators,
-                                                command=[sys.executable, "-m", "server.boinc"]))
+                                                command=[sys.executable, "-m", "server.backends.boinc"]))
 
 
 def run_unit(project, wu: dict, validate: bool = True) -> list[str]:

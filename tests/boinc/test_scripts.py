@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.boinc.install import InstallOptions, install
-from server.boinc.scripts import (
+from server.backends.boinc.install import InstallOptions, install
+from server.backends.boinc.scripts import (
     UNRESOLVED_KEY,
     parse_call,
     result_name_of,
@@ -28,7 +28,7 @@ N = tiny_fp().n_params
 @pytest.fixture
 def env(project, tiny_boinc_job, redis_server):
     install(project.root, InstallOptions(redis_url=redis_server.url, run_db_tools=False, gpu=False,
-                                         command=[sys.executable, "-m", "server.boinc"]))
+                                         command=[sys.executable, "-m", "server.backends.boinc"]))
     store, spec = tiny_boinc_job
     return project, store, spec, script_env()
 

@@ -11,7 +11,7 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from server.backends.boinc import BoincJobSystem, issued_key
+from server.backends.boinc.jobsystem import BoincJobSystem, issued_key
 from server.common.store import JobStore, connect
 from server.common.workunit import unit_name
 from server.fleet.aws import AwsProvider, parse_event
@@ -94,7 +94,7 @@ def test_reclaim_storm(aws_session, moto_url, boinc_db, redis_server, tmp_path) 
     """100 hosts x 2 units; 30% reclaimed within a simulated minute: the group is back at
     100 running, each lost unit is filed once and handed to the work generator once."""
     project = make_project(tmp_path / "project")
-    from server.boinc.install import InstallOptions, install
+    from server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     r = connect(redis_server.url)

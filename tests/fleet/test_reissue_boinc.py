@@ -9,8 +9,8 @@ import time
 
 from google.auth.credentials import AnonymousCredentials
 
-from server.boinc.daemon import WorkGeneratorDaemon
-from server.boinc.submit import submit_job
+from server.backends.boinc.daemon import WorkGeneratorDaemon
+from server.backends.boinc.submit import submit_job
 from server.common.spec import parse_spec
 from server.common.store import JobStore, connect
 from server.fleet.boinchosts import BoincHosts

@@ -2,36 +2,24 @@
 
 * :mod:`.scheduler` -- :class:`MOPScheduler`, the randomized, replica-aware, fault-tolerant
   scheduler (push mode ``assign`` and BOINC pull mode ``issue``/``runnable``), with
-  JSON-serialisable state.
-* :mod:`.search` -- search spaces (grid, random) and AutoML procedures acting at epoch
-  boundaries (successive halving, Hyperband, PBT) behind :class:`SearchProcedure`.
+  JSON-serialisable state; :mod:`.matching` its batch matching, :mod:`.assignment` what it
+  hands out and the default partition placement.
+* :mod:`.search` -- configurations, grid/random sampling of a search space (its grammar is
+  :mod:`server.common.space`) and :class:`SearchProcedure`, the epoch-boundary template;
+* :mod:`.procedures` -- the AutoML procedures behind it (grid, random, successive halving,
+  Hyperband, PBT) and :func:`make_search`.
 * :mod:`.simulate` -- discrete-event simulation of schedules, invariant checker, lower bound.
 * :mod:`.milp` -- the exact MILP (HiGHS) and an exhaustive solver for tiny instances.
 
 Pure Python + numpy; ``highspy`` is only needed by :mod:`.milp`.
 """
 
-from .scheduler import (
-    POLICIES,
-    Assignment,
-    MOPScheduler,
-    SchedulerError,
-    round_robin_availability,
-)
-from .search import (
-    PBT,
-    Config,
-    Decision,
-    GridSearch,
-    Hyperband,
-    RandomSearch,
-    SearchProcedure,
-    SuccessiveHalving,
-    grid,
-    make_search,
-    parse_space,
-    sample_configs,
-)
+from server.common.space import parse_space
+
+from .assignment import Assignment, SchedulerError, round_robin_availability
+from .procedures import PBT, GridSearch, Hyperband, RandomSearch, SuccessiveHalving, make_search
+from .scheduler import POLICIES, MOPScheduler
+from .search import Config, Decision, SearchProcedure, grid, sample_configs
 
 __all__ = [
     "POLICIES",

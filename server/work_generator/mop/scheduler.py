@@ -93,66 +93,26 @@ API at a glance
 
 Cost: a decision at |S|=256, p=16 takes ~20 us (one idle worker) and ~25 us per unit when
 16 workers are idle at once; the JSON state is ~130 KiB mid-epoch at that size.
+
+This module is kept whole (about 550 lines, most of it this description and the one
+class): the queues Q/Q', the in-flight units and their recovery are one state machine
+and read best together. The batch matching is in :mod:`.matching`, what it hands out
+in :mod:`.assignment`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-from server.common.errors import BoincDLError
+from server.work_generator.mop.assignment import (
+    Assignment,
+    SchedulerError,
+)
+from server.work_generator.mop.matching import match_batch
 
 STATE_FORMAT = 1
 POLICIES = ("random", "random-matching", "fifo")
-
-
-class SchedulerError(BoincDLError):
-    """The scheduler was asked something inconsistent (unknown model/worker, busy worker...)."""
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """One training unit handed out: train ``model`` on ``partition`` for one sub-epoch.
-
-    ``worker`` is ``None`` for units issued in pull mode. ``attempt`` counts how many times
-    this unit was handed out in this epoch (1 for the first time); pass it back to
-    :meth:`MOPScheduler.complete` / :meth:`MOPScheduler.fail` to reject stale results.
-    """
-
-    model: str
-    partition: int
-    worker: str | None
-    attempt: int
-    epoch: int
-
-    def to_json(self) -> list:
-        return [self.model, self.partition, self.worker, self.attempt, self.epoch]
-
-    @classmethod
-    def from_json(cls, v: list) -> Assignment:
-        return cls(str(v[0]), int(v[1]), None if v[2] is None else str(v[2]), int(v[3]), int(v[4]))
-
-
-def round_robin_availability(
-    workers: Iterable[str], n_partitions: int, replication: int = 1
-) -> dict[str, set[int]]:
-    """Place partition ``j`` on worker ``(j + r) mod n`` for ``r < replication``.
-
-    With ``replication=1`` this is Cerebro's default (partition ``j`` on worker ``j mod n``).
-    """
-    ws = list(workers)
-    if not ws:
-        raise SchedulerError("at least one worker is needed")
-    if n_partitions < 1:
-        raise SchedulerError(f"n_partitions must be >= 1, got {n_partitions}")
-    if not 1 <= replication <= len(ws):
-        raise SchedulerError(f"replication must be in [1, {len(ws)}], got {replication}")
-    avail: dict[str, set[int]] = {w: set() for w in ws}
-    for j in range(n_partitions):
-        for r in range(replication):
-            avail[ws[(j + r) % len(ws)]].add(j)
-    return avail
 
 
 class MOPScheduler:
@@ -340,7 +300,9 @@ class MOPScheduler:
         if self.policy != "fifo" and len(ws) > 1:
             self._rng.shuffle(ws)
         if self.policy == "random-matching":
-            return [self._dispatch(m, j, w) for w, m, j in self._match_batch(ws)]
+            batch = match_batch(ws, self._models, self._avail, self._pending,  # type: ignore[arg-type]
+                                self._inflight, self._left, self._holder_counts(), self._rng)
+            return [self._dispatch(m, j, w) for w, m, j in batch]
         out = []
         for w in ws:
             unit = self._pick_for_worker(w)
@@ -354,105 +316,6 @@ class MOPScheduler:
             for j in ps:
                 h[j] += 1
         return h
-
-    def _match_batch(self, ws: list[str]) -> list[tuple[str, str, int]]:
-        """Critical units first, and a maximum matching of idle workers to idle models.
-
-        A unit ``(m, j)`` is ranked by ``(max(left[m], pressure[j]), left[m])`` where
-        ``left[m]`` is the number of units model ``m`` still has to do this epoch (it needs
-        at least that many more sequential units) and ``pressure[j]`` the units left on
-        partition ``j`` per worker holding it (the rounds its holders still need): the unit
-        on the more critical of the two resources goes first; ties are broken at random.
-        Each worker's eligible models are ordered that way and Kuhn's augmenting-path
-        algorithm then starts as many units as possible at once. The partition of a matched
-        (worker, model) pair is the most pressed one it holds (ties at random).
-        """
-        inflight, rng, pending, left = self._inflight, self._rng, self._pending, self._left
-        hold = self._holder_counts()
-        if len(ws) == 1:  # the common case in continuous time: no matching needed
-            w = ws[0]
-            best: tuple[float, int] = (-1.0, -1)
-            cands: list[tuple[str, int]] = []
-            for j in self._avail[w]:  # type: ignore[index]
-                q = pending[j]
-                # Within one partition the key grows with left[m]: find the top models first.
-                nbest, ms = -1, []
-                for m in q:
-                    if m in inflight:
-                        continue
-                    n = left[m]
-                    if n > nbest:
-                        nbest, ms = n, [m]
-                    elif n == nbest:
-                        ms.append(m)
-                if nbest < 0:
-                    continue
-                pr = len(q) / hold[j]
-                k = (nbest if nbest > pr else pr, nbest)
-                if k > best:
-                    best, cands = k, [(m, j) for m in ms]
-                elif k == best:
-                    cands.extend((m, j) for m in ms)
-            if not cands:
-                return []
-            m, j = cands[rng.randrange(len(cands))]
-            return [(w, m, j)]
-        order = [m for m in self._models if m not in inflight and left.get(m, 0) > 0]
-        rank = {m: rng.random() for m in order}  # random tie-break, shared by all workers
-        order.sort(key=lambda m: (-left[m], rank[m]))
-        adj: dict[str, list[str]] = {}
-        choice: dict[tuple[str, str], list[int]] = {}
-        for w in ws:
-            mine = self._avail[w]  # type: ignore[index]
-            if len(mine) == 1:  # one partition: the key is monotone in left[m], reuse order
-                q = pending[mine[0]]
-                adj[w] = [m for m in order if m in q]
-                continue
-            key: dict[str, tuple[float, int]] = {}
-            top: dict[str, float] = {}
-            for j in self._avail[w]:  # type: ignore[index]
-                q = pending[j]
-                pr = len(q) / hold[j]
-                for m in q:
-                    if m in inflight:
-                        continue
-                    n = left[m]
-                    k = (n if n > pr else pr, n)
-                    if m not in key or k > key[m]:
-                        key[m] = k
-                    if m not in top or pr > top[m]:
-                        top[m], choice[w, m] = pr, [j]
-                    elif pr == top[m]:
-                        choice[w, m].append(j)
-            adj[w] = sorted(key, key=lambda m, key=key: (-key[m][0], -key[m][1], rank[m]))
-        owner: dict[str, str] = {}  # model -> worker
-
-        def augment(w: str, seen: set[str]) -> bool:
-            for m in adj[w]:
-                if m in seen:
-                    continue
-                seen.add(m)
-                if m not in owner or augment(owner[m], seen):
-                    owner[m] = w
-                    return True
-            return False
-
-        unmatched = []
-        for w in ws:  # greedy pass first: the cheap common case, and keeps priorities
-            m = next((m for m in adj[w] if m not in owner), None)
-            if m is None:
-                unmatched.append(w)
-            else:
-                owner[m] = w
-        for w in unmatched:  # then augmenting paths make the matching maximum
-            if adj[w]:
-                augment(w, set())
-        out = []
-        for m, w in owner.items():
-            mine = self._avail[w]  # type: ignore[index]
-            ps = mine if len(mine) == 1 else choice[w, m]
-            out.append((w, m, ps[rng.randrange(len(ps))] if len(ps) > 1 else ps[0]))
-        return out
 
     def _pick_for_worker(self, worker: str) -> tuple[str, int] | None:
         inflight = self._inflight

@@ -20,7 +20,8 @@ Procedures are deterministic given their seed and the results fed to them: a res
 generator rebuilds one with the same arguments and :meth:`SearchProcedure.replay` s the
 recorded per-epoch results to reach the same state.
 
-Search spaces are dicts ``name -> values``. A list means a finite set of choices (grid
+Search spaces (grammar and validation in :mod:`server.common.space`) are dicts
+``name -> values``. A list means a finite set of choices (grid
 search takes the Cartesian product of the lists). Random search and PBT also accept
 distributions: ``{"uniform": [a, b]}``, ``{"loguniform": [a, b]}`` (a > 0) and
 ``{"randint": [a, b]}`` (integers, both ends included). Malformed spaces raise
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import math
 import random
 from abc import ABC, abstractmethod
@@ -47,19 +47,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.common.errors import SpecError
+from server.common.space import canonical_json, parse_space
 
 DEFAULT_METRIC = "val_acc"
-DISTRIBUTIONS = ("uniform", "loguniform", "randint")
 
 
 # ---------------------------------------------------------------------------- configurations
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
 def config_id(params: Mapping[str, Any], lineage: str = "") -> str:
     """A stable id: ``c`` + 12 hex digits of the SHA-1 of the canonical JSON of ``params``."""
-    h = hashlib.sha1((_canonical(dict(params)) + "|" + lineage).encode()).hexdigest()
+    h = hashlib.sha1((canonical_json(dict(params)) + "|" + lineage).encode()).hexdigest()
     return "c" + h[:12]
 
 
@@ -105,109 +101,6 @@ class Decision:
         }
 
 
-# ---------------------------------------------------------------------------- search spaces
-@dataclass(frozen=True)
-class Dimension:
-    """One hyper-parameter: ``kind`` is ``choice`` (``values``) or a distribution (``low, high``)."""
-
-    name: str
-    kind: str
-    values: tuple = ()
-    low: float = 0.0
-    high: float = 0.0
-
-    def sample(self, rng: random.Random) -> Any:
-        if self.kind == "choice":
-            return self.values[rng.randrange(len(self.values))]
-        if self.kind == "uniform":
-            return rng.uniform(self.low, self.high)
-        if self.kind == "loguniform":
-            return math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
-        return rng.randint(int(self.low), int(self.high))  # randint
-
-    def perturb(self, value: Any, rng: random.Random, factors: tuple[float, ...]) -> Any:
-        """PBT's explore step: scale a number by a random factor (clipped to the range), or
-        move a choice to a neighbouring value of its list."""
-        if self.kind == "choice":
-            try:
-                k = self.values.index(value)
-            except ValueError:
-                return self.sample(rng)
-            k = min(max(k + rng.choice((-1, 1)), 0), len(self.values) - 1)
-            return self.values[k]
-        v = float(value) * rng.choice(factors)
-        v = min(max(v, self.low), self.high)
-        return int(round(v)) if self.kind == "randint" else v
-
-
-def _check_json(key: str, v: Any) -> None:
-    try:
-        _canonical(v)
-    except (TypeError, ValueError):
-        raise SpecError(
-            f"search space: '{key}' has a value that is not plain JSON: {v!r}"
-        ) from None
-
-
-def parse_space(space: Any, allow_distributions: bool = True) -> list[Dimension]:
-    """Validate a search space and return its dimensions, in the given key order."""
-    if not isinstance(space, Mapping):
-        raise SpecError(
-            f"search space must be a mapping of name -> values, got {type(space).__name__}"
-        )
-    if not space:
-        raise SpecError("search space is empty: give at least one hyper-parameter")
-    dims = []
-    for key, v in space.items():
-        if not isinstance(key, str) or not key:
-            raise SpecError(
-                f"search space: hyper-parameter names must be non-empty strings, got {key!r}"
-            )
-        if isinstance(v, list | tuple):
-            if not v:
-                raise SpecError(f"search space: '{key}' is an empty list; give at least one value")
-            for x in v:
-                _check_json(key, x)
-            canon = [_canonical(x) for x in v]
-            if len(set(canon)) != len(canon):
-                dups = sorted({c for c in canon if canon.count(c) > 1})
-                raise SpecError(f"search space: '{key}' lists a value twice: {', '.join(dups)}")
-            dims.append(Dimension(key, "choice", tuple(v)))
-        elif isinstance(v, Mapping):
-            if not allow_distributions:
-                raise SpecError(
-                    f"search space: '{key}' is a distribution; grid search needs a list of "
-                    "values (use random search for distributions)"
-                )
-            if len(v) != 1 or next(iter(v)) not in DISTRIBUTIONS:
-                raise SpecError(
-                    f"search space: '{key}' must be one of {{uniform|loguniform|randint: [low, high]}}, "
-                    f"got {dict(v)!r}"
-                )
-            kind, bounds = next(iter(v.items()))
-            if (
-                not isinstance(bounds, list | tuple)
-                or len(bounds) != 2
-                or not all(isinstance(b, int | float) and not isinstance(b, bool) for b in bounds)
-                or not all(math.isfinite(b) for b in bounds)
-            ):
-                raise SpecError(
-                    f"search space: '{key}': {kind} needs [low, high] as two finite numbers"
-                )
-            lo, hi = bounds
-            if not lo < hi:
-                raise SpecError(f"search space: '{key}': {kind} needs low < high, got [{lo}, {hi}]")
-            if kind == "loguniform" and lo <= 0:
-                raise SpecError(f"search space: '{key}': loguniform needs low > 0, got {lo}")
-            if kind == "randint" and not (float(lo).is_integer() and float(hi).is_integer()):
-                raise SpecError(f"search space: '{key}': randint needs integer bounds")
-            dims.append(Dimension(key, kind, low=float(lo), high=float(hi)))
-        else:
-            raise SpecError(
-                f"search space: '{key}' must be a list of values or a distribution "
-                f"{{uniform|loguniform|randint: [low, high]}}, got {v!r}"
-            )
-    return dims
 
 
 def grid(param_grid: Mapping[str, Any]) -> list[Config]:
@@ -382,291 +275,9 @@ class SearchProcedure(ABC):
         """Fill ``d`` (stop/add/done) after the scores of ``epoch`` were recorded."""
 
 
-def _check_epochs(epochs: Any, what: str = "epochs") -> int:
+def check_epochs(epochs: Any, what: str = "epochs") -> int:
     if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
         raise SpecError(f"{what} must be a positive integer, got {epochs!r}")
     return epochs
 
 
-class GridSearch(SearchProcedure):
-    """Every combination of ``param_grid`` trained for ``epochs`` epochs (one-shot template)."""
-
-    def __init__(self, param_grid: Mapping[str, Any], epochs: int, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.epochs = _check_epochs(epochs)
-        self._configs = grid(param_grid)
-
-    def _initial(self) -> list[Config]:
-        return list(self._configs)
-
-    def _decide(self, epoch: int, d: Decision) -> None:
-        d.done = epoch >= self.epochs or not self.live
-
-
-class RandomSearch(SearchProcedure):
-    """``budget`` random configurations of ``space``, trained for ``epochs`` epochs."""
-
-    def __init__(
-        self, space: Mapping[str, Any], budget: int, epochs: int, seed: int = 0, **kw: Any
-    ) -> None:
-        super().__init__(**kw)
-        self.epochs = _check_epochs(epochs)
-        self._configs = sample_configs(space, budget, random.Random(seed))
-
-    def _initial(self) -> list[Config]:
-        return list(self._configs)
-
-    def _decide(self, epoch: int, d: Decision) -> None:
-        d.done = epoch >= self.epochs or not self.live
-
-
-@dataclass
-class _Bracket:
-    rungs: list[int]  # ages (epochs trained) at which to halve; the last one ends the bracket
-    configs: list[Config]
-    members: list[str] = field(default_factory=list)
-    alive: list[str] = field(default_factory=list)
-    started: bool = False
-    finished: bool = False
-
-
-def _rungs(min_epochs: int, max_epochs: int, eta: int) -> list[int]:
-    out, r = [], min_epochs
-    while r < max_epochs:
-        out.append(r)
-        r *= eta
-    return sorted(set(out)) + [max_epochs]
-
-
-class SuccessiveHalving(SearchProcedure):
-    """Synchronous successive halving (Jamieson & Talwalkar; Li et al.).
-
-    ``n_configs`` random configurations start together; at ages ``min_epochs * eta^k`` (the
-    rungs) only the best ``max(1, alive // eta)`` survive; survivors train to ``max_epochs``.
-    A subclass (:class:`Hyperband`) runs several such brackets.
-    """
-
-    def __init__(
-        self,
-        space: Mapping[str, Any],
-        n_configs: int,
-        max_epochs: int,
-        min_epochs: int = 1,
-        eta: int = 3,
-        seed: int = 0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(**kw)
-        self.max_epochs = _check_epochs(max_epochs, "max_epochs")
-        min_epochs = _check_epochs(min_epochs, "min_epochs")
-        if min_epochs > self.max_epochs:
-            raise SpecError(
-                f"min_epochs ({min_epochs}) must not exceed max_epochs ({self.max_epochs})"
-            )
-        if not isinstance(eta, int) or eta < 2:
-            raise SpecError(f"eta must be an integer >= 2, got {eta!r}")
-        self.eta = eta
-        self.sequential = False
-        rng = random.Random(seed)
-        self._brackets = [
-            _Bracket(
-                _rungs(min_epochs, self.max_epochs, eta),
-                sample_configs(space, n_configs, rng, what="successive halving"),
-            )
-        ]
-
-    def _initial(self) -> list[Config]:
-        out = []
-        for b in self._brackets if not self.sequential else self._brackets[:1]:
-            out.extend(self._start(b))
-        return out
-
-    def _start(self, b: _Bracket) -> list[Config]:
-        b.started = True
-        b.members = [c.id for c in b.configs]
-        b.alive = list(b.members)
-        return list(b.configs)
-
-    def _on_removed(self, model: str) -> None:
-        for b in self._brackets:
-            if model in b.alive:
-                b.alive.remove(model)
-
-    def _decide(self, epoch: int, d: Decision) -> None:
-        for b in self._brackets:
-            if not b.started or b.finished:
-                continue
-            if not b.alive:
-                b.finished = True
-                continue
-            age = max(self.age[m] for m in b.alive)
-            if age >= b.rungs[-1]:
-                for m in list(b.alive):
-                    self._remove(m, d, f"trained for max_epochs={b.rungs[-1]}")
-                b.finished = True
-            elif age in b.rungs:
-                ranked = self._ranked(b.alive)
-                keep = max(1, len(ranked) // self.eta)
-                for m in ranked[keep:]:
-                    self._remove(m, d, f"killed at rung {age} epochs (not in top {keep})")
-        if self.sequential:
-            nxt = next((b for b in self._brackets if not b.started), None)
-            if nxt is not None and all(b.finished for b in self._brackets if b.started):
-                for c in self._start(nxt):
-                    self._add(d, c, None)
-        d.done = all(b.finished for b in self._brackets)
-
-
-class Hyperband(SuccessiveHalving):
-    """Hyperband (Li et al., JMLR 2018) over epochs: brackets of successive halving.
-
-    With ``s_max = floor(log_eta(max_epochs))``, bracket ``s`` (``s_max`` .. 0) starts
-    ``ceil((s_max + 1) / (s + 1) * eta^s)`` random configurations with ``max_epochs * eta^-s``
-    epochs each and halves at every rung up to ``max_epochs``. ``brackets="concurrent"``
-    (default) trains all brackets' configurations in one S from the first epoch -- more
-    models to hop, which is what MOP wants; ``"sequential"`` starts a bracket when the
-    previous one ends (the original algorithm's order).
-    """
-
-    def __init__(
-        self,
-        space: Mapping[str, Any],
-        max_epochs: int,
-        eta: int = 3,
-        seed: int = 0,
-        brackets: str = "concurrent",
-        **kw: Any,
-    ) -> None:
-        SearchProcedure.__init__(self, **kw)
-        self.max_epochs = _check_epochs(max_epochs, "max_epochs")
-        if not isinstance(eta, int) or eta < 2:
-            raise SpecError(f"eta must be an integer >= 2, got {eta!r}")
-        if brackets not in ("concurrent", "sequential"):
-            raise SpecError(f"brackets must be 'concurrent' or 'sequential', got {brackets!r}")
-        self.eta = eta
-        self.sequential = brackets == "sequential"
-        s_max = 0
-        while eta ** (s_max + 1) <= self.max_epochs:
-            s_max += 1
-        sizes = [math.ceil((s_max + 1) / (s + 1) * eta**s) for s in range(s_max, -1, -1)]
-        cs = sample_configs(space, sum(sizes), random.Random(seed), what="hyperband")
-        self._brackets = []
-        for k, s in enumerate(range(s_max, -1, -1)):
-            rungs = sorted({max(1, round(self.max_epochs * eta ** (i - s))) for i in range(s + 1)})
-            first = sum(sizes[:k])
-            self._brackets.append(_Bracket(rungs, cs[first : first + sizes[k]]))
-
-
-class PBT(SearchProcedure):
-    """Population-based training (Jaderberg et al., 2017), exploit/explore at epoch ends.
-
-    Every ``ready_every`` epochs the models are ranked; the bottom ``quantile`` stop and each
-    is replaced by a copy of a random top-``quantile`` model -- same weights (the Decision's
-    parent) and perturbed hyper-parameters: numbers scaled by a factor from ``factors``
-    (clipped to the space's range), choices moved to a neighbouring value; with probability
-    ``resample_prob`` a hyper-parameter is drawn afresh instead. The population size stays
-    constant; the search ends after ``epochs`` epochs.
-    """
-
-    def __init__(
-        self,
-        space: Mapping[str, Any],
-        population: int,
-        epochs: int,
-        ready_every: int = 1,
-        quantile: float = 0.25,
-        factors: tuple[float, ...] = (0.8, 1.2),
-        resample_prob: float = 0.25,
-        seed: int = 0,
-        **kw: Any,
-    ) -> None:
-        super().__init__(**kw)
-        self.epochs = _check_epochs(epochs)
-        self.ready_every = _check_epochs(ready_every, "ready_every")
-        if not 0 < quantile <= 0.5:
-            raise SpecError(f"quantile must be in (0, 0.5], got {quantile!r}")
-        if not 0 <= resample_prob <= 1:
-            raise SpecError(f"resample_prob must be in [0, 1], got {resample_prob!r}")
-        if not factors or any(not isinstance(f, int | float) or f <= 0 for f in factors):
-            raise SpecError(f"factors must be positive numbers, got {factors!r}")
-        self.quantile = quantile
-        self.factors = tuple(float(f) for f in factors)
-        self.resample_prob = resample_prob
-        self._dims = parse_space(space)
-        self._rng = random.Random(seed)
-        self._configs = sample_configs(space, population, self._rng, what="PBT")
-
-    def _initial(self) -> list[Config]:
-        return list(self._configs)
-
-    def explore(self, params: Mapping[str, Any]) -> dict[str, Any]:
-        """Perturb (or, with ``resample_prob``, resample) every hyper-parameter."""
-        out = {}
-        for dim in self._dims:
-            if self._rng.random() < self.resample_prob:
-                out[dim.name] = dim.sample(self._rng)
-            else:
-                out[dim.name] = dim.perturb(params[dim.name], self._rng, self.factors)
-        return out
-
-    def _decide(self, epoch: int, d: Decision) -> None:
-        if epoch >= self.epochs or not self.live:
-            d.done = True
-            return
-        if epoch % self.ready_every:
-            return
-        ranked = self._ranked(self.live)
-        n = math.floor(len(ranked) * self.quantile)
-        if n < 1 or len(ranked) < 2:
-            return
-        top, bottom = ranked[:n], ranked[-n:]
-        for k, loser in enumerate(bottom):
-            donor = top[self._rng.randrange(len(top))]
-            params = self.explore(self.configs[donor].params)
-            c = Config.make(params, lineage=f"pbt:{donor}:{epoch}:{k}")
-            self._remove(loser, d, f"exploited: replaced by a copy of {donor}")
-            self._add(d, c, donor)
-
-
-def make_search(
-    kind: str,
-    space: Mapping[str, Any],
-    *,
-    epochs: int,
-    budget: int | None = None,
-    seed: int = 0,
-    metric: str = DEFAULT_METRIC,
-    mode: str = "max",
-    **options: Any,
-) -> SearchProcedure:
-    """Build the procedure a job spec names (``mop.search``): grid, random, sha, hyperband, pbt.
-
-    ``epochs`` is the job's epoch budget (``max_epochs`` of Hyperband/SHA); ``budget`` the
-    number of configurations for random search, successive halving (``n_configs``) and PBT
-    (``population``); ``options`` go to the procedure (e.g. ``eta``, ``quantile``).
-    """
-    kw: dict[str, Any] = {"metric": metric, "mode": mode}
-    try:
-        if kind == "grid":
-            return GridSearch(space, epochs, **kw, **options)
-        if kind == "random":
-            if budget is None:
-                raise SpecError("random search needs a budget (number of configurations)")
-            return RandomSearch(space, budget, epochs, seed=seed, **kw, **options)
-        if kind in ("sha", "successive_halving"):
-            n = budget if budget is not None else options.pop("n_configs", None)
-            if n is None:
-                raise SpecError("successive halving needs a budget (number of configurations)")
-            return SuccessiveHalving(space, n, epochs, seed=seed, **kw, **options)
-        if kind == "hyperband":
-            return Hyperband(space, epochs, seed=seed, **kw, **options)
-        if kind == "pbt":
-            pop = budget if budget is not None else options.pop("population", None)
-            if pop is None:
-                raise SpecError("PBT needs a budget (population size)")
-            return PBT(space, pop, epochs, seed=seed, **kw, **options)
-    except TypeError as e:  # an unknown option name
-        raise SpecError(f"search '{kind}': bad option: {e}") from None
-    raise SpecError(
-        f"unknown search procedure {kind!r}; choose grid, random, sha, hyperband or pbt"
-    )

@@ -1,4 +1,4 @@
-"""``boinc-dl fleet watch|status`` and ``boinc-dl cost JOB``.
+"""``boinc-dl fleet watch|status`` and ``boinc-dl cost JOB`` (mounted by the main CLI).
 
 ``fleet watch`` is a daemon like the project's others: it stops on SIGHUP/SIGTERM and
 when the project's ``stop_daemons`` file appears, so it can be declared in
@@ -33,26 +33,6 @@ def _fail(e: BaseException) -> None:
     raise typer.Exit(getattr(e, "exit_code", 2))
 
 
-def build_controller(cfg: Any) -> Any:
-    """Provider, BOINC database, Redis and controller for a validated config."""
-    from server.boinc.project import BoincProject
-    from server.common.store import connect
-    from server.fleet.boinchosts import BoincHosts
-    from server.fleet.controller import FleetController
-
-    project = BoincProject(cfg.project).require()
-    provider: Any
-    if cfg.provider == "aws":
-        from server.fleet.aws import AwsProvider
-
-        provider = AwsProvider(cfg.aws)
-    else:
-        from server.fleet.gcp import GcpProvider
-
-        provider = GcpProvider(cfg.gcp)
-    return FleetController(cfg, provider, BoincHosts.from_project(project), connect(project.redis_url()))
-
-
 @fleet_app.command()
 def watch(
     config: ConfigOpt,
@@ -61,6 +41,7 @@ def watch(
 ) -> None:
     """The fleet controller daemon (one control period every period_s)."""
     from server.fleet.config import load_config
+    from server.fleet.factory import build_controller
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [%(levelname)s] %(name)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
@@ -93,7 +74,7 @@ def watch(
 @fleet_app.command()
 def status(config: ConfigOpt) -> None:
     """The controller's last period as it published it in Redis."""
-    from server.boinc.project import BoincProject
+    from server.backends.boinc.project import BoincProject
     from server.common.store import connect
     from server.fleet.config import load_config
     from server.fleet.controller import STATUS_KEY
@@ -136,7 +117,7 @@ def cost(
 
     try:
         if project is not None:
-            from server.boinc.project import BoincProject
+            from server.backends.boinc.project import BoincProject
 
             redis_url = BoincProject(project).require().redis_url()
         url = redis_url or os.environ.get("BDL_REDIS_URL", "")

@@ -1,4 +1,4 @@
-"""The ``boinc-dl`` command line (typer).
+"""``boinc-dl run / submit / status / cancel / validate``: the job commands.
 
 Every expected failure (bad spec, missing data, Redis unreachable, unknown job)
 prints one line and exits non-zero; tracebacks are for bugs only.
@@ -7,31 +7,16 @@ prints one line and exits non-zero; tracebacks are for bugs only.
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from server.cli.app import app, console
+from server.cli.app import fail as _fail
 from server.common.errors import BoincDLError, UnknownJob
-
-# TensorFlow's C++ logging floods the terminal from every worker process; keep errors
-# in the run's log files instead (set TF_CPP_MIN_LOG_LEVEL yourself to see them).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Deep-learning training and model selection on BOINC and preemptible VMs.")
-console = Console()
-err_console = Console(stderr=True)
-
-
-def _fail(e: BoincDLError) -> None:
-    err_console.print(f"[red]error:[/] {e}", markup=True, highlight=False)
-    raise typer.Exit(e.exit_code)
 
 
 @app.command()
@@ -87,7 +72,7 @@ def submit(
             raise BoincDLError(f"unknown backend {backend!r}; choose boinc (or 'boinc-dl run' for local)")
         if project is None:
             raise BoincDLError("--project is required with --backend boinc")
-        from server.boinc.submit import submit_job
+        from server.backends.boinc.submit import submit_job
 
         spec = load_spec(spec_file)
         job_dir = submit_job(spec, project, resume=resume, search_path=spec_file.resolve().parent)
@@ -99,7 +84,7 @@ def submit(
 
 
 def _project_redis_url(project: Path) -> str:
-    from server.boinc.project import BoincProject
+    from server.backends.boinc.project import BoincProject
 
     return BoincProject(project).require().redis_url()
 
@@ -137,7 +122,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Show a job's state: epoch, units per state, latest accuracy, rejected results."""
-    from server.status import job_status, render_status
+    from server.run.status import job_status, render_status
 
     try:
         if project is not None:
@@ -186,7 +171,7 @@ def cancel(
 
     try:
         if project is not None:
-            from server.boinc.submit import cancel_job
+            from server.backends.boinc.submit import cancel_job
 
             n = cancel_job(project, job)
             console.print(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")
@@ -219,32 +204,3 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     t.add_row("train / val examples", f"{len(data.x_train)} / {len(data.x_val)}")
     t.add_row("model parameters", f"{fp.n_params:,} in {len(fp.tensors)} tensors")
     console.print(t)
-
-
-def _mount_optional() -> None:
-    """Sub-commands that live in optional parts of the package (BOINC integration)."""
-    try:
-        from server.boinc.cli import boinc_app
-    except ImportError:
-        return
-    app.add_typer(boinc_app, name="boinc", help="BOINC server integration (install, daemons, scripts).")
-    from server.fleet.cli import cost, fleet_app
-
-    app.add_typer(fleet_app, name="fleet")
-    app.command("cost")(cost)
-
-
-_mount_optional()
-
-
-def main() -> None:
-    """Console-script entry point."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

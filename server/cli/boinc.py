@@ -2,8 +2,8 @@
 
 The validator and assimilator commands are what BOINC's daemons run through the
 shims in the project's ``bin/``; they take BOINC's arguments verbatim after ``--``
-(``--error`` included) and exit with BOINC's codes (see :mod:`server.boinc.scripts`).
-The same app also runs as ``python -m server.boinc``, which is how the shims call it.
+(``--error`` included) and exit with BOINC's codes (see :mod:`server.backends.boinc.scripts`).
+The same app also runs as ``python -m server.backends.boinc``, which is how the shims call it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _fail(e: BoincDLError) -> None:
 
 
 def _project(path: Path | None):  # noqa: ANN202
-    from server.boinc.project import BoincProject, find_project
+    from server.backends.boinc.project import BoincProject, find_project
 
     return BoincProject(path).require() if path else find_project()
 
@@ -48,15 +48,15 @@ def install(
     min_quorum: Annotated[int | None, typer.Option(help="replicas per unit (2+ for untrusted volunteer hosts)")] = None,
     gzip_outputs: Annotated[bool | None, typer.Option(help="clients gzip their outputs before upload")] = None,
     command: Annotated[str | None, typer.Option(
-        help="how the shims start boinc-dl (default: this Python with -m server.boinc)")] = None,
+        help="how the shims start boinc-dl (default: this Python with -m server.backends.boinc)")] = None,
     db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions when needed")] = True,
     force_db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions even if nothing changed")] = False,
 ) -> None:
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
 
-    from server.boinc.install import InstallOptions
-    from server.boinc.install import install as do_install
+    from server.backends.boinc.install import InstallOptions
+    from server.backends.boinc.install import install as do_install
 
     opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
@@ -82,7 +82,7 @@ def work_generator(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """The work generator daemon (exits on the stop_daemons file, SIGHUP, SIGTERM)."""
-    from server.boinc.daemon import WorkGeneratorDaemon, setup_logging
+    from server.backends.boinc.daemon import WorkGeneratorDaemon, setup_logging
 
     try:
         proj = _project(project)
@@ -97,7 +97,7 @@ def work_generator(
 
 
 def _script(kind: str, project: Path | None, tokens: str | None, args: list[str]) -> None:
-    from server.boinc import scripts
+    from server.backends.boinc import scripts
 
     scripts.setup_logging(f"bdl_{kind}")
     try:
@@ -150,7 +150,7 @@ def submit(
     resume: Annotated[bool, typer.Option("--resume", help="continue a job already recorded")] = False,
 ) -> None:
     """Submit a job to a BOINC project (the work generator daemon picks it up)."""
-    from server.boinc.submit import submit_job
+    from server.backends.boinc.submit import submit_job
     from server.common.spec import load_spec
 
     try:
@@ -168,7 +168,7 @@ def cancel(
     project: Annotated[Path, typer.Option("--project", help="BOINC project directory")],
 ) -> None:
     """Cancel a job and its workunits in BOINC."""
-    from server.boinc.submit import cancel_job
+    from server.backends.boinc.submit import cancel_job
 
     try:
         n = cancel_job(project, job)

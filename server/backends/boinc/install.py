@@ -35,9 +35,9 @@ from pathlib import Path
 
 import yaml
 
-from server.boinc import artifacts
-from server.boinc.project import APP_NAME, BoincProject, BoincProjectError
-from server.boinc.xmlmerge import (
+from server.backends.boinc import artifacts
+from server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
+from server.backends.boinc.xmlmerge import (
     XmlDoc,
     append_child,
     child_text,
@@ -85,8 +85,8 @@ class InstallReport:
 
 
 def default_command() -> list[str]:
-    """How shims start boinc-dl: this Python, module ``server.boinc`` (works under cron)."""
-    return [sys.executable, "-m", "server.boinc"]
+    """How shims start boinc-dl: this Python, module ``server.backends.boinc`` (works under cron)."""
+    return [sys.executable, "-m", "server.backends.boinc"]
 
 
 def daemon_specs(n_assimilators: int) -> list[dict[str, str]]:
@@ -314,7 +314,7 @@ class Installer:
 
     def admin_page(self) -> None:
         try:
-            html = resources.files("server.boinc").joinpath("html")
+            html = resources.files("server.backends.boinc").joinpath("html")
             pages = [f for f in html.iterdir() if f.name.endswith(".php")] if html.is_dir() else []
         except (FileNotFoundError, NotADirectoryError):
             pages = []

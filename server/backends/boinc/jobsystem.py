@@ -57,8 +57,8 @@ from pathlib import Path
 import redis
 
 from server.backends.base import JobSystem, RetryLimits
-from server.boinc import artifacts
-from server.boinc.project import APP_NAME, BoincProject, BoincSettings
+from server.backends.boinc import artifacts
+from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec, spec_from_json
 from server.common.store import JobStore

@@ -24,6 +24,9 @@ How the daemons call them (``sched/script_assimilator.cpp``, ``sched/script_vali
   Redis before giving up.
 * output files are ``upload/<hash>/<result>_r<random>_<i>``; the file deleter removes
   them right after assimilation, so the assimilator copies what it keeps first.
+
+Kept as one module (about 600 lines): BOINC's argument forms, the validator and the
+assimilator share one parser and one set of exit-code rules, and read best together.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.backends.boinc import current_instance
-from server.boinc.project import BoincProject
+from server.backends.boinc.jobsystem import current_instance
+from server.backends.boinc.project import BoincProject
 from server.common.errors import ResultRejected, StoreUnavailable, UnknownJob, WeightsFormatError
 from server.common.store import PREFIX, JobStore, connect
 from server.common.weights import read_weights

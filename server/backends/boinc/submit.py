@@ -12,9 +12,9 @@ import logging
 import time
 from pathlib import Path
 
-from server.backends.boinc import BoincJobSystem
-from server.boinc.daemon import FINISHED, finalize_job
-from server.boinc.project import BoincProject
+from server.backends.boinc.daemon import FINISHED, finalize_job
+from server.backends.boinc.jobsystem import BoincJobSystem
+from server.backends.boinc.project import BoincProject
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec
 from server.common.store import JobStore, connect

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.backends.boinc import BoincJobSystem, BoincToolError
-from server.boinc.project import BoincProject
+from server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
+from server.backends.boinc.project import BoincProject
 from server.common.errors import BoincDLError, StoreUnavailable
 from server.common.spec import spec_from_json
 from server.common.store import JobStore, connect

@@ -21,8 +21,8 @@ from rich.table import Table
 from server.backends.local import LocalJobSystem
 from server.common.spec import JobSpec
 from server.common.store import JobStore
-from server.run import RunResult, _CounterSync, start_local_backend
-from server.work_generator.mop.scheduler import round_robin_availability
+from server.run.lifecycle import CounterSync, RunResult, start_local_backend
+from server.work_generator.mop.assignment import round_robin_availability
 from server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from server.work_generator.prepare import prepare_job
 
@@ -88,7 +88,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
     out["learning_curves"] = str(png)
     best = next((r for r in rows if r["best_val_acc"] is not None), None)
     if best is not None:
-        from server.report import save_final_model
+        from server.run.outputs import save_final_model
 
         flat, _ = store.get_weights(best["model"])
         files_dir = Path(store.meta().get("job_dir", run_dir))
@@ -146,7 +146,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
             gen.recover(resubmit_in_progress=True)
-            sync = _CounterSync(store, backend)
+            sync = CounterSync(store, backend)
             view = Live(_table(store, spec, backend, t0), console=console, refresh_per_second=2) if live else None
             if view:
                 view.start()

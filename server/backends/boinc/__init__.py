@@ -1,0 +1,40 @@
+"""BOINC production path: the one home of everything BOINC-specific.
+
+* :mod:`.project` — a BOINC project directory: its layout, ``config.xml`` settings, the
+  download/upload hierarchy and boinc-dl's own settings file;
+* :mod:`.jobsystem` — the job system that stages files and creates workunits with
+  ``bin/create_work`` (and cancels them with ``bin/cancel_jobs``);
+* :mod:`.scripts` — the programs BOINC's ``script_validator`` and ``script_assimilator``
+  call (argument forms of server releases 1.2 and 1.6);
+* :mod:`.install` — ``boinc-dl boinc install``: app, app versions, templates, plan class,
+  daemons in ``config.xml``, idempotently (XML merged by :mod:`.xmlmerge`, files described
+  in :mod:`.artifacts`; the packaged ``templates/``, ``files/`` and the admin page in
+  ``html/``);
+* :mod:`.daemon` — the work generator daemon;
+* :mod:`.submit` — submit / cancel a job on a project.
+
+``python -m server.backends.boinc ...`` runs the ``boinc-dl boinc`` commands (the shims
+in a project's ``bin/`` use it). Modules import each other in one direction:
+project <- xmlmerge <- artifacts <- install / jobsystem <- daemon <- submit; scripts
+uses project and jobsystem.
+"""
+
+from server.backends.boinc.daemon import WorkGeneratorDaemon
+from server.backends.boinc.install import InstallOptions, install
+from server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
+from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings, find_project
+from server.backends.boinc.submit import cancel_job, submit_job
+
+__all__ = [
+    "APP_NAME",
+    "BoincJobSystem",
+    "BoincProject",
+    "BoincSettings",
+    "BoincToolError",
+    "InstallOptions",
+    "WorkGeneratorDaemon",
+    "cancel_job",
+    "find_project",
+    "install",
+    "submit_job",
+]

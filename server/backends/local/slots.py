@@ -1,0 +1,303 @@
+"""Slot processes of the local backend: one child per (host, slot), running units for real."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.common.workunit import (
+    METRICS,
+    OUTPUT_NAMES,
+    WEIGHTS_IN,
+    WEIGHTS_OUT,
+    WU_JSON,
+    Workunit,
+)
+
+log = logging.getLogger(__name__)
+
+#: Slot metrics worth adding up across units (restarts within a unit, work redone).
+_EXTRA_KEYS = ("batches", "redone_batches", "restarts", "resumed_at_batch")
+# A process that dies this soon after its start, before it said "ready", is failing to
+# start: after _FAST_DEATHS_FREE such deaths in a row its respawns back off.
+_FAST_DEATH_S = 10.0
+_FAST_DEATHS_FREE = 3
+
+
+
+def _respawn_delay(fast_deaths: int) -> float:
+    return 0.0 if fast_deaths < _FAST_DEATHS_FREE else min(30.0, 0.5 * 2 ** (fast_deaths - _FAST_DEATHS_FREE))
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+def _slot_paths(base: Path, host: int, slot: int) -> tuple[Path, Path]:
+    """(slot directory, notice file) of a simulated host slot."""
+    h = base / "hosts" / f"h{host:02d}"
+    return h / f"slot{slot}", h / f"notice-s{slot}"
+
+
+def _synthetic_unit(slot_dir: Path, seconds: float, should_stop: Callable[[], bool]) -> tuple[str, dict]:
+    """Sleep ``seconds`` (polling ``should_stop``), then write a valid result.
+
+    The result is the input weights plus a small step seeded by the unit, so merges
+    change the server weights as real ones do; everything but TensorFlow runs.
+    """
+    import numpy as np
+
+    from server.common.weights import WeightsFile, read_weights, write_weights
+
+    t0 = time.monotonic()
+    wu = Workunit.load(slot_dir / WU_JSON)
+    wf = read_weights(slot_dir / WEIGHTS_IN)
+    end = t0 + seconds
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            break
+        if should_stop():
+            return "interrupted", {}
+        time.sleep(min(0.01, left))
+    step = np.random.default_rng(wu.seed).standard_normal(wf.flat.size).astype(np.float32)
+    flat = wf.flat + np.float32(1e-3) * step
+    metrics = {"job": wu.job, "unit": wu.unit, "model": wu.model, "epoch": wu.epoch, "shard": wu.shard,
+               "base_version": wu.weights_version, "synthetic": True, "train_s": seconds,
+               "wall_s": time.monotonic() - t0}
+    write_weights(slot_dir / WEIGHTS_OUT, WeightsFile(flat, wf.fingerprint, job=wu.job, model=wu.model,
+                                                      unit=wu.unit, base_version=wu.weights_version,
+                                                      metrics=metrics))
+    (slot_dir / METRICS).write_text(json.dumps(metrics))
+    return "ok", {}
+
+
+def _inbox(conn: Any) -> Iterator[Any]:
+    """Messages from the parent until it sends None or the pipe closes (parent gone)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        yield msg
+
+
+def _slot_main(host: int, slot: int, conn: Any, base: str, threads: int, synthetic_s: float | None) -> None:
+    """A simulated host slot: run units in-process, one at a time, until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the run, not each slot
+    os.environ["BDL_THREADS"] = str(threads)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from client_app.preemption import start_watcher
+
+    cache: Any = None
+    if synthetic_s is None:
+        from client_app.train import ModelCache, run_unit
+
+        cache = ModelCache(max_models=64)  # MOP models hop across slots: keep their traced steps
+    slot_dir, notice_file = _slot_paths(Path(base), host, slot)
+    marker = slot_dir / ".bdl-instance"
+    upload = Path(base) / "upload"
+    conn.send(("ready", os.getpid()))
+    for msg in _inbox(conn):
+        _, result_name, files = msg
+        t0 = time.time()
+        # The same instance sent again after a restart in place keeps its directory
+        # (and its checkpoint), as a BOINC client keeps a task's slot across reboots.
+        if not (marker.exists() and marker.read_text() == result_name):
+            shutil.rmtree(slot_dir, ignore_errors=True)
+            slot_dir.mkdir(parents=True)
+            for logical, physical in files.items():
+                os.symlink(physical, slot_dir / logical)
+            marker.write_text(result_name)
+        stop = threading.Event()
+        watcher = start_watcher(lambda _reason, stop=stop: stop.set(), provider="none",
+                                notice_file=notice_file, interval=0.02)
+        err, extras = "", {}
+        try:
+            if synthetic_s is not None:
+                status, extras = _synthetic_unit(slot_dir, synthetic_s, stop.is_set)
+            else:
+                res = run_unit(slot_dir, cache=cache, threads=threads, should_stop=stop.is_set)
+                status = "ok" if res.status == "done" else "interrupted" if res.interrupted else str(res.status)
+                extras = {k: res.metrics[k] for k in _EXTRA_KEYS if k in res.metrics}
+        except Exception as e:  # noqa: BLE001 - a failing unit is a client error, not a crash
+            status, err = "error", f"{type(e).__name__}: {e}"
+        finally:
+            if watcher is not None:
+                watcher.stop()
+        paths: list[str] = []
+        if status == "ok":
+            dest = upload / result_name
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in OUTPUT_NAMES:
+                src = slot_dir / name
+                if src.exists():
+                    shutil.move(str(src), dest / name)
+                    paths.append(str(dest / name))
+        conn.send(("done", result_name, status, err, paths, time.time() - t0, extras))
+
+
+
+
+@dataclass
+class _Slot:
+    host: int
+    index: int
+    proc: Any = None
+    conn: Any = None
+    ready: bool = False
+    busy: str | None = None  # instance name
+    busy_since: float = 0.0
+    kill_at: float | None = None
+    spawned_at: float = 0.0
+    notice_at: float | None = None  # notice written, client not yet reported
+    resume: str | None = None  # instance to re-send after a restart in place
+    fast_deaths: int = 0
+    respawn_at: float = 0.0
+    started: bool = False  # said "ready" since its last spawn (a death is not a failed start)
+    down_since: float | None = None  # host lost (kill or notice) until its replacement is ready
+
+
+
+class SlotPool:
+    """LocalJobSystem's slot side: spawn, drain and restart the slot processes.
+
+    A mixin of :class:`~server.backends.local.jobsystem.LocalJobSystem`, whose
+    ``__init__`` sets the state it uses."""
+
+    def _spawn(self, slot: _Slot) -> None:
+        _, notice_file = _slot_paths(self.base, slot.host, slot.index)
+        notice_file.unlink(missing_ok=True)  # a new host has had no notice
+        parent, child = self.ctx.Pipe()
+        p = self.ctx.Process(target=_slot_main,
+                             args=(slot.host, slot.index, child, str(self.base), self.threads,
+                                   self.synthetic_unit_s),
+                             name=f"bdl-host{slot.host}-slot{slot.index}", daemon=True)
+        p.start()
+        child.close()
+        slot.proc, slot.conn, slot.ready, slot.kill_at, slot.notice_at = p, parent, False, None, None
+        slot.started = False
+        if slot.resume is None:
+            slot.busy = None
+        slot.spawned_at = time.time()
+
+    def busy_slots(self) -> list[tuple[int, int, str]]:
+        """(host, slot, instance) of every slot running an instance."""
+        with self.lock:
+            return [(s.host, s.index, s.busy) for s in self.slots if s.busy and s.ready]
+
+    def slot_dir(self, host: int, slot: int) -> Path:
+        return _slot_paths(self.base, host, slot)[0]
+
+    def _slot(self, host: int, index: int) -> _Slot:
+        return self.slots[host * self.n_slots + index]
+
+    def _drain_slot(self, slot: _Slot) -> None:
+        self._drain(slot, lambda msg: self._on_slot_message(slot, msg))
+
+    def _on_slot_message(self, slot: _Slot, msg: tuple) -> None:
+        if msg[0] == "ready":
+            if slot.proc is not None and msg[1] == slot.proc.pid:
+                slot.ready, slot.started, slot.fast_deaths = True, True, 0
+                if slot.down_since is not None:
+                    self.slot_downtimes.append(time.time() - slot.down_since)
+                    slot.down_since = None
+                if slot.resume:
+                    self._send_resume(slot)
+            return
+        _, result, status, err, paths, wall, extras = msg
+        inst = self.instances.get(result)
+        now = time.time()
+        noticed = slot.notice_at is not None
+        if slot.busy == result:
+            self.slot_busy_s += now - slot.busy_since
+            slot.busy, slot.kill_at, slot.resume = None, None, None
+        if noticed and status != "interrupted":
+            # Finished before it noticed: the result is good, but the host goes all the same.
+            slot.notice_at = None
+            self._kill_slot(slot)
+        if inst is None:
+            return
+        u = self.units[inst.unit]
+        if status == "interrupted" and noticed:
+            # The client checkpointed and reported the unit lost (BOINC: task aborted,
+            # scheduler contacted): re-issue now, then the host goes away for good.
+            self.counters["lost_reported"] += 1
+            if inst.state == "in_progress":
+                self._instance_failed(inst, "lost")
+            slot.notice_at = None
+            self._kill_slot(slot)
+            return
+        self.counters["returned"] += 1
+        for k in ("redone_batches",):
+            self.counters[k] += int(extras.get(k) or 0)
+        self.counters["batches_done"] += int(extras.get("batches") or 0)
+        if extras.get("restarts"):
+            self.restart_log.append({"result": result, "status": status, "wall_s": wall, **extras})
+        else:
+            self.unit_times.append(wall)
+        late = inst.outcome == "no_reply"
+        if late:
+            self.counters["late_results"] += 1
+        if status != "ok" or not paths:
+            self.counters["client_errors"] += 1
+            log.warning("result %s: client error %s", result, err or status)
+            if not late and inst.state == "in_progress":
+                self._instance_failed(inst, "client_error")
+            return
+        if u.cancelled:
+            inst.state, inst.outcome = "over", "cancelled"
+            shutil.rmtree(Path(paths[0]).parent, ignore_errors=True)
+            return
+        if inst.state != "over":
+            inst.state, inst.outcome = "over", "success"
+        # Late results go to the assimilator too (BOINC accepts them): it must not double-merge.
+        self._deliver(self._assimilator_for(u), "result", result, inst.unit, paths)
+
+    def _kill_slot(self, slot: _Slot) -> None:
+        """SIGKILL a slot's process; it takes no new work until its respawn is ready."""
+        slot.ready = False
+        if slot.proc is not None:
+            slot.proc.kill()
+
+    def _slot_died(self, slot: _Slot, now: float) -> None:
+        if slot.conn is not None:
+            self._drain_slot(slot)
+        lost = slot.busy
+        if lost and slot.resume != lost:
+            self.slot_busy_s += now - slot.busy_since
+            self._mark_lost(lost, now)
+            slot.busy = None
+        if slot.proc.is_alive():
+            self._kill_slot(slot)
+        slot.proc.join(timeout=1)
+        early = not slot.started and now - slot.spawned_at < _FAST_DEATH_S
+        slot.fast_deaths = slot.fast_deaths + 1 if early else 0
+        if slot.fast_deaths >= _FAST_DEATHS_FREE:
+            log.error("slot h%d/s%d keeps dying at start (exit %s, %d times): next start in %.1f s",
+                      slot.host, slot.index, slot.proc.exitcode, slot.fast_deaths,
+                      _respawn_delay(slot.fast_deaths))
+        slot.proc, slot.conn, slot.ready = None, None, False
+        slot.respawn_at = now + _respawn_delay(slot.fast_deaths)
+        self.counters["slot_restarts"] += 1
+
+    def _send_resume(self, slot: _Slot) -> None:
+        name = slot.resume
+        inst = self.instances.get(name) if name else None
+        if inst is None:
+            slot.resume, slot.busy = None, None
+            return
+        try:
+            slot.conn.send(("run", name, self.units[inst.unit].wu.files))
+        except (OSError, ValueError):
+            return
+        slot.busy = name

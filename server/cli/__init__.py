@@ -1,0 +1,46 @@
+"""The ``boinc-dl`` command line: a thin layer over :mod:`server.run` and the backends.
+
+One module per command group, mounted here on :data:`server.cli.app.app`:
+
+* :mod:`.jobs` — ``run``, ``submit``, ``status``, ``cancel``, ``validate``;
+* :mod:`.boinc` — ``boinc-dl boinc ...`` (install, daemons, validator/assimilator scripts);
+* :mod:`.fleet` — ``boinc-dl fleet ...`` (the spot fleet controller) and ``boinc-dl cost JOB``.
+
+Further groups (``fleet``, ``plan``) go beside ``boinc``: a module with its own
+``typer.Typer`` added with ``app.add_typer`` below.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from server.cli import jobs  # noqa: F401 - registers the job commands on ``app``
+from server.cli.app import app, err_console
+
+
+def _mount_optional() -> None:
+    """Sub-commands that live in optional parts of the package (BOINC integration)."""
+    try:
+        from server.cli.boinc import boinc_app
+    except ImportError:
+        return
+    app.add_typer(boinc_app, name="boinc", help="BOINC server integration (install, daemons, scripts).")
+    from server.cli.fleet import cost, fleet_app
+
+    app.add_typer(fleet_app, name="fleet")
+    app.command("cost")(cost)
+
+
+_mount_optional()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        sys.exit(130)
+
+
+__all__ = ["app", "main"]

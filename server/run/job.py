@@ -1,0 +1,40 @@
+"""``boinc-dl run``: a whole job on the embedded local backend, start to finish.
+
+Owns the private Redis (see :func:`~server.run.lifecycle.open_store`) for both modes and
+hands the job to :mod:`server.run.vcasgd` or :mod:`server.run.mop`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from server.common.spec import JobSpec
+from server.run.lifecycle import RunResult, default_run_dir, open_store, setup_logging
+from server.run.vcasgd import run_vcasgd
+
+log = logging.getLogger(__name__)
+
+
+def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, redis_url: str | None = None,
+            console: Console | None = None, live: bool = True, backend_opts: dict[str, Any] | None = None,
+            search_path: Path | None = None) -> RunResult:
+    """Run ``spec`` on the local backend; see the module docstring."""
+    console = console or Console()
+    run_dir = Path(run_dir or default_run_dir(spec)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir)
+    server, redis_url, store = open_store(run_dir, redis_url, spec.name)
+    try:
+        if spec.mode != "vcasgd":
+            from server.run.mop import run_mop_job  # noqa: PLC0415 - MOP is optional
+
+            return run_mop_job(spec, run_dir, resume, redis_url, store, console, live, backend_opts,
+                               search_path)
+        return run_vcasgd(spec, run_dir, resume, redis_url, store, console, live, backend_opts, search_path)
+    finally:
+        if server is not None:  # also when the job could not even be prepared
+            server.stop()
