@@ -113,9 +113,8 @@ class AwsProvider:
         out: list[Instance] = []
         ids = sorted(members)
         found: set[str] = set()
-        pager = self.ec2.get_paginator("describe_instances")
         for k in range(0, len(ids), 200):
-            for page in pager.paginate(Filters=[{"Name": "instance-id", "Values": ids[k:k + 200]}]):
+            for page in self._pages(ids[k:k + 200]):
                 for res in page.get("Reservations", []):
                     for i in res.get("Instances", []):
                         found.add(i["InstanceId"])
@@ -139,6 +138,19 @@ class AwsProvider:
 
     def poll_interruptions(self) -> list[Interruption]:
         return self._drain_queue()
+
+    def _pages(self, ids: list[str]) -> Any:
+        """describe_instances of ``ids``; by id (a direct lookup), or, when one of them is
+        unknown to EC2 (the whole call fails then), by an instance-id filter."""
+        from botocore.exceptions import ClientError
+
+        pager = self.ec2.get_paginator("describe_instances")
+        try:
+            return list(pager.paginate(InstanceIds=ids))
+        except ClientError as e:
+            if "InvalidInstanceID" not in str(e):
+                raise
+            return list(pager.paginate(Filters=[{"Name": "instance-id", "Values": ids}]))
 
     def _drain_queue(self) -> list[Interruption]:
         events: list[Interruption] = []
