@@ -1,18 +1,28 @@
 """Concurrent parameter servers: P processes merging N results into one model.
 
 Every client copy W_c is the same constant c, so whatever the order, the server
-weights after n merges must be a^n*W_0 + (1-a^n)*c: the number of merges that really
-landed is read back from W_s. Strict mode (WATCH/MULTI, the default) must land all of
-them; the paper's eventual mode (plain read-modify-write) is measured for lost updates.
+weights after n merges must be a^n*W_0 + (1-a^n)*c, shard by shard: the number of
+merges that really landed is read back from every shard of W_s (lost = fewer,
+doubled = more). Strict mode must land all of them exactly once; the paper's
+eventual mode (no check-and-set) is measured for lost updates.
+
+Engines measured in one run, each repeated ``--repeats`` times (median reported):
+the one-key layout (the whole model as one shard: the baseline) and the sharded
+layout on one Redis, and the sharded layout on a Redis Cluster of 1 and of 3
+masters on loopback. Also: one shard's check-and-set as a Lua script vs as
+WATCH/MULTI/EXEC (single process, hiredis parser when installed).
 Model size: the paper's 4,972,746 float32 parameters.
 
-    python bench/bench_concurrency.py [--procs 4] [--results 200] [--params 4972746]
+    python bench/bench_concurrency.py [--procs 4] [--results 100] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
+import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -24,65 +34,153 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit  # noqa: E402
 from server.assimilator.core import merge_into  # noqa: E402
-from server.common.redis_server import EmbeddedRedis  # noqa: E402
+from server.common import shards as sh  # noqa: E402
+from server.common.redis_server import EmbeddedRedis, LocalRedisCluster  # noqa: E402
 from server.common.store import JobStore, connect  # noqa: E402
 from server.common.weights import fingerprint_of  # noqa: E402
 
 ALPHA = 0.99
 C = 1.0
+UNIT_S = 300  # a 5-minute unit per host
 
 
 def _worker(url: str, job: str, units: list[str], strict: bool, n: int) -> None:
     store = JobStore(connect(url), job)
     wc = np.full(n, C, np.float32)
     for u in units:
-        store.merge("0", u, lambda ws: merge_into(ws, wc, ALPHA), {}, epoch=1, strict=strict)
+        store.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], ALPHA), {}, epoch=1, strict=strict)
 
 
-def run(mode: str, procs: int, results: int, n: int) -> dict:
-    tmp = Path(tempfile.mkdtemp(prefix="bdl-conc-"))
-    srv = EmbeddedRedis(tmp / "redis").start()
-    try:
-        fp = fingerprint_of(["w"], [np.zeros(n, np.float32)])
-        store = JobStore(connect(srv.url), "conc")
-        store.create("{}", "vcasgd", {"0": fp}, {})
-        store.init_weights("0", np.zeros(n, np.float32))
-        units = [f"u{i}" for i in range(results)]
-        for u in units:
-            store.register_unit(u, {"epoch": 1, "shard": 0, "model": "0"}, 1)
-        ctx = mp.get_context("fork")
-        ps = [ctx.Process(target=_worker, args=(srv.url, "conc", units[i::procs], mode == "strict", n))
-              for i in range(procs)]
+def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes: int) -> dict:
+    """One measurement on a running engine: ``results`` merges by ``procs`` processes."""
+    job = f"conc{os.urandom(3).hex()}"
+    fp = fingerprint_of(["w"], [np.zeros(n, np.float32)])
+    store = JobStore(connect(url), job)
+    store.create("{}", "vcasgd", {"0": fp}, {})
+    os.environ["BDL_SHARD_BYTES"] = str(shard_bytes)
+    store.init_weights("0", np.zeros(n, np.float32))
+    shards = store.layout("0").shards
+    units = [f"u{i}" for i in range(results)]
+    for u in units:
+        store.register_unit(u, {"epoch": 1, "shard": 0, "model": "0"}, 1)
+    ctx = mp.get_context("fork")
+    ps = [ctx.Process(target=_worker, args=(url, job, units[i::procs], mode == "strict", n)) for i in range(procs)]
+    t0 = time.perf_counter()
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join()
+    dt = time.perf_counter() - t0
+    snap = store.snapshot("0")
+    lay = store.layout("0")
+    # Merges landed in each shard, read back from the shard's values.
+    landed = [float(np.log(1 - float(np.mean(snap.flat[lay.bounds(i)][:1000], dtype=np.float64)) / C)
+                    / np.log(ALPHA)) for i in range(shards)]
+    marks = len(store.assimilated())
+    store.delete()
+    return {"mode": mode, "shards": shards, "seconds": dt, "merges_per_s": results / dt,
+            "landed_min": round(min(landed), 2), "landed_max": round(max(landed), 2),
+            "lost": round(results - min(landed), 2), "doubled": round(max(landed) - results, 2),
+            "marks": marks, "version": store.version("0") if marks else 0}
+
+
+def cas_lua_vs_watch(url: str, shard_floats: int, updates: int = 40) -> dict:
+    """Seconds per shard update: Lua read + check-and-set vs WATCH/GET/MULTI/EXEC."""
+    store = JobStore(connect(url), "cas")
+    r = store.r
+    wkey, mkey = "bench:cas:w", "bench:cas:m"
+    buf = np.zeros(shard_floats, np.float32)
+    r.set(wkey, buf.tobytes())
+    r.hset(mkey, mapping={"tag": "t0", "v": 0})
+    read, cas = r.register_script(sh.READ_SHARD), r.register_script(sh.CAS_SHARD)
+    lua, watch = [], []
+    for i in range(updates):
         t0 = time.perf_counter()
-        for p in ps:
-            p.start()
-        for p in ps:
-            p.join()
-        dt = time.perf_counter() - t0
-        w, version = store.get_weights("0")
-        landed = float(np.log(1 - float(np.mean(w[:1000])) / C) / np.log(ALPHA))
-        marks = len(store.assimilated())
-    finally:
-        srv.kill()
-    return {"mode": mode, "seconds": dt, "merges_per_s": results / dt, "landed": round(landed, 2),
-            "lost": round(results - landed, 2), "marks": marks, "version": version}
+        tag, _v, _mark, w = read(keys=[wkey, mkey], args=[f"u:a{i}", b""])
+        ws = np.frombuffer(w, np.float32).copy()
+        ws += 1
+        assert int(cas(keys=[wkey, mkey], args=[tag, f"t{i}a", f"u:a{i}", "tok", ws.tobytes()])[0]) == 1
+        lua.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        with r.pipeline(transaction=True) as p:
+            p.watch(mkey)
+            if p.hget(mkey, f"u:b{i}") is None:
+                ws = np.frombuffer(p.get(wkey), np.float32).copy()
+                ws += 1
+                p.multi()
+                p.set(wkey, ws.tobytes())
+                p.hset(mkey, mapping={"tag": f"t{i}b", f"u:b{i}": "tok"})
+                p.hincrby(mkey, "v", 1)
+                p.execute()
+        watch.append(time.perf_counter() - t0)
+    r.delete(wkey, mkey)
+    return {"lua_s": statistics.median(lua), "watch_s": statistics.median(watch)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--procs", type=int, default=4)
-    ap.add_argument("--results", type=int, default=200)
+    ap.add_argument("--results", type=int, default=100)
     ap.add_argument("--params", type=int, default=4_972_746)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shard-bytes", type=int, default=sh.TARGET_SHARD_BYTES)
     a = ap.parse_args()
-    print(f"{a.procs} assimilator processes, {a.results} results, {a.params:,} float32 parameters")
-    out = {}
-    for mode in ("strict", "eventual"):
-        r = run(mode, a.procs, a.results, a.params)
-        out[mode] = r
-        print(f"  {mode:8s}: {r['merges_per_s']:6.1f} merges/s, landed {r['landed']:7.2f} of {a.results} "
-              f"(lost {r['lost']:.2f}), unit marks {r['marks']}, version counter {r['version']}")
-        emit("concurrent_merges", procs=a.procs, results=a.results, params=a.params, **r)
-    print(f"strict / eventual throughput: {out['strict']['merges_per_s'] / out['eventual']['merges_per_s']:.2f}")
+    # A SIGTERM (timeout, Ctrl-C from a wrapper) still runs the finally blocks that stop
+    # the Redis servers this script started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print(f"{a.procs} assimilator processes, {a.results} results, {a.params:,} float32 parameters, "
+          f"{a.repeats} repeats")
+    one_key = a.params * 4 + 1  # one shard: the whole model under one check-and-set
+    configs = [("redis", "strict", one_key), ("redis", "strict", a.shard_bytes),
+               ("redis", "eventual", a.shard_bytes), ("cluster1", "strict", a.shard_bytes),
+               ("cluster3", "strict", a.shard_bytes)]
+    rows: dict[tuple[str, str, int], list[dict]] = {c: [] for c in configs}
+    cas: list[dict] = []
+    tmp = Path(tempfile.mkdtemp(prefix="bdl-conc-"))
+    for rep in range(a.repeats):
+        # One engine of each kind per repeat, all measured back to back (ratios in one run).
+        srv = EmbeddedRedis(tmp / f"redis{rep}").start()
+        c1 = LocalRedisCluster(tmp / f"c1-{rep}", masters=1).start()
+        c3 = LocalRedisCluster(tmp / f"c3-{rep}", masters=3).start()
+        urls = {"redis": srv.url, "cluster1": c1.url, "cluster3": c3.url}
+        try:
+            cas.append(cas_lua_vs_watch(srv.url, a.shard_bytes // 4))
+            for cfg in configs:
+                eng, mode, sb = cfg
+                r = run_once(urls[eng], mode, a.procs, a.results, a.params, sb)
+                rows[cfg].append(r)
+                print(f"  [{rep + 1}] {eng:8s} {mode:8s} {r['shards']:3d} shard(s): {r['merges_per_s']:6.1f} merges/s,"
+                      f" landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, marks {r['marks']}",
+                      flush=True)
+        finally:
+            srv.kill()
+            c1.kill()
+            c3.kill()
+    med = {cfg: statistics.median(r["merges_per_s"] for r in rs) for cfg, rs in rows.items()}
+    base = med[configs[0]]
+    for cfg, rs in rows.items():
+        eng, mode, _sb = cfg
+        worst_lost = max(r["lost"] for r in rs)
+        worst_doubled = max(r["doubled"] for r in rs)
+        emit("concurrent_merges", engine=eng, mode=mode, shards=rs[0]["shards"], procs=a.procs,
+             results=a.results, params=a.params, repeats=a.repeats, merges_per_s=med[cfg],
+             runs_merges_per_s=[round(r["merges_per_s"], 2) for r in rs], ratio_vs_one_key=med[cfg] / base,
+             lost_max=worst_lost, doubled_max=worst_doubled, marks_min=min(r["marks"] for r in rs),
+             hosts_at_5min_units=int(med[cfg] * UNIT_S))
+    sharded, c1m, c3m = med[configs[1]], med[configs[3]], med[configs[4]]
+    print(f"median merges/s: one key {base:.1f}, sharded {sharded:.1f} ({sharded / base:.2f}x), "
+          f"cluster 1 node {c1m:.1f}, 3 nodes {c3m:.1f} (3/1 nodes: {c3m / c1m:.2f}x)")
+    print(f"hosts one server sustains at 5-minute units: one key {base * UNIT_S:,.0f}, "
+          f"sharded {sharded * UNIT_S:,.0f}, 3-node cluster {c3m * UNIT_S:,.0f}")
+    lua = statistics.median(c["lua_s"] for c in cas)
+    watch = statistics.median(c["watch_s"] for c in cas)
+    print(f"one {a.shard_bytes / 1e6:.2f} MB shard update: Lua check-and-set {lua * 1000:.2f} ms, "
+          f"WATCH/MULTI {watch * 1000:.2f} ms ({watch / lua:.2f}x)")
+    emit("concurrent_merges_summary", merges_per_s_one_key=base, merges_per_s_sharded=sharded,
+         merges_per_s_cluster1=c1m, merges_per_s_cluster3=c3m, ratio_sharded_vs_one_key=sharded / base,
+         ratio_cluster3_vs_cluster1=c3m / c1m, goal_merges_per_s=20, meets_goal=min(sharded, c3m) >= 20,
+         hosts_at_5min_units_sharded=int(sharded * UNIT_S), hosts_at_5min_units_cluster3=int(c3m * UNIT_S),
+         cas_lua_ms=lua * 1000, cas_watch_ms=watch * 1000)
 
 
 if __name__ == "__main__":

@@ -78,16 +78,18 @@ def _when_busy(backend: LocalJobSystem, action, ready=None, timeout: float = 120
     return seen
 
 
-def _past_checkpoint(min_batches: int):  # noqa: ANN202
+def _past_checkpoint(min_batches: int, min_checkpoint: int = 11):  # noqa: ANN202
     """``ready`` for :func:`_when_busy`: the unit reported progress ``min_batches`` batches
-    past its last checkpoint (work that a crash now destroys)."""
+    past its last checkpoint (work that a crash now destroys), and that checkpoint is at
+    least ``min_checkpoint`` batches in. On a loaded machine the first batch (graph tracing)
+    can outlast the checkpoint interval, so the first checkpoint may hold batch 1 only."""
     def ready(d: Path) -> bool:
         try:
             ck = json.loads((d / CKPT_JSON).read_text())
             pr = json.loads((d / PROGRESS_JSON).read_text())
         except (OSError, ValueError):
             return False
-        return ck["done"] > 0 and pr["done"] - ck["done"] >= min_batches
+        return ck["done"] >= min_checkpoint and pr["done"] - ck["done"] >= min_batches
 
     return ready
 

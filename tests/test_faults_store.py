@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from server.assimilator.core import merge_into
+from server.common import shards as sh
 from server.common.errors import StoreUnavailable
 from server.common.redis_server import EmbeddedRedis
 from server.common.store import JobStore, connect
@@ -53,25 +54,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_lost_merge_reply_is_recognised_as_own_merge(tcp_redis) -> None:
-    """EXEC applied, reply lost: the retry reports the merge applied, never a duplicate,
-    and the weights moved exactly once."""
+@pytest.mark.parametrize("lost", ["cas_shard", "finalize"])
+@pytest.mark.parametrize("shard_bytes", ["", "16"])
+def test_lost_merge_reply_is_recognised_as_own_merge(tcp_redis, monkeypatch, lost: str, shard_bytes: str) -> None:
+    """A shard's check-and-set (or the unit's global mark) applied, its reply lost: the
+    retry reports the merge applied, never a duplicate, and every shard moved exactly
+    once (one shard, and the 15-parameter model cut into 4 shards)."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", shard_bytes)
     proxy = FaultyProxy(tcp_redis.port)
     try:
         direct = _new_job(tcp_redis.url)
+        assert direct.layout("0").shards == (4 if shard_bytes else 1)
         store = JobStore(connect(proxy.url), "tiny", retry_s=10)
         wc = np.full(15, 2.0, np.float32)
-        proxy.drop_reply_after(b"EXEC")
-        out = store.merge("0", "u0", lambda ws: merge_into(ws, wc, 0.5), {}, epoch=1)
+        store.merge("0", "u7", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, epoch=1)  # loads the scripts
+        sha = {"cas_shard": sh.CAS_SHARD, "finalize": sh.FINALIZE}[lost]
+        proxy.drop_reply_after(store.r.register_script(sha).sha.encode())
+        out = store.merge("0", "u0", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, epoch=1)
         assert proxy.dropped == 1
-        assert out.applied and not out.duplicate and out.version == 1
+        assert out.applied and not out.duplicate and out.version == 2
         w, v = direct.get_weights("0")
-        assert v == 1 and np.allclose(w, 1.0)  # 0.5*0 + 0.5*2, once
-        assert [m["unit"] for m in direct.metrics("merge")] == ["u0"]
+        assert v == 2 and np.allclose(w, 1.5)  # 0.5*(0.5*0 + 0.5*2) + 0.5*2: twice, not thrice
+        assert [m["unit"] for m in direct.metrics("merge")] == ["u7", "u0"]
         # Another merge of the same unit (a late original) is a duplicate.
-        again = store.merge("0", "u0", lambda ws: merge_into(ws, wc, 0.5), {}, epoch=1)
+        again = store.merge("0", "u0", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, epoch=1)
         assert again.duplicate and not again.applied
-        assert direct.epoch_counts(1)["assimilated"] == 1
+        assert direct.epoch_counts(1)["assimilated"] == 2
     finally:
         proxy.close()
 

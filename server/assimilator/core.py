@@ -2,9 +2,10 @@
 
 VC-ASGD (papers' eq. 1): ``W_s <- a_e*W_s + (1-a_e)*W_c``; MOP replaces the model's
 weights (a = 0). The merge is numpy on one flat float32 buffer: no TensorFlow here.
-Each call is idempotent (the "unit assimilated" mark is committed with the merge),
-so BOINC's at-least-once calls and a late original result of a re-issued unit never
-merge twice.
+The weights are sharded: the merge applies shard by shard, each shard's update
+committed with its "unit applied" mark, and the unit's global mark once every shard
+has it (``JobStore.merge``). Each call is idempotent, so BOINC's at-least-once calls
+and a late original result of a re-issued unit never merge twice.
 """
 
 from __future__ import annotations
@@ -61,17 +62,21 @@ def assimilate_valid(
     alpha = alpha_for(spec, epoch)
     bound = spec.validation.max_update_norm
     rejected: list[str] = []
+    wc = res.weights.flat
+    # Checks on the whole model come before any shard is touched: a merge applies shard
+    # by shard and cannot take back the shards already applied.
+    n = store.layout(model).n
+    if n != wc.size:
+        rejected.append(f"server weights have {n} values, result {wc.size}")
+    elif bound is not None:
+        # Against a snapshot (each shard atomic): the bound guards against a wild
+        # result, a merge landing in between moves the reference by a step at most.
+        dist = float(np.linalg.norm(wc - store.snapshot(model).flat))
+        if not np.isfinite(dist) or dist > bound:
+            rejected.append(f"update distance {dist:.4g} from the server weights exceeds the bound {bound:.4g}")
 
-    def combine(ws: np.ndarray) -> np.ndarray | None:
-        if ws.size != res.weights.flat.size:
-            rejected.append(f"server weights have {ws.size} values, result {res.weights.flat.size}")
-            return None
-        if bound is not None:
-            dist = float(np.linalg.norm(res.weights.flat - ws))
-            if not np.isfinite(dist) or dist > bound:
-                rejected.append(f"update distance {dist:.4g} from the server weights exceeds the bound {bound:.4g}")
-                return None
-        return merge_into(ws, res.weights.flat, alpha)
+    def combine(ws: np.ndarray, sl: slice) -> np.ndarray:
+        return merge_into(ws, wc[sl], alpha)
 
     m = res.metrics
     record: dict[str, Any] = {
@@ -88,11 +93,11 @@ def assimilate_valid(
         "wall_s": m.get("wall_s"),
         "host": m.get("host"),
     }
-    use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
-    out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
     if rejected:
         store.record_rejection(unit, str(m.get("result", "")), rejected[0])
-        return AssimilationOutcome("rejected", unit, out.version, rejected[0], out.retries)
+        return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
+    use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
+    out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
     if out.applied and spec.mode == "mop" and res.weights.optimizer is not None:
         # MOP hops the optimizer state with the model. Tagged with the weights version it
         # belongs to: a crash before this write only means the next unit starts a fresh

@@ -29,6 +29,11 @@ class JobSystem(ABC):
     #: How many units the system can run at once (slots); None if unknown.
     capacity: int | None = None
 
+    def live_capacity(self) -> int | None:
+        """Units the hosts asking for work right now can take (slots plus what keeps them
+        fed), for a job system whose hosts come and go; None if it cannot tell."""
+        return None
+
     @abstractmethod
     def submit(self, wu: Workunit, limits: RetryLimits) -> None:
         """Create the workunit; ``wu.files`` maps logical input names to physical paths."""

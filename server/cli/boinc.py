@@ -51,6 +51,9 @@ def install(
         help="how the shims start boinc-dl (default: this Python with -m server.backends.boinc)")] = None,
     db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions when needed")] = True,
     force_db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions even if nothing changed")] = False,
+    next_rpc_delay: Annotated[float, typer.Option(
+        help="config.xml <next_rpc_delay>: hosts ask again this many seconds after their last "
+             "scheduler RPC, despite a work-fetch backoff (0 removes it)")] = 60.0,
 ) -> None:
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
@@ -60,7 +63,8 @@ def install(
 
     opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
-                          command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db)
+                          command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db,
+                          next_rpc_delay_s=next_rpc_delay)
     try:
         report = do_install(project, opts)
     except BoincDLError as e:

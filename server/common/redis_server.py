@@ -56,10 +56,12 @@ class EmbeddedRedis:
     ``--resume`` and the crash tests get the state back.
     """
 
-    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec", port: int = 0):
+    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec", port: int = 0,
+                 extra_args: list[str] | None = None):
         self.data_dir = Path(data_dir).resolve()
         self.appendfsync = appendfsync
         self.port = port
+        self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._supervisor: threading.Thread | None = None
@@ -101,6 +103,7 @@ class EmbeddedRedis:
             "--logfile", str(self.data_dir / "redis.log"),
             # Large weights values: let clients send big bulk strings.
             "--proto-max-bulk-len", "2gb",
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         deadline = time.monotonic() + timeout
@@ -181,3 +184,93 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def free_port_pair() -> int:
+    """A free TCP port ``p`` on loopback whose cluster-bus port ``p + 10000`` is free too."""
+    import random
+    import socket
+
+    for _ in range(200):
+        p = random.randint(20000, 45000)
+        ok = True
+        for q in (p, p + 10000):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+        if ok:
+            return p
+    raise BoincDLError("no free port pair for a Redis Cluster node")
+
+
+class LocalRedisCluster:
+    """A real Redis Cluster of ``masters`` nodes on loopback (no replicas), each an
+    :class:`EmbeddedRedis` with its own data dir (AOF and ``nodes.conf``), for tests
+    and benchmarks. A node killed and restarted on its data dir rejoins the cluster."""
+
+    def __init__(self, root: str | Path, masters: int = 3, node_timeout_ms: int = 2000):
+        self.root = Path(root).resolve()
+        self.nodes: list[EmbeddedRedis] = []
+        self.masters = masters
+        self.node_timeout_ms = node_timeout_ms
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self, timeout: float = 30.0) -> LocalRedisCluster:
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                # Slots of a node that is down fail alone; the others keep serving.
+                "--cluster-require-full-coverage", "no"]
+        try:
+            for i in range(self.masters):
+                node = EmbeddedRedis(self.root / f"node{i}", port=free_port_pair(), extra_args=args)
+                self.nodes.append(node.start())
+            if self.masters >= 3:
+                cli = shutil.which("redis-cli")
+                if cli is None:
+                    raise BoincDLError("redis-cli is needed to create a Redis Cluster")
+                subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                                "--cluster-replicas", "0", "--cluster-yes"],
+                               check=True, capture_output=True, timeout=timeout)
+            else:
+                # redis-cli refuses fewer than 3 masters: assign the slots by hand (the
+                # 1-node cluster is the scaling benchmark's baseline).
+                for i, n in enumerate(self.nodes):
+                    c = n.client()
+                    lo, hi = 16384 * i // self.masters, 16384 * (i + 1) // self.masters
+                    c.execute_command("CLUSTER ADDSLOTS", *range(lo, hi))
+                    for other in self.nodes[:i]:
+                        c.execute_command("CLUSTER MEET", "127.0.0.1", other.port)
+            self.wait_ok(timeout)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every node reports ``cluster_state:ok`` and sees all masters."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                infos = [n.client().cluster("info") for n in self.nodes]
+                if all(i.get("cluster_state") == "ok" and int(i.get("cluster_known_nodes", 0)) == self.masters
+                       for i in infos):
+                    return
+            except (redis.RedisError, OSError):
+                pass
+            time.sleep(0.1)
+        raise BoincDLError(f"Redis Cluster not ok within {timeout:.0f}s")
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

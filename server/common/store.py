@@ -6,8 +6,10 @@ Keys of job J:
 ``bdl:jobs``                   set of job names
 ``bdl:J:spec``                 the job spec (canonical JSON)
 ``bdl:J:meta``                 hash: status, mode, fingerprint, created_at, ...
-``bdl:J:w:M``                  server weights of model M: one float32 buffer
-``bdl:J:v:M``                  weights version of model M (number of merges)
+``bdl:J:layout``               hash model -> JSON {n, shards}: how M's weights are cut
+``bdl:J:s:{J/M/i}:w``          shard i of model M's server weights (float32 bytes)
+``bdl:J:s:{J/M/i}:m``          hash: shard i's tag, version and per-unit "applied" marks
+``bdl:J:v:M``                  weights version of model M (number of merged units)
 ``bdl:J:units``                hash unit -> JSON (epoch, subset/partition, model, state)
 ``bdl:J:assimilated``          hash unit -> JSON merge record (the idempotency mark)
 ``bdl:J:failed``               hash unit -> reason, units given up on for good
@@ -17,10 +19,15 @@ Keys of job J:
 ``bdl:J:rejections``           stream: rejected results with their reasons
 =============================  ===================================================
 
-A merge and its "unit assimilated" mark are committed in one MULTI/EXEC guarded by
-WATCH on the weights and the mark (strict mode): a re-run of the assimilator finds
-the mark and does nothing, and two assimilators never overwrite each other's
-update (the loser of a race retries on the new weights).
+Weights are sharded (:mod:`server.common.shards`): a merge applies shard by shard,
+each shard's bytes and its "unit applied" mark committed together by a Lua
+check-and-set (strict mode: the loser of a race re-reads that shard and retries),
+then one script sets the unit's global "assimilated" mark with the epoch accounting.
+A re-run of the assimilator skips the shards already marked and finds the global
+mark: nothing is applied twice, and two assimilators never overwrite each other's
+update. Weights written by earlier releases as one value (``bdl:J:w:M``) are cut
+into shards on first use. In a Redis Cluster (:mod:`server.common.cluster`) the
+job's bookkeeping keys are ``bdl:{J}:...`` (one slot), each shard its own slot.
 
 Reconnection: every :class:`JobStore` call retries while Redis is unreachable (a
 restart reloading its append-only file, a dropped socket) for up to ``retry_s``
@@ -43,6 +50,7 @@ change them together are one contract, read best whole.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -55,7 +63,10 @@ from typing import Any
 import numpy as np
 import redis
 
+from server.common import shards as sh
+from server.common.cluster import cluster_client, is_cluster, is_cluster_url
 from server.common.errors import StoreUnavailable, UnknownJob
+from server.common.shards import ShardLayout, Snapshot
 from server.common.weights import Fingerprint
 
 PREFIX = "bdl"
@@ -68,12 +79,13 @@ DEFAULT_RETRY_S = 30.0
 TOKEN_TTL_S = 3600
 # Error replies Redis gives while it cannot serve writes for a while (loading the
 # AOF, AOF write failing, failover): transient, like a dropped connection.
-_TRANSIENT_REPLIES = ("LOADING", "MISCONF", "READONLY", "TRYAGAIN", "MASTERDOWN")
+_TRANSIENT_REPLIES = ("LOADING", "MISCONF", "READONLY", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN")
 
 
 def is_transient(e: BaseException) -> bool:
     """True for Redis faults worth retrying: connection loss, timeouts, loading."""
-    if isinstance(e, redis.ConnectionError | redis.TimeoutError):
+    if isinstance(e, redis.ConnectionError | redis.TimeoutError | redis.exceptions.ClusterError
+                  | redis.exceptions.SlotNotCoveredError):
         return True
     return isinstance(e, redis.ResponseError) and str(e).startswith(_TRANSIENT_REPLIES)
 
@@ -100,23 +112,37 @@ class _TCPConnection(_BigBufferMixin, redis.Connection):
 
 
 def connect(url: str, timeout: float = 10.0, wait_s: float = 0.0) -> redis.Redis:
-    """Connect to Redis (``redis://`` or ``unix://``) and check it answers.
+    """Connect to Redis (``redis://``, ``unix://``, or a Redis Cluster:
+    ``redis+cluster://h1:p1,h2:p2`` or a comma-separated list of ``redis://`` nodes)
+    and check it answers.
 
     ``wait_s`` > 0 keeps trying that long (a daemon starting while Redis restarts);
     the default fails at once with one clear message (a user command)."""
-    pool = redis.ConnectionPool.from_url(url, socket_timeout=max(timeout, 30.0), socket_connect_timeout=timeout)
-    pool.connection_class = _UnixConnection if pool.connection_class is redis.UnixDomainSocketConnection \
-        else _TCPConnection if pool.connection_class is redis.Connection else pool.connection_class
-    r = redis.Redis(connection_pool=pool)
     end = time.monotonic() + wait_s
     while True:
         try:
+            if is_cluster_url(url):
+                r: Any = cluster_client(url, timeout)
+            else:
+                pool = redis.ConnectionPool.from_url(url, socket_timeout=max(timeout, 30.0),
+                                                     socket_connect_timeout=timeout)
+                pool.connection_class = _UnixConnection \
+                    if pool.connection_class is redis.UnixDomainSocketConnection \
+                    else _TCPConnection if pool.connection_class is redis.Connection else pool.connection_class
+                r = redis.Redis(connection_pool=pool)
             r.ping()
             return r
-        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError) as e:
+        except (redis.RedisError, redis.RedisClusterException, OSError) as e:
+            if not isinstance(e, redis.ConnectionError | redis.TimeoutError | redis.BusyLoadingError
+                              | redis.RedisClusterException | OSError) and not is_transient(e):
+                raise
             if time.monotonic() >= end:
                 raise StoreUnavailable(f"Redis at {url} is unreachable: {e}") from None
             time.sleep(0.1)
+
+
+# A shard read fetched ahead: (the cache entry popped for it, the read script's reply).
+_ReadAhead = tuple[tuple[bytes, np.ndarray] | None, list[Any]]
 
 
 @dataclass
@@ -139,13 +165,17 @@ class JobStore:
     def __init__(self, r: redis.Redis, job: str, retry_s: float = DEFAULT_RETRY_S):
         self.r = r
         self.job = job
-        self.ns = f"{PREFIX}:{job}"
+        self.cluster = is_cluster(r)
+        # In a cluster every bookkeeping key of a job shares the hash tag {job} (one
+        # slot: the Lua scripts touch several); a single server keeps the plain names.
+        self.ns = f"{PREFIX}:{{{job}}}" if self.cluster else f"{PREFIX}:{job}"
         self.retry_s = float(retry_s)
         self._scripts: dict[str, Any] = {}
-        # model -> (tag, buffer): the server weights this process wrote last. Every write
+        # (model, shard) -> (tag, buffer): the shard this process wrote last. Every write
         # sets a fresh random tag, so a matching tag proves the cached copy is current and
-        # the 20 MB GET can be skipped (a Redis rollback or another writer changes the tag).
-        self._cache: dict[str, tuple[bytes, np.ndarray]] = {}
+        # its GET can be skipped (a Redis rollback or another writer changes the tag).
+        self._cache: dict[tuple[str, int], tuple[bytes, np.ndarray]] = {}
+        self._layouts: dict[str, ShardLayout] = {}
 
     # ---- keys -------------------------------------------------------------------------
     def k(self, *parts: object) -> str:
@@ -163,7 +193,7 @@ class JobStore:
         while True:
             try:
                 return fn()
-            except (redis.RedisError, OSError) as e:
+            except (redis.RedisError, redis.RedisClusterException, OSError) as e:
                 if not is_transient(e) and not isinstance(e, OSError):
                     raise
                 now = time.monotonic()
@@ -200,8 +230,9 @@ class JobStore:
     def create(self, spec_json: str, mode: str, fingerprints: dict[str, Fingerprint], meta: dict[str, Any]) -> None:
         """Record a new job and its models' fingerprints (weights are set separately)."""
         def op() -> None:
+            # bdl:jobs lives in another slot of a cluster: added on its own (idempotent).
+            self.r.sadd(f"{PREFIX}:jobs", self.job)
             p = self.r.pipeline(transaction=True)
-            p.sadd(f"{PREFIX}:jobs", self.job)
             p.set(self.k("spec"), spec_json)
             fields = {"status": "running", "mode": mode, "created_at": time.time(), **meta}
             fields = {k: (json.dumps(v) if isinstance(v, dict | list) else v) for k, v in fields.items()}
@@ -234,31 +265,106 @@ class JobStore:
         return sorted(x.decode() for x in self.call(lambda: self.r.hkeys(self.k("fingerprints"))))
 
     # ---- weights ------------------------------------------------------------------------
+    # Each model's weights are S shards (server.common.shards); ``layout`` records S per
+    # model so that every reader and writer cuts the buffer the same way.
+    def _shard_base(self, model: str, i: int) -> str:
+        return f"{PREFIX}:{self.job}:s:{{{self.job}/{model}/{i}}}"
+
+    def _shard_keys(self, model: str, i: int) -> list[str]:
+        base = self._shard_base(model, i)
+        return [f"{base}:w", f"{base}:m"]
+
+    def layout(self, model: str = "0") -> ShardLayout:
+        """How model ``model``'s weights are cut into shards (migrating a model still
+        stored in the one-key layout of earlier releases on first use)."""
+        lay = self._layouts.get(model)
+        if lay is not None:
+            return lay
+        raw = self.call(lambda: self.r.hget(self.k("layout"), model))
+        if raw is None:
+            raw = self._migrate_one_key(model)
+        d = json.loads(raw)
+        lay = self._layouts[model] = ShardLayout(int(d["n"]), int(d["shards"]))
+        return lay
+
+    def _migrate_one_key(self, model: str) -> bytes:
+        """Cut a model kept as one value (``w:M``) into shards at its current version.
+
+        Idempotent: shards are written only where absent and the layout last (a crash
+        part-way is finished by the next call); the old key is dropped after."""
+        w = self.call(lambda: self.r.get(self.k("w", model)))
+        if w is None:
+            raise UnknownJob(f"job {self.job!r} has no weights for model {model!r}")
+        flat = np.frombuffer(w, dtype=np.float32)
+        v = self.version(model)
+        self._write_shards(model, flat, v)
+        self.call(lambda: self.r.delete(self.k("w", model), self.k("wt", model)))
+        return self.call(lambda: self.r.hget(self.k("layout"), model))
+
+    def _write_shards(self, model: str, flat: np.ndarray, version: int) -> bool:
+        """Write every shard where absent, then the layout (returns True if it set it)."""
+        lay = ShardLayout(int(flat.size), sh.shards_for(int(flat.size)))
+        for i in range(lay.shards):
+            wkey, mkey = self._shard_keys(model, i)
+            part = _as_bytes(flat[lay.bounds(i)])
+
+            def op(wkey: str = wkey, mkey: str = mkey, part: memoryview = part) -> None:
+                p = self.r.pipeline(transaction=True)
+                p.set(wkey, part, nx=True)
+                p.hsetnx(mkey, "tag", _new_tag())
+                p.hsetnx(mkey, "v", version)
+                p.execute()
+            self.call(op)
+        return bool(self.call(lambda: self.r.hsetnx(self.k("layout"), model, json.dumps(lay.to_json()))))
+
     def init_weights(self, model: str, flat: np.ndarray, fingerprint: Fingerprint | None = None) -> bool:
         """Set model weights at version 0 unless they already exist (returns True if set)."""
-        def op() -> bool:
+        if self.call(lambda: self.r.hexists(self.k("layout"), model)) or \
+                self.call(lambda: self.r.exists(self.k("w", model))):
+            return False
+        flat = np.ascontiguousarray(flat, dtype=np.float32).ravel()
+        done = self._write_shards(model, flat, 0)
+
+        def op() -> None:
             p = self.r.pipeline(transaction=True)
-            p.set(self.k("w", model), _as_bytes(flat), nx=True)
-            p.set(self.k("wt", model), _new_tag(), nx=True)
             p.setnx(self.k("v", model), 0)
             if fingerprint is not None:
                 p.hsetnx(self.k("fingerprints"), model, fingerprint.to_json())
-            return bool(p.execute()[0])
-        return self.call(op)
+            p.execute()
+        self.call(op)
+        return done
+
+    def snapshot(self, model: str = "0") -> Snapshot:
+        """The server weights (a writable copy) with each shard's version.
+
+        Each shard is read atomically (bytes and version together); different shards
+        may stem from different moments between consecutive merges."""
+        lay = self.layout(model)
+        script = self._script("read_shard", sh.READ_SHARD)
+        flat = np.empty(lay.n, np.float32)
+        versions: list[int] = []
+        for i in range(lay.shards):
+            sl = lay.bounds(i)
+            cached = self._cache.get((model, i))
+            keys = self._shard_keys(model, i)
+            tag, v, _mark, w = self.call(
+                lambda keys=keys, c=cached: script(keys=keys, args=["tag", c[0] if c else b""]))
+            if w is None:
+                if tag is None or cached is None or cached[0] != tag:
+                    raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
+                flat[sl] = cached[1]
+            else:
+                flat[sl] = np.frombuffer(w, dtype=np.float32)
+            versions.append(int(v or 0))
+        return Snapshot(flat, versions)
 
     def get_weights(self, model: str = "0") -> tuple[np.ndarray, int]:
-        """Current server weights (a writable copy) and their version, read atomically."""
-        def op() -> tuple[bytes | None, bytes | None]:
-            p = self.r.pipeline(transaction=True)
-            p.get(self.k("w", model))
-            p.get(self.k("v", model))
-            return tuple(p.execute())  # type: ignore[return-value]
-        w, v = self.call(op)
-        if w is None:
-            raise UnknownJob(f"job {self.job!r} has no weights for model {model!r}")
-        return np.frombuffer(w, dtype=np.float32).copy(), int(v or 0)
+        """Current server weights (a writable copy) and their version (see :meth:`snapshot`)."""
+        s = self.snapshot(model)
+        return s.flat, s.version
 
     def version(self, model: str = "0") -> int:
+        """Number of units merged into ``model`` (the global counter)."""
         return int(self.call(lambda: self.r.get(self.k("v", model))) or 0)
 
     def is_assimilated(self, unit: str) -> bool:
@@ -268,120 +374,181 @@ class JobStore:
         self,
         model: str,
         unit: str,
-        combine: Callable[[np.ndarray], np.ndarray | None],
+        combine: Callable[..., np.ndarray | None],
         record: dict[str, Any],
         epoch: int | None,
         strict: bool = True,
         max_retries: int = 1000,
     ) -> MergeOutcome:
-        """Apply ``W_s <- combine(W_s)`` and mark ``unit`` assimilated, atomically.
+        """Apply ``W_s <- combine(W_s)`` shard by shard and mark ``unit`` assimilated.
 
-        ``combine`` gets a writable copy of the server buffer and returns the new one
-        (or ``None`` to reject, which raises nothing and applies nothing). In strict mode
-        the read-modify-write is guarded with WATCH and retried on conflict, so no
-        concurrent update is lost; in eventual mode (the paper's) the read and the write
-        are not tied and a concurrent update can be overwritten.
+        ``combine(part, sl)`` gets a writable copy of one shard (parameters ``sl`` of
+        the flat buffer) and returns its new value; a one-argument ``combine(part)``
+        is accepted for a one-shard model. Returning ``None`` rejects the result: only
+        allowed before any shard was applied (check a result against the whole model
+        first, see :meth:`snapshot`). Each shard's write and its "unit applied" mark
+        commit together (a Lua check-and-set on the shard's tag); in strict mode a
+        conflict re-reads the shard and retries, so no concurrent update is lost; in
+        eventual mode (the paper's) the write does not check the tag and a concurrent
+        update of the shard can be overwritten. Once every shard carries the unit, one
+        script sets the unit's global mark and its accounting. A re-run (a crash or a
+        lost reply part-way) skips the shards already marked: none is applied twice.
         """
-        # Names this call's merge: after a reply lost in a Redis crash, the retry finds
-        # the mark and tells its own merge (applied) from another one (duplicate).
+        # Names this call's merge: a retry after a lost reply finds its own marks.
         token = os.urandom(8).hex()
-        lock = self._lock_merges(model) if strict else None
-        released = [False]
+        prev = self.call(lambda: self.r.hget(self.k("assimilated"), unit))
+        if prev is not None:
+            return self._outcome_of_mark(model, prev, token, 0)
+        lay = self.layout(model)
+        one_arg = _arity(combine) == 1
+        if one_arg and lay.shards > 1:
+            raise TypeError(f"model {model!r} has {lay.shards} shards: combine must take (part, slice)")
+        kill_after = sh.fault_kill_after_shards()
+        # Start at a random shard: concurrent merges of one model then mostly touch
+        # different shards at any moment instead of queueing on shard 0.
+        start = int.from_bytes(os.urandom(2), "big") % lay.shards
+        order = [(start + j) % lay.shards for j in range(lay.shards)]
+
+        def fn_for(i: int) -> Callable[[np.ndarray], np.ndarray | None]:
+            sl = lay.bounds(i)
+            return (lambda part: combine(part)) if one_arg else (lambda part: combine(part, sl))
+        retries, applied_here = 0, 0
+        done: set[int] = set()
+        if not self.cluster and lay.shards > 1 and all((model, i) in self._cache for i in order):
+            applied_here, done, rejected = self._merge_cached(model, order, unit, token, fn_for, strict)
+            if rejected:
+                return MergeOutcome(False, self.version(model), 0)
+            if kill_after is not None and applied_here >= kill_after:
+                sh.die_now()
+        remaining = [i for i in order if i not in done]
+        ahead: _ReadAhead | None = None
+        for j, i in enumerate(remaining):
+            nxt = remaining[j + 1] if j + 1 < len(remaining) else None
+            status, r, ahead = self._merge_shard(model, i, unit, token, fn_for(i), strict, max_retries, ahead, nxt)
+            retries += r
+            if status == "rejected":
+                if applied_here or done or j:
+                    raise ValueError(f"merge of {unit}: combine rejected shard {i} after others were applied")
+                return MergeOutcome(False, self.version(model), retries)
+            if status == "applied":
+                applied_here += 1
+                if kill_after is not None and applied_here >= kill_after:
+                    sh.die_now()
+        return self._finalize(model, unit, token, record, epoch, retries)
+
+    def _merge_cached(self, model: str, order: list[int], unit: str, token: str,
+                      fn_for: Callable[[int], Callable[[np.ndarray], np.ndarray | None]],
+                      strict: bool) -> tuple[int, set[int], bool]:
+        """Fast path of a lone assimilator on one Redis: the shards whose cached copy is
+        still current are merged from the cache and committed in one pipelined round
+        trip (each shard's check-and-set still atomic on its own).
+
+        Returns (shards applied, shards now carrying the unit, rejected). Shards left
+        out (stale cache, a conflict, a lost reply) go through :meth:`_merge_shard`."""
+        field = f"u:{unit}"
         try:
-            return self._merge_loop(model, unit, combine, record, epoch, strict, max_retries, token,
-                                    lock, released)
-        finally:
-            if lock is not None and not released[0]:
-                self._unlock_merges(model, lock)
+            p = self.r.pipeline(transaction=False)
+            for i in order:
+                p.hmget(self._shard_keys(model, i)[1], "tag", field)
+            heads = p.execute()
+            marked = {i for i, (_tag, mark) in zip(order, heads, strict=True) if mark is not None}
+            fresh = [i for i, (tag, mark) in zip(order, heads, strict=True)
+                     if mark is None and tag is not None and self._cache[(model, i)][0] == tag]
+            if not fresh:
+                return 0, marked, False
+            news: list[tuple[int, bytes, np.ndarray, bytes]] = []
+            for i in fresh:
+                tag, buf = self._cache.pop((model, i))  # combine works in place
+                new = fn_for(i)(buf)
+                if new is None:
+                    if marked or news:
+                        raise ValueError(f"merge of {unit}: combine rejected shard {i} after others")
+                    return 0, set(), True
+                news.append((i, tag, new, _new_tag()))
+            cas = self._script("cas_shard", sh.CAS_SHARD)
+            p = self.r.pipeline(transaction=False)
+            for i, tag, new, new_tag in news:
+                cas(keys=self._shard_keys(model, i), args=[tag if strict else b"", new_tag, field, token,
+                                                           _as_bytes(new)], client=p)
+            res = p.execute()
+        except (redis.RedisError, redis.RedisClusterException, OSError) as e:
+            if not (isinstance(e, OSError) or is_transient(e)):
+                raise
+            return 0, set(), False  # the per-shard path re-reads every shard and retries
+        applied = 0
+        for (i, _tag, new, new_tag), r in zip(news, res, strict=True):
+            if int(r[0]) == 1:
+                self._cache[(model, i)] = (new_tag, new)
+                applied += 1
+                marked.add(i)
+            elif int(r[0]) == 0:
+                marked.add(i)
+        return applied, marked, False
 
-    # Serialises strict merges of one model across assimilator processes. Only an
-    # optimisation: WATCH/MULTI alone is correct, but under contention it lets every
-    # loser read 20 MB, merge and retry; the lock makes waiters wait instead. The TTL
-    # bounds the damage of a holder that dies; a waiter that gives up goes on unlocked.
-    _LOCK_TTL_MS = 10_000
-    _UNLOCK = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+    def _merge_shard(self, model: str, i: int, unit: str, token: str,
+                     combine: Callable[[np.ndarray], np.ndarray | None], strict: bool,
+                     max_retries: int, ahead: _ReadAhead | None = None,
+                     next_shard: int | None = None) -> tuple[str, int, _ReadAhead | None]:
+        """Apply ``combine`` to shard ``i`` once: ``applied``, ``skipped`` (already
+        carries the unit) or ``rejected``; with the number of conflicts retried.
 
-    def _lock_merges(self, model: str, wait_s: float = 15.0) -> bytes | None:
-        key, me = self.k("mlock", model), os.urandom(8).hex().encode()
-        end, pause = time.monotonic() + wait_s, 0.001
-        while time.monotonic() < end:
-            try:
-                if self.r.set(key, me, nx=True, px=self._LOCK_TTL_MS):
-                    return me
-            except (redis.RedisError, OSError):
-                return None  # Redis trouble: the merge loop's own retries take over
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        return None
-
-    def _unlock_merges(self, model: str, me: bytes) -> None:
-        try:
-            self.r.eval(self._UNLOCK, 1, self.k("mlock", model), me)
-        except (redis.RedisError, OSError):
-            pass  # the TTL releases it
-
-    def _merge_loop(self, model: str, unit: str, combine: Callable[[np.ndarray], np.ndarray | None],
-                    record: dict[str, Any], epoch: int | None, strict: bool, max_retries: int,
-                    token: str, lock: bytes | None = None, released: list[bool] | None = None) -> MergeOutcome:
-        wkey, vkey, akey = self.k("w", model), self.k("v", model), self.k("assimilated")
-        tkey = self.k("wt", model)
+        On one Redis the read of ``next_shard`` rides in the same round trip as this
+        shard's check-and-set (returned as a read-ahead for the next call): half the
+        round trips, and the next shard's conflict window is unchanged."""
+        keys = self._shard_keys(model, i)
+        read = self._script("read_shard", sh.READ_SHARD)
+        cas = self._script("cas_shard", sh.CAS_SHARD)
+        field = f"u:{unit}"
         retries = 0
         deadline: float | None = None
         delay = 0.05
         while True:
-            cached = self._cache.pop(model, None)
             try:
-                with self.r.pipeline(transaction=True) as p:
-                    reader: Any = p if strict else self.r
-                    if strict:
-                        p.watch(wkey, akey)
-                    prev = reader.hget(akey, unit)
-                    if prev is not None:
-                        if cached is not None:
-                            self._cache[model] = cached
-                        mine = _record_token(prev) == token
-                        v_now = int(reader.get(vkey) or 0)
-                        if mine:
-                            return MergeOutcome(True, int(json.loads(prev).get("version", v_now)), retries)
-                        return MergeOutcome(False, v_now, retries, duplicate=True)
-                    tag = reader.get(tkey)
-                    v = int(reader.get(vkey) or 0)
-                    if cached is not None and tag is not None and cached[0] == tag:
-                        ws = cached[1]
-                    else:
-                        w = reader.get(wkey)
-                        if w is None:
-                            raise UnknownJob(f"job {self.job!r} has no weights for model {model!r}")
-                        ws = np.frombuffer(w, dtype=np.float32).copy()
-                    new = combine(ws)
-                    if new is None:
-                        return MergeOutcome(False, v, retries)
-                    new_tag = _new_tag()
-                    rec = {**record, "version": v + 1, "base_version_seen": v, "t": time.time(), "token": token}
-                    p.multi()
-                    p.set(wkey, _as_bytes(new))
-                    p.set(tkey, new_tag)
-                    p.incr(vkey)
-                    p.hset(akey, unit, json.dumps(rec))
-                    self._unit_state_cmds(p, unit, "assimilated")
-                    if epoch is not None:
-                        p.hincrby(self.k("epoch", epoch), "assimilated", 1)
-                    p.xadd(self.k("metrics"), {"kind": "merge", "unit": unit, "model": model, "data": json.dumps(rec)})
-                    if lock is not None:
-                        # Release the advisory lock in the same round trip (saves one under load).
-                        p.eval(self._UNLOCK, 1, self.k("mlock", model), lock)
-                    res = p.execute()
-                    if released is not None and lock is not None:
-                        released[0] = True
-                    self._cache[model] = (new_tag, new)
-                    return MergeOutcome(True, int(res[2]), retries)
-            except redis.WatchError:
-                # A concurrent write, or (redis-py's report of) a connection lost while
-                # watching: either way, read again. The token makes the re-read exact.
+                if ahead is not None:
+                    cached, (tag, _v, mark, w) = ahead
+                    ahead = None
+                else:
+                    # Popped: combine works in place, so a failed attempt must not leave
+                    # a half-merged buffer in the cache.
+                    cached = self._cache.pop((model, i), None)
+                    tag, _v, mark, w = read(keys=keys, args=[field, cached[0] if cached else b""])
+                if mark is not None:
+                    if cached is not None:
+                        self._cache[(model, i)] = cached
+                    return "skipped", retries, None
+                if w is None:
+                    if tag is None or cached is None:
+                        raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
+                    ws = cached[1]
+                else:
+                    ws = np.frombuffer(w, dtype=np.float32).copy()
+                new = combine(ws)
+                if new is None:
+                    return "rejected", retries, None
+                new_tag = _new_tag()
+                cas_args = [tag if strict else b"", new_tag, field, token, _as_bytes(new)]
+                nxt: _ReadAhead | None = None
+                if next_shard is not None and not self.cluster:
+                    nxt_cached = self._cache.pop((model, next_shard), None)
+                    p = self.r.pipeline(transaction=False)
+                    cas(keys=keys, args=cas_args, client=p)
+                    read(keys=self._shard_keys(model, next_shard),
+                         args=[field, nxt_cached[0] if nxt_cached else b""], client=p)
+                    res, nxt_read = p.execute()
+                    nxt = (nxt_cached, nxt_read)
+                else:
+                    res = cas(keys=keys, args=cas_args)
+                if int(res[0]) == 1:
+                    self._cache[(model, i)] = (new_tag, new)
+                    return "applied", retries, nxt
+                if int(res[0]) == 0:
+                    return "skipped", retries, nxt  # another merge of this unit got there first
+                if nxt is not None and nxt[0] is not None:
+                    self._cache[(model, next_shard)] = nxt[0]  # type: ignore[index]
                 retries += 1
                 if retries > max_retries:
-                    raise StoreUnavailable(f"merge of {unit}: gave up after {retries} conflicts") from None
-            except (redis.RedisError, OSError) as e:
+                    raise StoreUnavailable(f"merge of {unit}: gave up after {retries} conflicts on shard {i}")
+            except (redis.RedisError, redis.RedisClusterException, OSError) as e:
                 if not (isinstance(e, OSError) or is_transient(e)):
                     raise
                 now = time.monotonic()
@@ -390,6 +557,25 @@ class JobStore:
                     raise StoreUnavailable(f"Redis unreachable during merge of {unit}: {e}") from None
                 time.sleep(min(delay, max(0.0, deadline - now)))
                 delay = min(delay * 2, 1.0)
+
+    def _finalize(self, model: str, unit: str, token: str, record: dict[str, Any], epoch: int | None,
+                  retries: int) -> MergeOutcome:
+        """Set the unit's global mark once every shard carries it (idempotent)."""
+        script = self._script("finalize", sh.FINALIZE)
+        rec = json.dumps({**record, "t": time.time(), "token": token})[:-1]
+        keys = [self.k("assimilated"), self.k("unit_state"),
+                self.k("epoch", epoch if epoch is not None else "none"), self.k("metrics"), self.k("v", model)]
+        args = [unit, rec, "1" if epoch is not None else "0", model]
+        res = self.call(lambda: script(keys=keys, args=args))
+        if int(res[0]) == 1:
+            return MergeOutcome(True, int(res[1]), retries)
+        return self._outcome_of_mark(model, res[1], token, retries)
+
+    def _outcome_of_mark(self, model: str, prev: bytes, token: str, retries: int) -> MergeOutcome:
+        """The outcome for a unit already marked: our own merge (a lost reply) or another."""
+        if _record_token(prev) == token:
+            return MergeOutcome(True, int(json.loads(prev).get("version", 0)), retries)
+        return MergeOutcome(False, self.version(model), retries, duplicate=True)
 
     # ---- units --------------------------------------------------------------------------
     def _unit_state_cmds(self, p: redis.client.Pipeline, unit: str, state: str) -> None:
@@ -544,10 +730,13 @@ class JobStore:
     def delete(self) -> None:
         """Remove every key of this job."""
         def op() -> None:
-            keys = list(self.r.scan_iter(match=f"{self.ns}:*", count=1000))
-            if keys:
-                self.r.delete(*keys)
+            patterns = {f"{self.ns}:*", f"{PREFIX}:{self.job}:s:*"}
+            keys = {k for pat in patterns for k in self.r.scan_iter(match=pat, count=1000)}
+            for k in keys:  # one by one: a cluster refuses a DEL across slots
+                self.r.delete(k)
             self.r.srem(f"{PREFIX}:jobs", self.job)
+            self._cache.clear()
+            self._layouts.clear()
         self.call(op)
 
 
@@ -566,6 +755,18 @@ def _record_token(raw: bytes) -> str | None:
     except ValueError:
         return None
     return rec.get("token") if isinstance(rec, dict) else None
+
+
+def _arity(fn: Callable[..., Any]) -> int:
+    """Number of positional parameters ``fn`` takes (2 when it cannot be told)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 2
+    return sum(1 for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               and p.default is p.empty)
 
 
 def _guard(fn: Callable[[], Any]) -> Any:

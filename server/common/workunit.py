@@ -55,6 +55,9 @@ class Workunit:
     seed: int
     hyper: dict[str, Any] = field(default_factory=dict)
     checkpoint_every_s: float = 10.0
+    # The version of each shard of the server weights in the input weights file
+    # (``weights_version`` is their minimum): the snapshot is atomic per shard only.
+    weights_shard_versions: list[int] | None = None
     # physical names of the input files, keyed by logical name (not sent to clients)
     files: dict[str, str] = field(default_factory=dict)
     # hosts that cache this unit's data (MOP partitions); a hint for job systems that place

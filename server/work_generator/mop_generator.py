@@ -32,6 +32,7 @@ from typing import Any
 
 from server.backends.base import JobSystem, RetryLimits
 from server.common.errors import BoincDLError, ModelError
+from server.common.shards import load_shard_versions, save_shard_versions
 from server.common.spec import JobSpec
 from server.common.store import JobStore
 from server.common.weights import OptimizerState, WeightsFile, write_weights
@@ -83,7 +84,12 @@ class MOPWorkGenerator:
         self.limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
         self._evaluators: dict[str, Any] = {}
         self.search = build_search(spec)
+        #: Models go on to their next epoch as soon as they finish one (no search decision
+        #: at epoch boundaries): no host waits for the slowest model of an epoch.
+        self.pipelined = not self.search.epoch_barrier
         self.sched = self._load_or_start()
+        if self.pipelined:
+            self._catch_up()
 
     # ---- Redis state ---------------------------------------------------------------------
     def _configs(self) -> dict[str, dict[str, Any]]:
@@ -188,12 +194,14 @@ class MOPWorkGenerator:
         return state if v == version else None
 
     def _weights_path(self, model: str) -> tuple[int, Path]:
-        flat, version = self.store.get_weights(model)
+        snap = self.store.snapshot(model)
+        version = snap.version
         path = self.files.weights(model, version)
         if not path.exists():
-            write_weights(path, WeightsFile(flat, self.store.fingerprint(model), job=self.spec.name,
+            write_weights(path, WeightsFile(snap.flat, self.store.fingerprint(model), job=self.spec.name,
                                             model=model, base_version=version,
                                             optimizer=self._optimizer_state(model, version)))
+            save_shard_versions(path, snap.shard_versions)
         return version, path
 
     def _describe(self, a: Assignment) -> Workunit:
@@ -203,7 +211,7 @@ class MOPWorkGenerator:
         name = self._unit(a)
         wu = Workunit(
             job=self.spec.name, unit=name, mode="mop", epoch=a.epoch, model=a.model, shard=a.partition,
-            weights_version=version,
+            weights_version=version, weights_shard_versions=load_shard_versions(wpath),
             training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
                       "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
             hyper=cfg.get("hyper", {}),
@@ -229,8 +237,11 @@ class MOPWorkGenerator:
         changed = False
         for a, name, d, f in zip(flight, names, done, failed, strict=True):
             if d is not None:
-                changed |= self.sched.complete(a.model, a.partition, a.attempt, a.epoch)
+                ok = self.sched.complete(a.model, a.partition, a.attempt, a.epoch)
+                changed |= ok
                 self.store.r.rpush(self.store.k("mop_log"), json.dumps(a.to_json()))
+                if ok and self.pipelined and self.sched.model_finished(a.model):
+                    self._model_epoch_end(a.model, a.epoch)
             elif f is not None:
                 log.warning("unit %s failed for good (%s): back to the queue", name, f.decode())
                 changed |= self.sched.fail(a.model, a.partition, a.attempt, a.epoch)
@@ -283,14 +294,73 @@ class MOPWorkGenerator:
         return n
 
     # ---- epochs ----------------------------------------------------------------------------
+    def _evaluate(self, model: str, epoch: int) -> dict[str, Any]:
+        """The model's validation metrics now (its weights at the end of ``epoch``)."""
+        flat, version = self.store.get_weights(model)
+        loss, acc = self.evaluator(model).evaluate(flat)
+        return {"val_acc": acc, "val_loss": loss, "version": version,
+                "visits": self.sched.visit_order(model, epoch)}
+
+    def _model_epoch_end(self, model: str, epoch: int) -> None:
+        """Pipelining: evaluate a model that finished ``epoch`` and start its next one.
+
+        Runs before any unit of its next epoch exists, so the evaluated weights are the
+        model's weights at the end of ``epoch``. The result is kept per (epoch, model)
+        until every model of the epoch has one; the epoch then closes (:meth:`_close_ready`).
+        """
+        field = f"{epoch}:{model}"
+        if not self.store.r.hexists(self.store.k("mop_model_results"), field):
+            self.store.r.hset(self.store.k("mop_model_results"), field, json.dumps(self._evaluate(model, epoch)))
+        if epoch < self.spec.training.epochs:
+            e = self.sched.advance_model(model)
+            if e > int(self.store.meta().get("epoch", 1)):
+                self.store.set_meta(epoch=e)
+
+    def _catch_up(self) -> None:
+        """After a restart: end the epoch of models that finished it without being
+        evaluated or moved on (a state saved by a generator that kept the barrier)."""
+        changed = False
+        for m in self.sched.models:
+            if self.sched.model_finished(m):
+                e = self.sched.model_epoch(m)
+                if e < self.spec.training.epochs or not self.store.r.hexists(
+                        self.store.k("mop_model_results"), f"{e}:{m}"):
+                    self._model_epoch_end(m, e)
+                    changed = True
+        if changed:
+            self._save()
+
+    def _close_ready(self) -> None:
+        """Pipelining: close every epoch whose models all have their end-of-epoch result."""
+        while self.store.meta().get("status") not in FINISHED:
+            epoch = int(self.store.meta().get("closed_epoch", 0)) + 1
+            models = self.sched.models
+            raw = self.store.r.hmget(self.store.k("mop_model_results"), [f"{epoch}:{m}" for m in models])
+            if not models or any(r is None for r in raw):
+                return
+            results = {m: json.loads(r) for m, r in zip(models, raw, strict=True)}
+            live = self._record_epoch(epoch, results)
+            for m in set(self.sched.models) - set(live):
+                a = self.sched.drop_model(m)
+                if a is not None:
+                    self.backend.cancel(self._unit(a))
+            self._save()
+
     def _close_epoch(self) -> None:
         epoch = self.sched.epoch
-        results: dict[str, dict[str, Any]] = {}
-        for m in self.sched.models:
-            flat, version = self.store.get_weights(m)
-            loss, acc = self.evaluator(m).evaluate(flat)
-            results[m] = {"val_acc": acc, "val_loss": loss, "version": version,
-                          "visits": self.sched.visit_order(m, epoch)}
+        results = {m: self._evaluate(m, epoch) for m in self.sched.models}
+        live = self._record_epoch(epoch, results)
+        if self.store.meta().get("status") in FINISHED:
+            return
+        self.sched.start_epoch(live)
+        self.store.set_meta(epoch=self.sched.epoch)
+        self._save()
+
+    def _record_epoch(self, epoch: int, results: dict[str, dict[str, Any]]) -> list[str]:
+        """Record an epoch's results, run the search's decision; the models that go on.
+
+        Finishes the job when the search is done or the last epoch closed.
+        """
         self.store.r.hset(self.store.k("mop_results"), epoch, json.dumps(results))
         decision = self.search.on_epoch_end(epoch, results)
         summary = {"val_acc": max((r["val_acc"] for r in results.values()), default=0.0),
@@ -316,10 +386,7 @@ class MOPWorkGenerator:
             self.store.set_meta(status="done", finished_at=time.time(),
                                 reason=f"{epoch} epochs done" if epoch >= self.spec.training.epochs
                                 else "search finished")
-            return
-        self.sched.start_epoch(live)
-        self.store.set_meta(epoch=self.sched.epoch)
-        self._save()
+        return live
 
     def step(self) -> bool:
         """One pass: absorb results, close the epoch when complete, create units."""
@@ -327,10 +394,12 @@ class MOPWorkGenerator:
         if meta.get("status") in FINISHED:
             return False
         self._poll_results()
-        if self.sched.epoch_done():
+        if self.pipelined:
+            self._close_ready()
+        elif self.sched.epoch_done():
             self._close_epoch()
-            if self.store.meta().get("status") in FINISHED:
-                return False
+        if self.store.meta().get("status") in FINISHED:
+            return False
         self._issue()
         return True
 

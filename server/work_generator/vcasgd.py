@@ -46,6 +46,7 @@ import numpy as np
 
 from server.backends.base import JobSystem, RetryLimits
 from server.common.errors import StoreUnavailable
+from server.common.shards import load_shard_versions, save_shard_versions
 from server.common.spec import JobSpec
 from server.common.store import JobStore
 from server.common.weights import WeightsFile, write_weights
@@ -71,7 +72,10 @@ class VCASGDWorkGenerator:
         self.spec = spec
         self.files = JobFiles(Path(job_dir).resolve(), spec.name)
         self.backend = backend
+        #: Fixed window (units in flight) when given or when the job system cannot tell
+        #: how many hosts are asking; see :meth:`current_window`.
         self.window = window or spec.vcasgd.window or backend.capacity or 8
+        self._fixed_window = window
         self.n = n_shards(spec)
         self.model = "0"
         self.fp = store.fingerprint(self.model)
@@ -108,13 +112,15 @@ class VCASGDWorkGenerator:
     # ---- units ----------------------------------------------------------------------------
     def _weights_path(self) -> tuple[int, Path]:
         """The file holding the current server weights (written once per version)."""
-        flat, version = self.store.get_weights(self.model)
+        snap = self.store.snapshot(self.model)
+        version = snap.version
         if self._weights_file and self._weights_file[0] == version:
             return self._weights_file
         path = self.files.weights(self.model, version)
         if not path.exists():
-            write_weights(path, WeightsFile(flat, self.fp, job=self.spec.name, model=self.model,
+            write_weights(path, WeightsFile(snap.flat, self.fp, job=self.spec.name, model=self.model,
                                             unit="", base_version=version))
+            save_shard_versions(path, snap.shard_versions)
         self._weights_file = (version, path)
         return self._weights_file
 
@@ -125,7 +131,7 @@ class VCASGDWorkGenerator:
         name = unit_name(self.spec.name, epoch, shard, self.model)
         wu = Workunit(
             job=self.spec.name, unit=name, mode="vcasgd", epoch=epoch, model=self.model, shard=shard,
-            weights_version=version,
+            weights_version=version, weights_shard_versions=load_shard_versions(wpath),
             training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
                       "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
             seed=unit_seed(self.spec.seed, epoch, shard),
@@ -239,6 +245,22 @@ class VCASGDWorkGenerator:
             self.store.incr_counter("regenerated", n)
         return n
 
+    def current_window(self) -> int:
+        """Units to keep in flight now.
+
+        A job system whose hosts come and go (BOINC) reports what the hosts asking for work
+        can take (:meth:`JobSystem.live_capacity`); the spec's ``vcasgd.window`` (or the
+        system's configured capacity) bounds it, and at least one unit stays in flight so
+        the first host to ask finds work. Otherwise the fixed :attr:`window`.
+        """
+        if self._fixed_window:
+            return self._fixed_window
+        live = self.backend.live_capacity()
+        if live is None:
+            return self.window
+        bound = self.spec.vcasgd.window or self.backend.capacity
+        return max(1, min(live, bound) if bound else live)
+
     def in_flight(self) -> int:
         meta = self.store.meta()
         closed = self._meta_int(meta, "closed_epoch", 0)
@@ -347,7 +369,7 @@ class VCASGDWorkGenerator:
         if self.status() in FINISHED:
             return False
         self.service_regenerations()
-        free = self.window - self.in_flight()
+        free = self.current_window() - self.in_flight()
         while free > 0 and self._create_next():
             free -= 1
         return True

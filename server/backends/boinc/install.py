@@ -16,7 +16,9 @@ What it does (each step reports what it changed; a second run changes nothing):
    derives the lock file from the output name, so two instances sharing one output
    would lock each other out);
 8. the admin page into ``html/ops/`` when the package ships it;
-9. ``bin/xadd`` and ``bin/update_versions`` when project.xml or the app versions
+9. ``config.xml``: ``<next_rpc_delay>`` in ``<config>`` (hosts come back and ask for
+   work despite BOINC's work-fetch backoff; see :mod:`server.backends.boinc.host_contact`);
+10. ``bin/xadd`` and ``bin/update_versions`` when project.xml or the app versions
    changed (they need the database; ``--no-db`` skips them).
 
 App version files are immutable for BOINC (``tools/update_versions`` refuses a file
@@ -36,6 +38,11 @@ from pathlib import Path
 import yaml
 
 from server.backends.boinc import artifacts
+from server.backends.boinc.host_contact import (
+    DEFAULT_NEXT_RPC_DELAY_S,
+    requests_per_host_hour,
+    set_next_rpc_delay,
+)
 from server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
 from server.backends.boinc.xmlmerge import (
     XmlDoc,
@@ -74,6 +81,8 @@ class InstallOptions:
     gzip_outputs: bool | None = None
     run_db_tools: bool = True
     force_db: bool = False
+    #: ``<next_rpc_delay>`` seconds in config.xml (0 removes it).
+    next_rpc_delay_s: float = DEFAULT_NEXT_RPC_DELAY_S
 
 
 @dataclass
@@ -312,6 +321,16 @@ class Installer:
     def _daemon_el(spec: dict[str, str]) -> ET.Element:
         return simple("daemon", [("cmd", spec["cmd"]), ("output", spec["output"]), ("pid_file", spec["pid_file"])])
 
+    def host_contact(self) -> None:
+        """``<next_rpc_delay>``: hosts come back and ask for work despite a work-fetch backoff."""
+        changes = set_next_rpc_delay(self.p.config_xml, self.o.next_rpc_delay_s)
+        for c in changes:
+            self.change(f"config.xml: {c}")
+        if changes and self.o.next_rpc_delay_s > 0:
+            self.note(f"next_rpc_delay {self.o.next_rpc_delay_s:g} s: every host contacts the scheduler at "
+                      f"least {requests_per_host_hour(self.o.next_rpc_delay_s):g} times an hour "
+                      "(for every app of the project)")
+
     def admin_page(self) -> None:
         try:
             html = resources.files("server.backends.boinc").joinpath("html")
@@ -359,6 +378,7 @@ class Installer:
         versions_changed = self.app_versions()
         self.plan_class()
         self.daemons()
+        self.host_contact()
         self.admin_page()
         self.db_tools(project_changed, versions_changed)
         return self.report

@@ -58,6 +58,7 @@ import redis
 
 from server.backends.base import JobSystem, RetryLimits
 from server.backends.boinc import artifacts
+from server.backends.boinc.hosts import HostCensus
 from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec, spec_from_json
@@ -139,12 +140,20 @@ class BoincJobSystem(JobSystem):
         self.settings = settings or self.project.settings
         self.batch_size = batch_size or self.settings.batch_size
         self.capacity = self.settings.capacity
+        self._census: HostCensus | None = None
         self._pending: list[_Pending] = []
         self._staged: dict[str, str] = {}  # physical name -> md5 (verified this process)
         self._md5_cache: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._specs: dict[str, JobSpec] = {}
 
     # ---- JobSystem ------------------------------------------------------------------------
+    def live_capacity(self) -> int | None:
+        """Slots of the hosts that contacted the scheduler recently, plus one spare unit
+        per host (BOINC's host table, cached; None when the database is unreadable)."""
+        if self._census is None:
+            self._census = HostCensus(self.project)
+        return self._census.window()
+
     def submit(self, wu: Workunit, limits: RetryLimits) -> None:
         """Queue a unit for the next create_work batch (flushed when the batch is full)."""
         missing = [n for n in artifacts.INPUT_ORDER if n not in wu.files]

@@ -29,6 +29,8 @@ from server.work_generator.mop.search import (
 class GridSearch(SearchProcedure):
     """Every combination of ``param_grid`` trained for ``epochs`` epochs (one-shot template)."""
 
+    epoch_barrier = False
+
     def __init__(self, param_grid: Mapping[str, Any], epochs: int, **kw: Any) -> None:
         super().__init__(**kw)
         self.epochs = check_epochs(epochs)
@@ -43,6 +45,8 @@ class GridSearch(SearchProcedure):
 
 class RandomSearch(SearchProcedure):
     """``budget`` random configurations of ``space``, trained for ``epochs`` epochs."""
+
+    epoch_barrier = False
 
     def __init__(
         self, space: Mapping[str, Any], budget: int, epochs: int, seed: int = 0, **kw: Any

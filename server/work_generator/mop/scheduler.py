@@ -170,6 +170,8 @@ class MOPScheduler:
         self._attempts: dict[str, dict[int, int]] = {}
         self._visits: dict[int, dict[str, list[int]]] = {}
         self._log: list[Assignment] = []  # completed units of the current epoch, in order
+        # Per-model epochs (pipelining, :meth:`advance_model`): models ahead of ``epoch`` only.
+        self._ahead: dict[str, int] = {}
 
     # ------------------------------------------------------------------ validation helpers
     @staticmethod
@@ -222,7 +224,39 @@ class MOPScheduler:
         self._attempts = {m: {} for m in self._models}
         self._visits[self.epoch] = {m: [] for m in self._models}
         self._log = []
+        self._ahead = {}
         return self.epoch
+
+    # ------------------------------------------------------------------ per-model epochs
+    def model_epoch(self, model: str) -> int:
+        """The epoch ``model`` is in (ahead of :attr:`epoch` once :meth:`advance_model` ran)."""
+        return self._ahead.get(model, self.epoch)
+
+    def model_finished(self, model: str) -> bool:
+        """True when ``model`` has no unit left to do or in flight in its epoch."""
+        return self._left.get(model, 0) == 0 and model not in self._inflight
+
+    def advance_model(self, model: str) -> int:
+        """Pipelining: start ``model``'s next epoch now, without waiting for the others.
+
+        For searches that decide nothing at epoch boundaries (grid, random): the model's
+        units of the next epoch become runnable at once. The invariants hold per model
+        (each partition once per model-epoch, one unit per model in flight). Returns the
+        model's new epoch. Raises if the model still has work in its current epoch.
+        """
+        if model not in self._models:
+            raise SchedulerError(f"unknown model {model!r}")
+        if not self.model_finished(model):
+            raise SchedulerError(f"model {model!r} has not finished epoch {self.model_epoch(model)}")
+        e = self.model_epoch(model) + 1
+        self._ahead[model] = e
+        for q in self._pending:
+            q[model] = None
+        self._n_pending += self.n_partitions
+        self._left[model] = self.n_partitions
+        self._attempts[model] = {}
+        self._visits.setdefault(e, {})[model] = []
+        return e
 
     def epoch_done(self) -> bool:
         """True when every unit of the epoch has completed (Q and Q' both empty)."""
@@ -241,6 +275,7 @@ class MOPScheduler:
             if q.pop(model, 0) is None:
                 self._n_pending -= 1
         self._left.pop(model, None)
+        self._ahead.pop(model, None)
         a = self._inflight.pop(model, None)
         if a is not None:
             self._release(a)
@@ -372,7 +407,8 @@ class MOPScheduler:
             self._rng.shuffle(models)
         elif self.policy == "random-matching":
             rank = {m: self._rng.random() for m in models}
-            models.sort(key=lambda m: (-self._left[m], rank[m]))
+            # Models behind (pipelining) first: they hold back the oldest open epoch.
+            models.sort(key=lambda m: (self.model_epoch(m), -self._left[m], rank[m]))
         out: list[Assignment] = []
         for m in models:
             if max_units is not None and len(out) >= max_units:
@@ -397,7 +433,7 @@ class MOPScheduler:
         self._left[model] -= 1
         att = self._attempts[model]
         att[partition] = att.get(partition, 0) + 1
-        a = Assignment(model, partition, worker, att[partition], self.epoch)
+        a = Assignment(model, partition, worker, att[partition], self.model_epoch(model))
         self._inflight[model] = a
         self._part_load[partition] += 1
         if worker is not None:
@@ -444,7 +480,7 @@ class MOPScheduler:
             return False
         del self._inflight[model]
         self._release(a)
-        self._visits[self.epoch][model].append(partition)
+        self._visits[a.epoch][model].append(partition)
         self._log.append(a)
         return True
 
@@ -513,6 +549,7 @@ class MOPScheduler:
             "visits": {str(e): v for e, v in self._visits.items()},
             "log": [a.to_json() for a in self._log],
             "rng": [version, list(internal), gauss],
+            "ahead": dict(self._ahead),
         }
 
     @classmethod
@@ -547,6 +584,7 @@ class MOPScheduler:
             s._part_load[a.partition] += 1
             if a.worker is not None:
                 s._busy[a.worker] = a.model
+        s._ahead = {str(m): int(e) for m, e in state.get("ahead", {}).items()}
         version, internal, gauss = state["rng"]
         s._rng.setstate((version, tuple(internal), gauss))
         return s

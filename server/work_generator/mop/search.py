@@ -165,6 +165,11 @@ class SearchProcedure(ABC):
         mode: ``"max"`` or ``"min"`` (higher or lower is better). NaN/missing ranks last.
     """
 
+    #: Whether the procedure decides at epoch boundaries (stops, adds or clones models):
+    #: then every model waits for the others at each epoch's end. Grid and random search
+    #: decide nothing there, so their models go on to the next epoch at once (pipelining).
+    epoch_barrier: bool = True
+
     def __init__(self, metric: str = DEFAULT_METRIC, mode: str = "max") -> None:
         if mode not in ("max", "min"):
             raise SpecError(f"search mode must be 'max' or 'min', got {mode!r}")

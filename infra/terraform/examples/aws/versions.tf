@@ -1,0 +1,13 @@
+terraform {
+  required_version = ">= 1.5.0, < 2.0.0"
+  required_providers {
+    aws = {
+      source  = "hashicorp/aws"
+      version = ">= 5.40.0, < 6.0.0"
+    }
+  }
+}
+
+provider "aws" {
+  region = var.region
+}

@@ -1,0 +1,89 @@
+"""Keep BOINC hosts asking for work: the project's ``<next_rpc_delay>``.
+
+A BOINC client that asks a project for work and gets none backs off that project's work
+fetch for ``(0.5 + U[0,1)) x 600 s``, doubling up to a day (``resource_backoff`` in
+``client/work_fetch.cpp``, ``WF_MIN_BACKOFF_INTERVAL`` / ``WF_MAX_BACKOFF_INTERVAL`` in
+``client/client_state.h``). boinc-dl's work appears a few units at a time (MOP's next unit
+of a model exists only once the previous one is merged; VC-ASGD keeps a bounded window), so
+a host that asks a few seconds too early sits out 5 to 15 minutes, then 10 to 30.
+
+The scheduler's ``<next_rpc_delay>`` (config.xml, ``sched/sched_config.cpp``) is sent in
+every reply (``sched/sched_types.cpp``). The client then contacts the project again that
+many seconds after its last RPC, whatever else it is doing (``handle_scheduler_reply`` sets
+``next_rpc_time``; ``next_project_sched_rpc_pending`` raises an RPC of reason
+``RPC_REASON_PROJECT_REQ``, ``client/cs_scheduler.cpp``). That RPC:
+
+* carries a work request *despite* an active work-fetch backoff:
+  ``piggyback_work_request`` accepts ``RSC_REASON_BACKED_OFF`` (``client/work_fetch.cpp``),
+  and asks for work whenever the host's buffer is below its preferences (an idle slot);
+* does not lengthen the backoff when it gets nothing: ``WORK_FETCH::handle_reply`` backs
+  off only after RPCs of reason ``RESULTS_DUE``, ``NEED_WORK`` or ``TRICKLE_UP``;
+* clears the backoff when it gets work (``clear_backoff``), so normal fetching resumes;
+* also reports finished tasks, so a result held back by a backed-off client reaches the
+  validator and assimilator within ``next_rpc_delay``.
+
+It only waits for the RPC backoff (``min_rpc_time``: the scheduler's ``request_delay``,
+``min_sendwork_interval``), which a "no tasks" reply does not set
+(``DELAY_NO_WORK_TEMP = 0``, ``sched/sched_main.h``).
+
+Cost: at most ``3600 / next_rpc_delay`` scheduler requests per host per hour (every RPC
+restarts the timer, so a host already talking to the project more often adds nothing);
+each one a short scheduler CGI run with a few database reads of the host, its results and
+the shared-memory job cache.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from server.backends.boinc.project import BoincProjectError
+from server.backends.boinc.xmlmerge import XmlDoc, append_child, child_text, remove_child
+
+#: Default ``<next_rpc_delay>`` set by ``boinc-dl boinc install`` (seconds).
+DEFAULT_NEXT_RPC_DELAY_S = 60.0
+TAG = "next_rpc_delay"
+
+
+def requests_per_host_hour(next_rpc_delay_s: float) -> float:
+    """Upper bound of the scheduler requests one idle-or-busy host adds per hour."""
+    return 3600.0 / next_rpc_delay_s if next_rpc_delay_s > 0 else 0.0
+
+
+def _fmt(seconds: float) -> str:
+    return str(int(seconds)) if float(seconds).is_integer() else f"{seconds:g}"
+
+
+def set_next_rpc_delay(config_xml: Path, seconds: float) -> list[str]:
+    """Set ``<config><next_rpc_delay>`` in config.xml (0 removes it); what changed.
+
+    Idempotent: the same value a second time changes nothing. Every other setting,
+    comment and daemon is kept.
+    """
+    if seconds < 0:
+        raise BoincProjectError(f"--next-rpc-delay must be >= 0 seconds, got {seconds}")
+    doc = XmlDoc.load(config_xml, "boinc")
+    cfg = doc.root.find("config")
+    if cfg is None:
+        raise BoincProjectError(f"{config_xml}: no <config> section (not a BOINC project config?)")
+    cur = cfg.find(TAG)
+    if seconds == 0:
+        if cur is not None:
+            remove_child(cfg, cur)
+            doc.changes.append(f"removed <{TAG}>")
+    else:
+        want = _fmt(seconds)
+        if cur is None:
+            el = ET.Element(TAG)
+            el.text = want
+            append_child(cfg, el, 1)
+            doc.changes.append(f"set <{TAG}> to {want} s")
+        elif child_text(cfg, TAG) != want:
+            old = child_text(cfg, TAG)
+            cur.text = want
+            doc.changes.append(f"changed <{TAG}> from {old} to {want} s")
+    doc.save()
+    return list(doc.changes)
+
+
+__all__ = ["DEFAULT_NEXT_RPC_DELAY_S", "requests_per_host_hour", "set_next_rpc_delay"]

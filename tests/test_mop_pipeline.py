@@ -1,0 +1,171 @@
+"""Pipelined MOP epochs: a model goes on to its next epoch as soon as it finished one,
+with every invariant kept per model-epoch, and across a restart."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from server.backends.base import JobSystem
+from server.work_generator.mop import MOPScheduler, SchedulerError, make_search
+
+from .conftest import REPO
+
+
+def _drive(s: MOPScheduler, epochs: int, seed: int, restart_every: int = 0) -> list:
+    """Pull mode with random completion order; returns every completed assignment."""
+    rng = random.Random(seed)
+    flight, done, n = [], [], 0
+    total = len(s.models) * s.n_partitions * epochs
+    while len(done) < total:
+        flight += s.issue(rng.randint(1, 3))
+        assert len({a.model for a in flight}) == len(flight)  # model isolation
+        assert len(flight) == len(s.in_flight())
+        a = flight.pop(rng.randrange(len(flight)))
+        assert s.complete(a.model, a.partition, a.attempt, a.epoch)
+        assert not s.complete(a.model, a.partition, a.attempt, a.epoch)  # duplicate: stale
+        done.append(a)
+        if s.model_finished(a.model) and s.model_epoch(a.model) < epochs:
+            assert s.advance_model(a.model) == a.epoch + 1
+        n += 1
+        if restart_every and n % restart_every == 0:
+            s = MOPScheduler.from_state(s.to_state())
+            flight = list(s.in_flight())
+    assert s.in_flight() == [] and s.pending() == []
+    return done
+
+
+@pytest.mark.parametrize("restart_every", [0, 5])
+def test_pipelined_epochs_keep_invariants(restart_every: int) -> None:
+    models = [f"m{i}" for i in range(5)]
+    s = MOPScheduler(models, 3, None, seed=1)
+    s.start_epoch()
+    done = _drive(s, epochs=3, seed=2, restart_every=restart_every)
+    per = defaultdict(list)
+    for a in done:
+        per[(a.model, a.epoch)].append(a.partition)
+    assert set(per) == {(m, e) for m in models for e in (1, 2, 3)}
+    assert all(sorted(v) == [0, 1, 2] for v in per.values())  # completeness per model-epoch
+    # A model's epochs follow each other: no unit of e+1 before all of e completed.
+    for m in models:
+        eps = [a.epoch for a in done if a.model == m]
+        assert eps == sorted(eps)
+
+
+def test_models_overlap_epochs_and_behind_models_go_first() -> None:
+    s = MOPScheduler(["a", "b", "c"], 2, None, seed=0)
+    s.start_epoch()
+    first = {a.model: a for a in s.issue()}
+    a1 = first["a"]
+    s.complete("a", a1.partition, a1.attempt, 1)
+    a2 = s.issue(1)[0]
+    assert a2.model == "a" and a2.epoch == 1
+    s.complete("a", a2.partition, a2.attempt, 1)
+    assert s.model_finished("a") and s.advance_model("a") == 2
+    assert s.model_epoch("a") == 2 and s.model_epoch("b") == 1
+    nxt = s.issue(1)[0]
+    assert (nxt.model, nxt.epoch) == ("a", 2)  # only runnable model: b and c are in flight
+    for m in ("b", "c"):
+        s.complete(m, first[m].partition, first[m].attempt, 1)
+    order = s.issue()
+    assert [a.model for a in order] == sorted(a.model for a in order)  # b, c (epoch 1): behind first
+    assert s.visit_order("a", 1) == [a1.partition, a2.partition]
+    st = MOPScheduler.from_state(s.to_state())
+    assert st.model_epoch("a") == 2 and st.model_epoch("b") == 1
+
+
+def test_advance_refuses_unfinished_or_unknown_models() -> None:
+    s = MOPScheduler(["a"], 2, None, seed=0)
+    s.start_epoch()
+    with pytest.raises(SchedulerError, match="not finished"):
+        s.advance_model("a")
+    with pytest.raises(SchedulerError, match="unknown"):
+        s.advance_model("zz")
+
+
+def test_only_grid_and_random_skip_the_barrier() -> None:
+    space = {"lr": {"loguniform": [1e-3, 1e-1]}, "units": [8, 16]}
+    assert not make_search("grid", {"lr": [0.1, 0.01]}, epochs=2).epoch_barrier
+    assert not make_search("random", space, epochs=2, budget=3).epoch_barrier
+    for name in ("sha", "hyperband", "pbt"):
+        assert make_search(name, space, epochs=4, budget=4).epoch_barrier
+
+
+@pytest.mark.slow
+def test_grid_job_pipelines_epochs_on_the_local_backend(tmp_path, redis_server) -> None:
+    """The real generator: epoch-2 units exist before epoch 1 closes; per-model epoch
+    results, visits and the leaderboard are complete."""
+    import json
+
+    from server.common.store import JobStore, connect
+    from server.run import run_job
+    from server.run.mop import leaderboard
+    from tests.test_mop_run import _spec
+
+    spec = _spec("pipe")
+    res = run_job(spec, tmp_path / "run", redis_url=redis_server.url, live=False, search_path=REPO / "examples")
+    assert res.status == "done", res.reason
+    store = JobStore(connect(redis_server.url), "pipe")
+    results = {int(k): json.loads(v) for k, v in store.r.hgetall(store.k("mop_results")).items()}
+    assert sorted(results) == [1, 2] and all(len(r) == 4 for r in results.values())
+    assert all(sorted(r["visits"]) == [0, 1] for res_e in results.values() for r in res_e.values())
+    closed_1 = store.epochs()[1]["ended_at"]
+    created_2 = [json.loads(v)["created_at"] for v in store.r.hvals(store.k("units")) if json.loads(v)["epoch"] == 2]
+    assert len(created_2) == 8 and min(created_2) < closed_1  # no barrier
+    rows = leaderboard(store)
+    assert len(rows) == 4 and all(len(r["curve"]) == 2 and r["status"] == "finished" for r in rows)
+
+
+class _Recorder(JobSystem):
+    """A job system that only records what the generator submits (no hosts here)."""
+
+    def __init__(self) -> None:
+        self.submitted: list[str] = []
+
+    def submit(self, wu, limits) -> None:
+        self.submitted.append(wu.unit)
+
+    def cancel(self, unit: str) -> None:
+        raise AssertionError(f"nothing should be cancelled, got {unit}")
+
+
+@pytest.mark.slow
+def test_restart_from_a_barrier_state_catches_up(tmp_path, redis_server, monkeypatch) -> None:
+    """A grid job saved by a generator that kept the barrier: on restart, models that
+    finished their epoch are evaluated and go on at once instead of waiting forever."""
+    import json
+
+    from server.common.store import JobStore, connect
+    from server.work_generator.mop.procedures import GridSearch
+    from server.work_generator.mop_generator import MOPWorkGenerator
+    from server.work_generator.prepare import prepare_job
+    from tests.test_mop_run import _spec
+
+    spec = _spec("catchup")
+    store = JobStore(connect(redis_server.url), "catchup")
+    prepare_job(spec, store, tmp_path, search_path=REPO / "examples")
+    done = store.k("assimilated")
+
+    def finish(gen: MOPWorkGenerator, model: str) -> None:
+        for a in gen.sched.in_flight():
+            if a.model == model:
+                store.r.hset(done, gen._unit(a), json.dumps({"val_acc": 0.5}))
+
+    with monkeypatch.context() as m:
+        m.setattr(GridSearch, "epoch_barrier", True)
+        old = MOPWorkGenerator(store, spec, tmp_path, _Recorder(), None, search_path=REPO / "examples")
+        assert not old.pipelined
+        old.step()
+        target = old.sched.models[0]
+        for _ in range(2):  # both partitions of one model, the others stay in flight
+            finish(old, target)
+            old.step()
+        assert old.sched.model_finished(target) and old.sched.model_epoch(target) == 1
+    backend = _Recorder()
+    new = MOPWorkGenerator(store, spec, tmp_path, backend, None, search_path=REPO / "examples")
+    assert new.pipelined and new.sched.model_epoch(target) == 2
+    assert store.r.hexists(store.k("mop_model_results"), f"1:{target}")
+    new.step()
+    assert [u for u in backend.submitted if "_e0002_" in u] and all(target in u for u in backend.submitted)

@@ -1,0 +1,278 @@
+"""Sharded weights on one Redis and on a real 3-master Redis Cluster.
+
+Concurrent strict merges lose nothing and apply nothing twice, shard by shard (every
+client copy is the constant c, so each shard must end at ``a^n W0 + (1-a^n) c``);
+an assimilator SIGKILLed between shards is finished by the retry without applying a
+shard twice; a cluster master SIGKILLed and restarted on its AOF loses no
+acknowledged merge. The cluster is started by the fixture: three ``redis-server
+--cluster-enabled yes`` on free loopback ports, joined with ``redis-cli --cluster
+create``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from server.assimilator.core import merge_into
+from server.common.cluster import cluster_nodes, is_cluster_url
+from server.common.redis_server import EmbeddedRedis, LocalRedisCluster
+from server.common.shards import ShardLayout, shards_for
+from server.common.store import JobStore, connect
+from server.common.weights import fingerprint_of
+from server.faults.audit import audit_job
+
+N = 2000            # parameters of the test model
+SHARD_BYTES = "800"  # -> 10 shards of 200 float32
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[LocalRedisCluster]:
+    """One real 3-master Redis Cluster for the module's tests (each uses its own job)."""
+    cl = LocalRedisCluster(tmp_path_factory.mktemp("cluster"), masters=3).start()
+    yield cl
+    cl.kill()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def engine(request, tmp_path: Path, monkeypatch) -> Iterator[str]:
+    """The URL of a real Redis or of the real 3-master Redis Cluster."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    if request.param == "cluster":
+        yield request.getfixturevalue("cluster").url
+        return
+    srv = EmbeddedRedis(tmp_path / "redis").start()
+    try:
+        yield srv.url
+    finally:
+        srv.kill()
+
+
+@pytest.fixture
+def job_name(request) -> str:
+    """A job name of its own per test (the cluster is shared by the module)."""
+    return "sh" + str(abs(hash(request.node.nodeid)) % 10**8)
+
+
+def _job(url: str, units: int, name: str) -> JobStore:
+    store = JobStore(connect(url, wait_s=10), name)
+    fp = fingerprint_of(["w"], [np.zeros(N, np.float32)])
+    store.create("{}", "vcasgd", {"0": fp}, {})
+    assert store.init_weights("0", np.zeros(N, np.float32))
+    for i in range(units):
+        store.register_unit(f"m{i}", {"epoch": 1, "shard": i, "model": "0"}, 1)
+    return store
+
+
+def _expected(n: int, alpha: float) -> np.ndarray:
+    w = np.zeros(N, np.float32)
+    c = np.ones(N, np.float32)
+    for _ in range(n):
+        merge_into(w, c, alpha)
+    return w
+
+
+def _merger(url: str, job: str, units: list[str], alpha: float, strict: bool, acks: mp.Queue | None = None,
+            kill_after: int | None = None) -> None:
+    if kill_after is not None:
+        os.environ["BDL_FAULT_KILL_AFTER_SHARDS"] = str(kill_after)
+    store = JobStore(connect(url, wait_s=30), job, retry_s=30)
+    wc = np.ones(N, np.float32)
+    for u in units:
+        out = store.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], alpha), {}, epoch=1, strict=strict)
+        if acks is not None and out.applied:
+            acks.put(u)
+
+
+def _run(url: str, job: str, units: list[str], procs: int, alpha: float, strict: bool) -> None:
+    ctx = mp.get_context("fork")
+    ps = [ctx.Process(target=_merger, args=(url, job, units[i::procs], alpha, strict)) for i in range(procs)]
+    for p in ps:
+        p.start()
+    for p in ps:
+        p.join(60)
+        assert p.exitcode == 0
+
+
+def test_layout() -> None:
+    assert shards_for(15, 1_310_720) == 1
+    assert shards_for(4_972_746, 1_310_720) == 16
+    lay = ShardLayout(2001, 10)
+    cuts = [lay.bounds(i) for i in range(10)]
+    assert cuts[0].start == 0 and cuts[-1].stop == 2001
+    assert all(a.stop == b.start for a, b in zip(cuts, cuts[1:], strict=False))
+
+
+def test_concurrent_strict_merges_exact_per_shard(engine, job_name: str) -> None:
+    url = engine
+    store = _job(url, 60, job_name)
+    assert store.layout("0").shards == 10
+    _run(url, job_name, [f"m{i}" for i in range(60)], 4, 0.99, strict=True)
+    snap = store.snapshot("0")
+    assert snap.shard_versions == [60] * 10 and store.version("0") == 60
+    np.testing.assert_array_equal(snap.flat, _expected(60, 0.99))
+    assert len(store.assimilated()) == 60 and store.epoch_counts(1)["assimilated"] == 60
+
+
+def test_eventual_mode_marks_all_and_never_exceeds(engine, job_name: str) -> None:
+    url = engine
+    store = _job(url, 60, job_name)
+    _run(url, job_name, [f"m{i}" for i in range(60)], 4, 0.99, strict=False)
+    snap = store.snapshot("0")
+    landed = np.log(1 - snap.flat.astype(np.float64)) / np.log(0.99)
+    assert float(landed.max()) <= 60 + 1e-2
+    assert len(store.assimilated()) == 60 and store.version("0") == 60
+
+
+def test_same_unit_from_four_processes_applies_once(engine, job_name: str) -> None:
+    url = engine
+    store = _job(url, 1, job_name)
+    _run(url, job_name, ["m0"] * 4, 4, 0.5, strict=True)
+    snap = store.snapshot("0")
+    assert snap.shard_versions == [1] * 10 and store.version("0") == 1
+    assert np.allclose(snap.flat, 0.5)
+    assert [m["unit"] for m in store.metrics("merge")] == ["m0"]
+
+
+@pytest.mark.parametrize("k", [1, 6])
+def test_assimilator_killed_between_shards_is_finished_by_the_retry(engine, job_name: str, k: int) -> None:
+    """A real process SIGKILLs itself after committing k of 10 shards; the retry (a new
+    process) applies the other shards only, then the unit's global mark, once."""
+    url = engine
+    store = _job(url, 2, job_name)
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=_merger, args=(url, job_name, ["m0"], 0.5, True, None, k))
+    p.start()
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    half = store.snapshot("0")
+    assert sorted(half.shard_versions) == [0] * (10 - k) + [1] * k
+    assert not store.is_assimilated("m0") and store.version("0") == 0
+    _run(url, job_name, ["m0", "m1"], 1, 0.5, strict=True)
+    snap = store.snapshot("0")
+    assert snap.shard_versions == [2] * 10 and store.version("0") == 2
+    np.testing.assert_array_equal(snap.flat, _expected(2, 0.5))
+    assert store.epoch_counts(1)["assimilated"] == 2
+    assert [m["unit"] for m in store.metrics("merge")] == ["m0", "m1"]
+
+
+def test_cluster_master_killed_and_restarted_loses_no_acknowledged_merge(tmp_path: Path, monkeypatch) -> None:
+    """4 processes merge 80 units into a 10-shard model on a 3-master cluster; one
+    master is SIGKILLed and restarted on its AOF and nodes.conf twice: every
+    acknowledged merge survives, every shard carries each unit exactly once."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    cl = LocalRedisCluster(tmp_path / "cluster", masters=3).start()
+    try:
+        n = 80
+        store = _job(cl.url, n, "sharded")
+        ctx = mp.get_context("fork")
+        acks: mp.Queue = ctx.Queue()
+        units = [f"m{i}" for i in range(n)]
+        ps = [ctx.Process(target=_merger, args=(cl.url, "sharded", units[i::4], 0.99, True, acks)) for i in range(4)]
+        for p in ps:
+            p.start()
+        acked: set[str] = set()
+        kills = 0
+        deadline = time.monotonic() + 60
+        while any(p.is_alive() for p in ps) and time.monotonic() < deadline:
+            while not acks.empty():
+                acked.add(acks.get())
+            if kills < 2 and len(acked) >= 20 * (kills + 1):
+                victim = cl.nodes[kills % 3]
+                victim.kill()
+                time.sleep(0.3)
+                victim.restart()
+                kills += 1
+            time.sleep(0.01)
+        for p in ps:
+            p.join(30)
+            assert p.exitcode == 0
+        while not acks.empty():
+            acked.add(acks.get())
+        assert kills == 2
+        cl.wait_ok()
+        store = JobStore(connect(cl.url), "sharded")
+        assert set(store.assimilated()) == acked == set(units)
+        snap = store.snapshot("0")
+        assert snap.shard_versions == [n] * 10
+        np.testing.assert_array_equal(snap.flat, _expected(n, 0.99))
+        audit = audit_job(store, n_subsets=n)
+        assert audit.ok, audit.problems
+    finally:
+        cl.kill()
+
+
+def test_one_key_layout_is_migrated(tmp_path: Path, monkeypatch) -> None:
+    """Weights stored by an earlier release as one value are cut into shards on first
+    use, at their version; merges then go on from there."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        store = JobStore(connect(srv.url), "sharded")
+        fp = fingerprint_of(["w"], [np.zeros(N, np.float32)])
+        store.create("{}", "vcasgd", {"0": fp}, {})
+        old = np.arange(N, dtype=np.float32)
+        store.r.set(store.k("w", "0"), old.tobytes())
+        store.r.set(store.k("v", "0"), 7)
+        store.register_unit("m0", {"epoch": 1, "model": "0"}, 1)
+        assert not store.init_weights("0", np.zeros(N, np.float32))  # never overwrites
+        snap = JobStore(connect(srv.url), "sharded").snapshot("0")
+        np.testing.assert_array_equal(snap.flat, old)
+        assert snap.shard_versions == [7] * 10 and not store.r.exists(store.k("w", "0"))
+        out = store.merge("0", "m0", lambda ws, sl: merge_into(ws, np.zeros(N, np.float32)[sl], 0.5), {}, 1)
+        assert out.applied and out.version == 8
+        np.testing.assert_array_equal(store.snapshot("0").flat, old * 0.5)
+    finally:
+        srv.kill()
+
+
+def test_cluster_urls() -> None:
+    assert cluster_nodes("redis+cluster://10.0.0.1:7000,10.0.0.2:7001/") == (
+        [("10.0.0.1", 7000), ("10.0.0.2", 7001)], None)
+    assert cluster_nodes("redis+cluster://:s3cret@h:7000") == ([("h", 7000)], "s3cret")
+    assert cluster_nodes("redis://a:1,redis://b:2") == ([("a", 1), ("b", 2)], None)
+    assert is_cluster_url("redis://a:1,redis://b:2") and not is_cluster_url("redis://a:1/0")
+    with pytest.raises(ValueError):
+        cluster_nodes("redis+cluster://")
+
+
+def test_list_of_node_urls_reaches_the_cluster(cluster: LocalRedisCluster) -> None:
+    url = ",".join(f"redis://127.0.0.1:{n.port}" for n in cluster.nodes)
+    store = JobStore(connect(url), "listed")
+    assert store.cluster and store.k("meta") == "bdl:{listed}:meta"
+    store.set_meta(x=1)
+    assert JobStore(connect(cluster.url), "listed").meta()["x"] == "1"
+
+
+def test_cached_fast_path_and_a_second_writer(tmp_path: Path, monkeypatch) -> None:
+    """A lone assimilator merges from its cached shards in one pipelined round trip;
+    another writer in between makes its cache stale, and the merge re-reads: every
+    shard still ends at the exact value."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        a = _job(srv.url, 6, "fast")
+        b = JobStore(connect(srv.url), "fast")
+        wc = np.ones(N, np.float32)
+
+        def merge(st: JobStore, u: str) -> None:
+            assert st.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
+        merge(a, "m0")
+        assert len(a._cache) == 10  # every shard cached: the next merge takes the fast path
+        merge(a, "m1")
+        merge(b, "m2")              # a's cache is now stale everywhere
+        merge(a, "m3")
+        merge(a, "m4")
+        snap = b.snapshot("0")
+        assert snap.shard_versions == [5] * 10
+        np.testing.assert_array_equal(snap.flat, _expected(5, 0.5))
+        assert not a.merge("0", "m4", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
+    finally:
+        srv.kill()
