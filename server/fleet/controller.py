@@ -151,14 +151,19 @@ class FleetController:
             if (ev.instance_id, ev.kind) in self.handled:
                 continue
             self.handled.add((ev.instance_id, ev.kind))
-            if ev.kind in RECLAIMS:
-                if any((ev.instance_id, k) in self.handled for k in RECLAIMS if k != ev.kind):
-                    continue  # warned earlier, now preempted: already handled
-                self.reclaim_times.append(ev.time)
+            if ev.kind in (*RECLAIMS, "lost"):
+                if any((ev.instance_id, k) in self.handled for k in (*RECLAIMS, "lost") if k != ev.kind):
+                    continue  # warned earlier, now preempted or gone: already handled
+                if ev.kind != "lost":  # only the cloud's reclaims count towards the fallback
+                    self.reclaim_times.append(ev.time)
                 self.ends[ev.instance_id] = min(self.ends.get(ev.instance_id, ev.ends), ev.ends)
                 doomed.append(inst)
-                log.info("%s %s (%s, %s) will be reclaimed at %s", self.provider.name, inst.id, inst.type,
-                         inst.zone, time.strftime("%H:%M:%S", time.gmtime(ev.ends)))
+                if ev.kind == "lost":
+                    log.info("%s %s (%s, %s) is gone without a notice", self.provider.name, inst.id, inst.type,
+                             inst.zone)
+                else:
+                    log.info("%s %s (%s, %s) will be reclaimed at %s", self.provider.name, inst.id, inst.type,
+                             inst.zone, time.strftime("%H:%M:%S", time.gmtime(ev.ends)))
             elif self.cfg.reissue_on_rebalance:
                 doomed.append(inst)
                 log.info("rebalance recommendation for %s: re-issuing its units as configured", inst.id)
@@ -256,8 +261,10 @@ class FleetController:
         for inst in obs.instances:
             if inst.state != "gone" or inst.id in self.known:
                 self.known[inst.id] = inst
-        filed, doomed = self.handle_interruptions(obs.interruptions, now)
         gone = [i.id for i in obs.instances if i.state == "gone"]
+        # An instance gone without a notice (or scaled in) lost its results all the same.
+        lost = [Interruption(g, "lost", now, now) for g in gone if g in self.known]
+        filed, doomed = self.handle_interruptions(obs.interruptions + lost, now)
         to_replace = sorted(set(doomed) | set(gone))
         replaced = self.provider.replace(to_replace) if to_replace else []
         for iid in replaced:

@@ -16,8 +16,9 @@ Market = Literal["spot", "on-demand"]
 #: The states the controller distinguishes (each cloud's own are mapped onto these).
 State = Literal["pending", "running", "stopping", "gone"]
 #: ``warning``: the cloud will reclaim it (AWS: two minutes ahead); ``preempted``: it
-#: was reclaimed; ``rebalance``: a risk signal only (AWS rebalance recommendation).
-InterruptionKind = Literal["warning", "preempted", "rebalance"]
+#: was reclaimed; ``rebalance``: a risk signal only (AWS rebalance recommendation);
+#: ``lost``: it disappeared without either (no notice, or scaled in by the group).
+InterruptionKind = Literal["warning", "preempted", "rebalance", "lost"]
 
 
 @dataclass

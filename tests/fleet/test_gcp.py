@@ -114,3 +114,10 @@ def test_preemption_reissues_and_falls_back(gcp, boinc_db, redis_server, tmp_pat
     assert abs(spot["usd"] - spot["hours"] * Decimal("0.2827")) < Decimal("0.000001")
     # while the job has results in flight, the whole fleet's time is the job's (idle hosts included)
     assert cost_report(r, UNATTRIBUTED)["total_usd"] == 0
+
+    # a VM gone without a preemption operation: its unit is re-issued too, and it does not
+    # count as a reclaim of the cloud (no fallback)
+    w.instances[names[1]]["status"] = "TERMINATED"
+    now[0] += 30
+    rep = ctl.step()
+    assert rep.reissued == [units[1]] and rep.on_demand_percent == 0
