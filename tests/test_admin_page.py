@@ -211,15 +211,15 @@ def test_page_shows_jobs_epochs_units_and_rejections(page: PhpServer, redis_tcp)
     t = parse(html)
     jobs = {row[0]: row for row in t.tables["bdl-jobs"][1:]}
     assert set(jobs) == {"digits-vcasgd", "cifar-mop", EVIL_JOB}
-    # job  mode  status  epochs  in flight  done  failed  re-issued  rejected  val acc  created
-    assert jobs["digits-vcasgd"][1:10] == ["vcasgd", "running", "3 / 5", "2", "10", "1", "2", "2", "0.86"]
+    # job  mode  status  epochs  in flight  done  failed  re-issued / regenerated  rejected  val acc  created
+    assert jobs["digits-vcasgd"][1:10] == ["vcasgd", "running", "3 / 5", "2", "10", "1", "2 / 0", "2", "0.86"]
     assert jobs["cifar-mop"][1:7] == ["mop", "running", "0 / 10", "2", "0", "0"]
 
     # The newest job is shown in detail by default; ask for the VC-ASGD one.
     status, html = page.get("/boincdl.php?job=digits-vcasgd")
     t = parse(html)
     # queued  in flight  done  failed  re-issued  rejected  cancelled
-    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "2", "0"]
+    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "0", "0", "0", "2", "0"]
     epochs = {row[0]: row for row in t.tables["bdl-epochs"][1:]}
     assert list(epochs) == ["4", "3", "2", "1"]  # newest first
     # epoch  created  assimilated  failed  in flight  val acc  val loss  clients
@@ -359,3 +359,55 @@ def test_screenshot_in_headless_chromium(page: PhpServer, tmp_path: Path) -> Non
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1200, 900)
     assert len(data) > 20_000  # a rendered page with tables and a chart, not a blank canvas
+
+
+# ---- the page reads what install writes ------------------------------------------------
+
+def test_page_reads_the_settings_install_writes(redis_tcp, tmp_path: Path) -> None:
+    """``boinc-dl boinc install`` writes boinc-dl.yaml and the page; the page finds Redis
+    there, like the daemons do, with no environment and no other file."""
+    from server.backends.boinc.install import InstallOptions, install
+    from tests.boinc.conftest import make_project
+
+    srv, r, _ = redis_tcp
+    project = make_project(tmp_path / "project")
+    url = f"redis://:{urllib.parse.quote(PASSWORD, safe='')}@127.0.0.1:{srv.port}/0"
+    install(project.root, InstallOptions(redis_url=url, run_db_tools=False, gpu=False))
+    ops = project.root / "html" / "ops"
+    assert (ops / "boincdl.php").is_file()
+    store = JobStore(r, "digits-vcasgd")
+    store.set_meta(finished_at=1_700_000_000.5)
+    for name, n in (("reissued", 2), ("regenerated", 3), ("boinc_cancelled", 4), ("boinc_superseded_calls", 5)):
+        r.hset(store.k("counters"), name, n)
+    php = PhpServer(ops, {"BDL_REDIS_URL": "", "BDL_REDIS_PASSWORD_FILE": "", "BDL_ADMIN_CONFIG": ""})
+    try:
+        status, html = php.get("/boincdl.php?job=digits-vcasgd")
+    finally:
+        php.stop()
+    assert status == 200 and "unavailable" not in html, html[-800:]
+    t = parse(html)
+    assert "digits-vcasgd" in {row[0] for row in t.tables["bdl-jobs"][1:]}
+    head, row = t.tables["bdl-units"]
+    units = dict(zip(head, row, strict=True))
+    assert units["re-issued (same inputs)"] == "2" and units["regenerated (fresh weights)"] == "3"
+    assert units["workunits cancelled"] == "4" and units["late calls of superseded workunits"] == "5"
+    meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
+    assert meta["finished_at"] == "2023-11-14 22:13:20 UTC"  # not raw epoch seconds
+
+
+def test_page_without_settings_says_so(tmp_path: Path) -> None:
+    """No Redis URL anywhere: an explicit error, never a silent default Redis."""
+    project = tmp_path / "project"
+    ops = project / "html" / "ops"
+    shutil.copytree(HTML, ops)
+    php = PhpServer(ops, {"BDL_REDIS_URL": "", "BDL_REDIS_PASSWORD_FILE": "", "BDL_ADMIN_CONFIG": ""})
+    try:
+        status, html = php.get()
+        (project / "boinc-dl.yaml").write_text("redis_url: null\n")
+        _, html2 = php.get()
+    finally:
+        php.stop()
+    for h in (html, html2):
+        assert "boinc-dl state unavailable" in h and "no Redis URL" in h, h[-600:]
+        assert "no jobs in Redis" not in h
+    assert "run boinc-dl boinc install" in html

@@ -97,6 +97,14 @@ def work_generator(
     except BoincDLError as e:
         _fail(e)
         return
+    if not once:
+        # stopped by the stop_daemons file: leave without the interpreter's teardown,
+        # which takes seconds with TensorFlow loaded while bin/start waits for the lock
+        import logging
+        import os
+
+        logging.shutdown()
+        os._exit(code)
     raise typer.Exit(code)
 
 
@@ -180,3 +188,27 @@ def cancel(
         _fail(e)
         return
     typer.echo(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")
+
+
+@boinc_app.command()
+def restart(
+    project: ProjectOpt = None,
+    wait: Annotated[float, typer.Option(help="seconds to wait for the old daemons to exit")] = 120.0,
+) -> None:
+    """Restart the project's daemons safely: bin/stop, wait until they exited, bin/start,
+    then check that every boinc-dl daemon runs (bin/start skips one still exiting)."""
+    from server.backends.boinc.restart import restart as do_restart
+
+    try:
+        proj = _project(project)
+        rep = do_restart(proj, wait_s=wait)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    for pid in rep.stragglers:
+        typer.echo(f"warning: process {pid} had not exited after {wait:.0f}s", err=True)
+    for cmd in rep.running:
+        typer.echo(f"running: {cmd}")
+    for cmd in rep.not_running:
+        typer.echo(f"NOT running: {cmd} (see log_{proj.host}/ and run bin/start again)", err=True)
+    raise typer.Exit(1 if rep.not_running else 0)

@@ -399,6 +399,9 @@ class JobStore:
         prev = self.call(lambda: self.r.hget(self.k("assimilated"), unit))
         if prev is not None:
             return self._outcome_of_mark(model, prev, token, 0)
+        if self.call(lambda: self.r.hexists(self.k("failed"), unit)):
+            # a unit given up on is never also merged (its late result changes nothing)
+            return MergeOutcome(False, self.version(model), 0, duplicate=True)
         lay = self.layout(model)
         one_arg = _arity(combine) == 1
         if one_arg and lay.shards > 1:

@@ -98,11 +98,17 @@ def install_fake_tools(root: Path) -> None:
     """Put the fake tools into ``<project>/bin`` as executables run by this Python."""
     bin_dir = root / "bin"
     bin_dir.mkdir(exist_ok=True)
-    shutil.copyfile(FAKES / "_fakelib.py", bin_dir / "_fakelib.py")
+    for lib in ("_fakelib.py", "_fakemysql.py"):
+        shutil.copyfile(FAKES / lib, bin_dir / lib)
     for tool in ("create_work", "stage_file", "cancel_jobs", "xadd", "update_versions"):
         dest = bin_dir / tool
         dest.write_text(f"#!{sys.executable}\n" + (FAKES / f"{tool}.py").read_text())
         dest.chmod(dest.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    # bin/stop is bin/start under another name, as in BOINC (sched/start)
+    for name in ("start", "stop"):
+        dest = bin_dir / name
+        dest.write_text(f"#!{sys.executable}\n" + (FAKES / "start.py").read_text())
+        dest.chmod(0o755)
 
 
 def make_project(root: Path) -> BoincProject:
@@ -207,3 +213,63 @@ def tiny_boinc_job(redis_server, project):
         store.register_unit(f"{spec.name}__m0_e0001_s{i:04d}", {"epoch": 1, "shard": i, "model": "0"}, 1)
     store.set_meta(backend="boinc", boinc_project=str(project.root))
     return store, spec
+
+
+# ---- BOINC's database in a real MariaDB ----------------------------------------------------
+
+MARIADB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
+
+
+@pytest.fixture(scope="session")
+def mariadb_name():
+    """A uniquely named database for this test session (dropped at the end); the tests
+    that need it skip, saying why, when no MariaDB answers on 127.0.0.1:3306."""
+    try:
+        import pymysql
+
+        conn = pymysql.connect(**MARIADB, connect_timeout=3, autocommit=True)
+    except Exception as e:  # noqa: BLE001 - any reason means "not available here"
+        pytest.skip(f"MariaDB is not reachable at 127.0.0.1:3306 as root without password: {e}")
+    name = f"bdl_test_{os.getpid()}_{os.urandom(4).hex()}"
+    with conn.cursor() as c:
+        c.execute(f"CREATE DATABASE `{name}`")
+    try:
+        yield name
+    finally:
+        with conn.cursor() as c:
+            c.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        conn.close()
+
+
+def use_mariadb(project: BoincProject, db_name: str) -> None:
+    """Point the project's config.xml at the test database, create BOINC's tables (the
+    columns boinc-dl uses) afresh, and make the fake tools write there."""
+    import re
+
+    sys.path.insert(0, str(FAKES))
+    try:
+        import _fakemysql
+    finally:
+        sys.path.remove(str(FAKES))
+    text = project.config_xml.read_text()
+    for tag, value in (("db_name", db_name), ("db_host", MARIADB["host"]), ("db_user", MARIADB["user"]),
+                       ("db_passwd", MARIADB["password"])):
+        text = re.sub(rf"<{tag}>.*?</{tag}>", f"<{tag}>{value}</{tag}>", text)
+    text = text.replace("</db_passwd>", f"</db_passwd>\n    <db_port>{MARIADB['port']}</db_port>", 1)
+    project.config_xml.write_text(text)
+    project.__dict__.pop("config", None)
+    (project.root / "fake_mariadb").write_text("")
+    conn = _fakemysql.connect(project.root)
+    with conn.cursor() as c:
+        for table in ("workunit", "result", "host"):
+            c.execute(f"DROP TABLE IF EXISTS {table}")
+        for ddl in _fakemysql.SCHEMA:
+            c.execute(ddl)
+    conn.close()
+
+
+@pytest.fixture
+def db_project(project, mariadb_name) -> BoincProject:
+    """The fake project with its BOINC database in MariaDB."""
+    use_mariadb(project, mariadb_name)
+    return project

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,7 @@ def test_batched_create_work_command_line(setup) -> None:
     assert opts["--max_error_results"] == "3" and opts["--max_total_results"] == "6"
     assert opts["--max_success_results"] == "6"
     assert opts["--wu_template"] == "templates/boincdl_in"
-    assert opts["--result_template"] == f"templates/boincdl_out_{spec.units.max_upload_bytes}"
+    assert opts["--result_template"] == f"templates/boincdl_out_{spec.units.max_upload_bytes}_ri"
     assert argv[-1] == "--stdin"
     lines = cw[0]["stdin"].splitlines()
     assert len(lines) == 3
@@ -279,19 +280,23 @@ def test_bad_unit(setup) -> None:
     assert json.loads(json.dumps(be.pending())) == []
 
 
-def test_fresh_regeneration_requests_and_resubmit(setup) -> None:
+def test_fresh_regeneration_requests_and_resubmit(setup, mariadb_name) -> None:
+    from tests.boinc import fake_server
+    from tests.boinc.conftest import use_mariadb
+
     project, store, spec, r = setup
+    use_mariadb(project, mariadb_name)
     assert spec.vcasgd.reissue == "fresh" and spec.units.max_total_results == 6
     be = BoincJobSystem(project, r)
     (wu,) = make_inputs(project, spec.name, units_of(spec, 1))
     be.submit(wu, LIMITS)
     be.flush()
     store.transition_unit(wu.unit, "created", "in_progress")
-    assert be.regeneration_requests(spec.name) == []  # its deadline has not passed
+    assert be.regeneration_requests(spec.name) == []  # never sent: not late
     key = issued_key(store)
     rec = json.loads(r.hget(key, wu.unit))
     assert rec["name"] == wu.unit and rec["attempt"] == 0 and rec["delay"] == 90.0
-    r.hset(key, wu.unit, json.dumps({**rec, "t": rec["t"] - 91}))
+    fake_server.send(project, [wu.unit], now=time.time() - 91)  # sent 91 s ago: past its deadline
     assert be.regeneration_requests(spec.name) == [(wu.unit, 0)]
     assert be.regeneration_requests() == []  # no job, nothing (BOINC runs many jobs)
 
@@ -307,9 +312,29 @@ def test_fresh_regeneration_requests_and_resubmit(setup) -> None:
     assert calls(project.root, "cancel_jobs")[-1]["argv"] == ["--name", f"{wu.unit}_r1"]
 
     # the last workunit max_total_results allows is left to BOINC's own re-issue
-    r.hset(key, wu.unit, json.dumps({"name": f"{wu.unit}_r5", "t": 0, "delay": 90, "attempt": 5}))
-    assert be.regeneration_requests(spec.name) == []
-    r.hset(key, wu.unit, json.dumps({"name": f"{wu.unit}_r4", "t": 0, "delay": 90, "attempt": 4}))
+    (wu_4,) = make_inputs(project, spec.name, [f"{wu.unit}_r4"], version=4)
+    wu_4.unit = wu.unit
+    be.resubmit_regenerated(wu.unit, wu_4, f"{wu.unit}_r4")
+    be.flush()
+    fake_server.send(project, [f"{wu.unit}_r4"], now=time.time() - 91)
     assert be.regeneration_requests(spec.name) == [(wu.unit, 4)]
+    r.hset(key, wu.unit, json.dumps({**json.loads(r.hget(key, wu.unit)), "attempt": 5}))
+    assert be.regeneration_requests(spec.name) == []
+    r.hset(key, wu.unit, json.dumps({**json.loads(r.hget(key, wu.unit)), "attempt": 4}))
     store.transition_unit(wu.unit, "in_progress", "assimilated")
     assert be.regeneration_requests(spec.name) == []  # merged meanwhile
+
+
+def test_no_regeneration_without_boinc_database(setup) -> None:
+    """Without BOINC's database only BOINC's own re-issue runs: a guess from creation
+    times would regenerate units that merely wait in BOINC's queue."""
+    project, store, spec, r = setup
+    be = BoincJobSystem(project, r)
+    (wu,) = make_inputs(project, spec.name, units_of(spec, 1))
+    be.submit(wu, LIMITS)
+    be.flush()
+    store.transition_unit(wu.unit, "created", "in_progress")
+    key = issued_key(store)
+    rec = json.loads(r.hget(key, wu.unit))
+    r.hset(key, wu.unit, json.dumps({**rec, "t": rec["t"] - 1000}))
+    assert be.regeneration_requests(spec.name) == []

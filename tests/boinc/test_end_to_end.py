@@ -189,10 +189,13 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_fresh_reissue_through_fake_boinc(project, redis_server, tmp_path) -> None:
-    """``vcasgd.reissue: fresh`` on BOINC: a workunit lost past its deadline is cancelled
-    and recreated as ``<unit>_r1`` from the freshest weights; the cancelled workunit's
-    error call changes nothing; the subset is merged once."""
+def test_fresh_reissue_through_fake_boinc(db_project, redis_server, tmp_path) -> None:
+    """``vcasgd.reissue: fresh`` on BOINC: a workunit whose sent result passed its report
+    deadline is cancelled and recreated as ``<unit>_r1`` from the freshest weights; the
+    cancelled workunit's error call changes nothing; the subset is merged once."""
+    from tests.boinc import fake_server
+
+    project = db_project
     install_with_wrapper(project, redis_server.url, tmp_path)
     spec = parse_spec({
         "name": "fresh-boinc", "model": "models:mlp",
@@ -206,13 +209,17 @@ def test_fresh_reissue_through_fake_boinc(project, redis_server, tmp_path) -> No
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
     env = script_env()
+    # one active host with one CPU: the window from BOINC's hosts is its slot plus a spare
+    fake_server._exec(project, "INSERT INTO host (create_time, rpc_time, p_ncpus, p_fpops) VALUES (0, %s, 1, 3e9)",
+                      (int(time.time()),))
     daemon = WorkGeneratorDaemon(project, poll_s=0.1)
     daemon.one_pass()
     wus = fake_db(project.root)["workunits"]
     lost, other = sorted(wus)  # the first is lost with its host; the other one runs
+    fake_server.send(project, [other])
+    fake_server.send(project, [lost], now=time.time() - 2)  # sent 2 s ago: past its 1 s deadline
     run_unit(project, wus[other])
     assert store.version("0") == 1
-    time.sleep(1.2)  # past the lost workunit's delay_bound
     daemon.one_pass()
     wus = fake_db(project.root)["workunits"]
     assert wus[lost]["error_mask"] & 16  # cancelled

@@ -145,27 +145,20 @@ def test_error_call_cancelled_by_us(env) -> None:
     assert u not in store.failed()
 
 
-def test_error_call_release_12_with_db_lookup(env, tmp_path) -> None:
+def test_error_call_release_12_with_db_lookup(env, mariadb_name) -> None:
+    """Release 1.2 passes only the workunit's id: its name comes from BOINC's database,
+    read with config.xml's credentials."""
+    from tests.boinc import fake_server
+    from tests.boinc.conftest import use_mariadb
+
     project, store, spec, e = env
     u = unit(spec, 2)
-    fakebin = tmp_path / "fakebin"
-    fakebin.mkdir()
-    mysql = fakebin / "mysql"
-    # stands in for the mysql client: checks the query and the credentials file
-    mysql.write_text(
-        "#!/bin/sh\n"
-        f"echo \"$@\" > {tmp_path}/mysql.args\n"
-        "for a in \"$@\"; do case $a in --defaults-extra-file=*) cp \"${a#*=}\" " + f"{tmp_path}/mysql.cnf;; esac; done\n"
-        f"echo '{u}'\n")
-    mysql.chmod(0o755)
-    e2 = dict(e, PATH=f"{fakebin}:{e['PATH']}")
-    p = run_script(project.root, "../bin/bdl_assimilate --error 2 42", e2)
+    use_mariadb(project, mariadb_name)
+    fake_server._exec(project, "INSERT INTO workunit (id, create_time, name, delay_bound) VALUES (42, 0, %s, 90)",
+                      (u,))
+    p = run_script(project.root, "../bin/bdl_assimilate --error 2 42", e)
     assert p.returncode == 0, p.stderr
     assert "too many error results" in store.failed()[u]
-    args = (tmp_path / "mysql.args").read_text()
-    assert "select name from workunit where id=42" in args and args.strip().endswith("testproj")
-    cnf = (tmp_path / "mysql.cnf").read_text()
-    assert "user=boincadm" in cnf and "password=s3cret" in cnf
 
 
 def test_error_call_release_12_unresolved(env, redis_server) -> None:

@@ -11,7 +11,7 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from server.backends.boinc.jobsystem import BoincJobSystem, issued_key
+from server.backends.boinc.jobsystem import BoincJobSystem, issued_key, live_key
 from server.common.store import JobStore, connect
 from server.common.workunit import unit_name
 from server.fleet.aws import AwsProvider, parse_event
@@ -50,6 +50,7 @@ def boinc_job(r, project, name: str = "storm", n_units: int = 200):
         store.register_unit(u, {"epoch": 1, "shard": k, "model": "0"}, 1)
         store.transition_unit(u, "created", "in_progress")
         r.hset(issued_key(store), u, json.dumps({"name": u, "t": now, "delay": 3600.0, "attempt": 0}))
+        r.hset(live_key(store), u, u)  # created in BOINC, not yet handled by the assimilator
     return store, units
 
 

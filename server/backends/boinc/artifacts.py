@@ -54,24 +54,33 @@ def input_template() -> str:
     return _read("templates", f"{APP_NAME}_in")
 
 
-def output_template(max_nbytes: int, gzip: bool = False) -> str:
-    """The result template with the weights file bounded by ``max_nbytes``."""
+def output_template(max_nbytes: int, gzip: bool = False, report_immediately: bool = False) -> str:
+    """The result template with the weights file bounded by ``max_nbytes``.
+
+    ``report_immediately`` puts ``<report_immediately/>`` into ``<result>``: the
+    scheduler copies the template's ``<result>`` to the client (``sched/sched_send.cpp``
+    inserts only name, wu_name and deadline), the client parses the flag per result
+    (``client/result.cpp``) and reports that result at once instead of lazily
+    (``client/cs_scheduler.cpp``, ``find_project_with_overdue_results``).
+    """
     tpl = string.Template(_read("templates", f"{APP_NAME}_out.in"))
     return tpl.substitute(
         weights_max_nbytes=str(int(max_nbytes)),
         metrics_max_nbytes=str(min(int(max_nbytes), METRICS_MAX_NBYTES)),
         gzip_when_done="\n        <gzip_when_done/>" if gzip else "",
+        report_immediately="\n        <report_immediately/>" if report_immediately else "",
     )
 
 
-def output_template_name(max_nbytes: int, gzip: bool = False) -> str:
+def output_template_name(max_nbytes: int, gzip: bool = False, report_immediately: bool = False) -> str:
     """Project-relative path of the output template for a bound (one file per bound).
 
     Template files are referenced by path from every workunit record and read again
     whenever a result is (re)created, so they are never rewritten with other content:
-    a different bound gets a different file.
+    a different bound or flag gets a different file.
     """
-    return f"templates/{APP_NAME}_out_{int(max_nbytes)}{'_gz' if gzip else ''}"
+    return (f"templates/{APP_NAME}_out_{int(max_nbytes)}{'_gz' if gzip else ''}"
+            f"{'_ri' if report_immediately else ''}")
 
 
 def job_xml() -> str:

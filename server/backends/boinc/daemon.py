@@ -9,13 +9,16 @@ job's work generator close finished epochs and create units up to its window thr
 when the project's ``stop_daemons`` file appears and on SIGHUP or SIGTERM, and it
 survives Redis or create_work failures (logged, retried next pass).
 
-A job that ends (done, failed, cancelled) gets a last sweep: units still in flight
-are cancelled in BOINC and the job's staged input files leave the download hierarchy.
+Every pass also cancels the workunits that are no longer needed (their unit merged or
+given up, or superseded by a regenerated workunit). A job that ends (done, failed,
+cancelled) gets a last sweep: every workunit BOINC may still send is cancelled and the
+job's staged input files leave the download hierarchy.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -56,8 +59,10 @@ def cancel_in_flight(store: JobStore, backend: BoincJobSystem) -> int:
 
 
 def finalize_job(store: JobStore, backend: BoincJobSystem) -> int:
-    """A finished job: cancel its units in flight, unstage its files (once)."""
+    """A finished job: cancel its units in flight and every workunit BOINC may still
+    send (regenerated or superseded ones included), unstage its files (once)."""
     n = cancel_in_flight(store, backend)
+    n += backend.cancel_all(store.job)
     if store.meta().get("boinc_finalized") != "1":
         removed = backend.unstage_job(store.job)
         store.set_meta(boinc_finalized=1)
@@ -81,12 +86,46 @@ class WorkGeneratorDaemon:
 
     # ---- control --------------------------------------------------------------------------
     def install_signals(self) -> None:
+        """Exit at once on SIGHUP/SIGTERM/SIGINT.
+
+        BOINC's ``bin/stop`` sends SIGHUP and returns without waiting, and ``bin/start``
+        skips a daemon whose lock (held by this process) is still taken, so a restart
+        only works if the daemon is gone within the fraction of a second between the
+        two. Every step of a pass is crash-safe (Redis transactions; units created in
+        BOINC are recorded and re-checked at start; an epoch's evaluation is redone),
+        so the handler ends the process instead of finishing the pass, and skips the
+        interpreter's slow shutdown (seconds with TensorFlow loaded). A watchdog thread
+        woken through the signal wakeup fd does the same when the main thread is busy
+        in native code and cannot run the Python handler.
+        """
         for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        rfd, wfd = os.pipe()
+        os.set_blocking(wfd, False)
+        signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watchdog, args=(rfd,), name="signal-watchdog", daemon=True).start()
+
+    def _watchdog(self, rfd: int) -> None:
+        data = os.read(rfd, 16)
+        wanted = {int(signal.SIGHUP), int(signal.SIGTERM), int(signal.SIGINT)}
+        while not wanted.intersection(data):
+            data = os.read(rfd, 16)
+        # give the Python handler a moment (it logs which signal); then leave regardless
+        time.sleep(0.2)
+        self._exit_now("a stop signal (watchdog)")
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        log.info("got %s: stopping after this pass", signal.Signals(signum).name)
         self.stop.set()
+        self._exit_now(signal.Signals(signum).name)
+
+    @staticmethod
+    def _exit_now(why: str) -> None:
+        # Written straight to fd 2 (the daemon's log file), not through logging: the
+        # watchdog may run while the main thread holds a logging handler's lock.
+        # (logging's StreamHandler flushes every record, so nothing is left buffered)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.write(2, f"{stamp} [INFO] {log.name}: got {why}: exiting now\n".encode())
+        os._exit(0)
 
     def should_stop(self) -> bool:
         if self.project.stop_daemons_file.exists():
@@ -166,6 +205,8 @@ class WorkGeneratorDaemon:
                 gen = self.generator(store, meta)
                 alive = gen.step()
                 self.backend.flush()
+                # workunits of merged, given-up or superseded units: cancelled at once
+                self.backend.cancel_stray(job)
             except BoincToolError as e:
                 log.error("job %s: %s (retrying next pass)", job, e)
                 running += 1

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from server.backends.boinc.boincdb import BoincDB, BoincDBError, credentials
 from server.backends.boinc.project import BoincProject
 
 log = logging.getLogger(__name__)
@@ -58,35 +59,25 @@ def active_seconds(project: BoincProject) -> float:
 
 
 def db_params(project: BoincProject) -> dict[str, object] | None:
-    """PyMySQL connection arguments from config.xml (``db_host[:port]``, ``db_user``,
-    ``db_passwd``, ``db_name``); None when config.xml names no database."""
-    cfg = project.config
-    name = cfg.get("db_name")
-    if not name:
+    """PyMySQL connection arguments from config.xml (``db_host[:port]``, ``db_port``,
+    ``db_socket``, ``db_user``, ``db_passwd``, ``db_name``), as
+    :func:`~server.backends.boinc.boincdb.credentials` reads them; None when config.xml
+    names no database."""
+    try:
+        args: dict[str, object] = dict(credentials(project))
+    except BoincDBError:
         return None
-    host = cfg.get("db_host") or "localhost"
-    port = 3306
-    if ":" in host:
-        host, _, p = host.rpartition(":")
-        port = int(p) if p.isdigit() else 3306
-    return {"host": host, "port": port, "user": cfg.get("db_user") or "", "password": cfg.get("db_passwd") or "",
-            "database": name, "connect_timeout": 5, "read_timeout": 10}
+    args.setdefault("port", 3306)
+    args.update(connect_timeout=5, read_timeout=10)
+    return args
 
 
 def read_hosts(project: BoincProject, since: float) -> list[HostRow]:
-    """Hosts of the project whose last scheduler RPC is at or after ``since`` (unix time)."""
-    import pymysql
-
-    params = db_params(project)
-    if params is None:
-        raise OSError(f"{project.config_xml}: no <db_name>")
-    conn = pymysql.connect(**params)  # type: ignore[arg-type]
-    try:
-        with conn.cursor() as cur:
-            cur.execute("SELECT p_ncpus, rpc_time FROM host WHERE rpc_time >= %s", (int(since),))
-            return [HostRow(int(c or 1), float(t)) for c, t in cur.fetchall()]
-    finally:
-        conn.close()
+    """Hosts of the project whose last scheduler RPC is at or after ``since`` (unix time),
+    through the read-only, bounded :class:`~server.backends.boinc.boincdb.BoincDB`."""
+    with BoincDB.connect(project, timeout_s=5.0) as db:
+        rows = db.query("SELECT p_ncpus, rpc_time FROM host WHERE rpc_time >= %s", (int(since),))
+    return [HostRow(int(r["p_ncpus"] or 1), float(r["rpc_time"])) for r in rows]
 
 
 class HostCensus:

@@ -2,7 +2,7 @@
 
 What it does (each step reports what it changed; a second run changes nothing):
 
-1. ``boinc-dl.yaml``: boinc-dl's settings (Redis URL), created 0600 if missing;
+1. ``boinc-dl.yaml``: boinc-dl's settings (Redis URL), created 0640 if missing (the admin page, run by the web server in the project's group, reads it too);
 2. ``templates/boincdl_in`` and ``templates/boincdl_out`` (create_work's defaults for
    app ``boincdl``);
 3. shims in ``bin/``: ``bdl_assimilate``, ``bdl_validate``, ``bdl_compare``,
@@ -98,19 +98,42 @@ def default_command() -> list[str]:
     return [sys.executable, "-m", "server.backends.boinc"]
 
 
-def daemon_specs(n_assimilators: int) -> list[dict[str, str]]:
-    """Our ``<daemon>`` entries: cmd, output, pid_file."""
+def daemon_specs(n_assimilators: int, sleep_s: int | None = None) -> list[dict[str, str]]:
+    """Our ``<daemon>`` entries: cmd, output, pid_file.
+
+    ``sleep_s`` is the daemons' ``--sleep_interval``: how long an idle validator or
+    assimilator waits before it looks for work again (BOINC's defaults: 5 s,
+    ``sched/validator.cpp``; 10 s, ``sched/assimilator.cpp``). Each idle wake-up costs
+    one indexed query; each second of sleep adds up to a second to every merge.
+    """
+    sleep = f" --sleep_interval {int(sleep_s)}" if sleep_s else ""
     specs = [
         {"cmd": "bdl_work_generator", "output": WORK_GENERATOR_OUTPUT, "pid_file": "bdl_work_generator.pid"},
-        {"cmd": f"script_validator --app {APP_NAME} --init_script bdl_validate --compare_script bdl_compare",
+        {"cmd": f"script_validator --app {APP_NAME} --init_script bdl_validate --compare_script bdl_compare{sleep}",
          "output": VALIDATOR_OUTPUT, "pid_file": "bdl_validator.pid"},
     ]
     for i in range(n_assimilators):
         specs.append({
-            "cmd": f"script_assimilator --app {APP_NAME} --script bdl_assimilate --mod {n_assimilators} {i}",
+            "cmd": f"script_assimilator --app {APP_NAME} --script bdl_assimilate --mod {n_assimilators} {i}{sleep}",
             "output": ASSIMILATOR_OUTPUT.format(i=i), "pid_file": f"bdl_assimilator_{i}.pid",
         })
     return specs
+
+
+def transitioner_latency(daemons: ET.Element, sleep_s: int) -> str | None:
+    """Give BOINC's transitioner ``--sleep_interval sleep_s`` unless it has one; the new
+    command, or None. The transitioner runs twice between a report and the assimilator
+    (to validation, then to assimilation) and sleeps 5 s when idle
+    (``sched/transitioner.cpp``), so its interval is on every result's path."""
+    for el in daemons.findall("daemon"):
+        words = child_text(el, "cmd").split()
+        if words and words[0] == "transitioner" and not any(w.lstrip("-") == "sleep_interval" for w in words):
+            cmd = " ".join([*words, "--sleep_interval", str(int(sleep_s))])
+            cmd_el = el.find("cmd")
+            assert cmd_el is not None
+            cmd_el.text = cmd
+            return cmd
+    return None
 
 
 def is_our_daemon(el: ET.Element) -> bool:
@@ -185,7 +208,7 @@ class Installer:
             return
         header = ("# boinc-dl settings for this BOINC project (see docs/boinc.md).\n"
                   "# BDL_REDIS_URL in the environment overrides redis_url.\n")
-        self.write_file(path, header + yaml.safe_dump(new or {"redis_url": None}, sort_keys=False), mode=0o600)
+        self.write_file(path, header + yaml.safe_dump(new or {"redis_url": None}, sort_keys=False), mode=0o640)
         self.p.__dict__.pop("settings", None)
         if not new.get("redis_url"):
             self.note(f"set redis_url in {path} (or BDL_REDIS_URL) before starting the daemons")
@@ -194,7 +217,8 @@ class Installer:
         t = self.p.templates_dir
         self.write_file(t / f"{APP_NAME}_in", artifacts.input_template())
         gz = bool(self.o.gzip_outputs if self.o.gzip_outputs is not None else self.p.settings.gzip_outputs)
-        self.write_file(t / f"{APP_NAME}_out", artifacts.output_template(UnitSpec().max_upload_bytes, gz))
+        self.write_file(t / f"{APP_NAME}_out", artifacts.output_template(UnitSpec().max_upload_bytes, gz,
+                                                                        self.p.settings.report_immediately))
 
     def shims(self) -> None:
         cmd = self.o.command or default_command()
@@ -289,7 +313,8 @@ class Installer:
             daemons = ET.Element("daemons")
             append_child(root, daemons, 0)
             doc.changes.append("added <daemons>")
-        want = daemon_specs(self.o.assimilators)
+        sleep_s = self.p.settings.daemon_sleep_s
+        want = daemon_specs(self.o.assimilators, sleep_s)
         by_output = {d["output"]: d for d in want}
         seen: set[str] = set()
         for el in list(daemons.findall("daemon")):
@@ -313,6 +338,9 @@ class Installer:
             if spec["output"] not in seen:
                 append_child(daemons, self._daemon_el(spec), 1)
                 doc.changes.append(f"added daemon '{spec['cmd']}'")
+        cmd = transitioner_latency(daemons, sleep_s)
+        if cmd:
+            doc.changes.append(f"updated daemon '{cmd}' (prompt assimilation, docs/boinc.md)")
         if doc.save():
             for c in doc.changes:
                 self.change(f"config.xml: {c}")
@@ -381,6 +409,9 @@ class Installer:
         self.host_contact()
         self.admin_page()
         self.db_tools(project_changed, versions_changed)
+        if self.report.changes:
+            self.note(f"restart the daemons: boinc-dl boinc restart --project {self.p.root} "
+                      "(a plain 'bin/stop && bin/start' can leave a daemon stopped)")
         return self.report
 
 

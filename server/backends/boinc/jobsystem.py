@@ -22,15 +22,26 @@ Facts from BOINC's source that shape this driver (``tools/create_work.cpp``,
 
 Re-issue policy ``fresh`` (VC-ASGD's ``vcasgd.reissue``): BOINC itself only re-issues a
 lost result with the same inputs. For ``fresh`` this driver keeps, per unit, the name
-and creation time of its current workunit; once ``delay_bound`` has passed without a
-merge, :meth:`BoincJobSystem.regeneration_requests` hands the unit to the work
-generator, which rebuilds it from the freshest weights, and
+of its current workunit; a unit is lost only by BOINC's own account, read from its
+database (:mod:`server.backends.boinc.boincdb`): a *sent* result passed its report deadline
+(``report_deadline = sent_time + delay_bound``) or BOINC timed it out or saw it fail,
+and no result is back. A workunit still queued in BOINC is never late, and one whose
+result is back (waiting for the validator or the assimilator) is never regenerated.
+:meth:`BoincJobSystem.regeneration_requests` hands lost units to the work generator,
+which rebuilds them from the freshest weights, and
 :meth:`BoincJobSystem.resubmit_regenerated` cancels the old workunit (``cancel_jobs``)
 and creates ``<unit>_r<n>``. Regeneration stops one short of ``max_total_results``
 workunits, after which BOINC's own re-issue of the last one takes over, so a unit
 never runs more instances than the limit allows. A workunit named in the job's
 ``reissue_now`` set (the fleet controller's request when a cloud reclaims the host
 running it) is handed over at once, without waiting for its deadline.
+
+Every workunit created is kept in a ledger of live workunits
+(``bdl:<job>:boinc:live``, name -> unit) until it is cancelled or the assimilator
+has handled it; :meth:`BoincJobSystem.cancel_stray` cancels each live workunit whose
+unit is merged or given up or that is no longer its unit's current one, and
+:meth:`BoincJobSystem.cancel_all` every one of a job when the job ends, so that no
+host downloads inputs that were removed with the job.
 
 Inputs are staged once into the download hierarchy (``download/<hash>/<name>``, the
 layout of ``dir_hier_path``, with the ``.md5`` cache file), either natively or with
@@ -58,6 +69,7 @@ import redis
 
 from server.backends.base import JobSystem, RetryLimits
 from server.backends.boinc import artifacts
+from server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
 from server.backends.boinc.hosts import HostCensus
 from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
 from server.common.errors import BoincDLError
@@ -71,6 +83,12 @@ log = logging.getLogger(__name__)
 #: whitespace/quote tokenizer, SQL and URLs unescaped).
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,250}$")
 TOOL_TIMEOUT_S = 600.0
+#: Task size from the job's history: samples needed, refresh period, bound / estimate.
+FPOPS_MIN_SAMPLES = 3
+FPOPS_REFRESH_S = 60.0
+FPOPS_BOUND_FACTOR = 20.0
+#: Before measurements: predicted runtime at most this fraction of the deadline.
+CALIBRATION_FRACTION = 0.25
 
 
 class BoincToolError(BoincDLError):
@@ -124,6 +142,21 @@ def reissue_now_key(store: JobStore) -> str:
     return store.k("boinc", "reissue_now")
 
 
+def live_key(store: JobStore) -> str:
+    """Redis hash workunit name -> unit of the job's workunits that BOINC may still run."""
+    return store.k("boinc", "live")
+
+
+def forget_workunit(r: redis.Redis, job: str, wu_name: str) -> None:
+    """The assimilator handled ``wu_name`` (merged, duplicate, superseded, failed): it
+    needs no cancelling any more."""
+    r.hdel(live_key(JobStore(r, job)), wu_name)
+
+
+#: Unit states after which none of the unit's workunits is needed.
+UNIT_DONE = ("assimilated", "failed", "cancelled")
+
+
 def staged_key(store: JobStore) -> str:
     """Redis set of the physical names the job staged into the download hierarchy."""
     return store.k("boinc", "staged")
@@ -145,6 +178,8 @@ class BoincJobSystem(JobSystem):
         self._staged: dict[str, str] = {}  # physical name -> md5 (verified this process)
         self._md5_cache: dict[tuple[str, int, int], tuple[str, int]] = {}
         self._specs: dict[str, JobSpec] = {}
+        self._db: BoincDB | None = None
+        self._fpops: dict[str, tuple[float, tuple[float, float]]] = {}
 
     # ---- JobSystem ------------------------------------------------------------------------
     def live_capacity(self) -> int | None:
@@ -190,12 +225,20 @@ class BoincJobSystem(JobSystem):
                 return
         self._cancel_workunit(name)
 
-    def _cancel_workunit(self, name: str) -> None:
+    def _cancel_workunit(self, name: str, job: str | None = None) -> None:
         proc = self._run(["bin/cancel_jobs", "--name", name], check=False)
         if proc.returncode == 0:
             log.info("cancelled workunit %s", name)
         elif "No workunit named" in proc.stderr:
             log.warning("cancel %s: BOINC has no such workunit", name)
+        if proc.returncode == 0 or "No workunit named" in proc.stderr:
+            parsed = parse_unit_name(name)
+            job = job or (parsed["job"] if parsed else None)
+            if job:
+                p = self.r.pipeline(transaction=True)
+                p.hdel(live_key(JobStore(self.r, job)), name)
+                p.hincrby(JobStore(self.r, job).k("counters"), "boinc_cancelled", 1)
+                p.execute()
         else:
             raise BoincToolError(
                 f"bin/cancel_jobs --name {name} failed (exit {proc.returncode}): {_tail(proc.stderr)}",
@@ -203,12 +246,12 @@ class BoincJobSystem(JobSystem):
 
     # ---- re-issue policy "fresh" ------------------------------------------------------------
     def regeneration_requests(self, job: str | None = None) -> list[tuple[str, int]]:
-        """Units of ``job`` whose workunit passed its deadline unmerged: (unit, attempt).
+        """Units of ``job`` that BOINC lost, unmerged: (unit, attempt) (module docstring).
 
-        Only for VC-ASGD jobs with ``vcasgd.reissue: fresh``. The deadline counts from
-        the workunit's creation (BOINC's counts from sending, which only BOINC's
-        database knows), so a unit that waited long in the queue may be regenerated
-        while it runs: harmless, as the subset's first merged result wins.
+        Only for VC-ASGD jobs with ``vcasgd.reissue: fresh``, and only with BOINC's
+        database readable: without it nothing is regenerated (BOINC's own same-input
+        re-issue still recovers lost results), because a guess from creation times
+        regenerates units that merely waited in BOINC's queue.
         """
         if job is None:
             return []
@@ -216,35 +259,162 @@ class BoincJobSystem(JobSystem):
         if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
             return []
         store = JobStore(self.r, job)
-        now = time.time()
-        # Workunits whose host was reclaimed: honoured only while still the unit's current
-        # workunit, so a request can never re-issue a unit twice.
+        # Workunits whose host the fleet controller saw reclaimed (it read BOINC's database
+        # itself): honoured while still their unit's current, live workunit, so a request
+        # never re-issues a unit twice; read once, then done with.
         asked = {x.decode() for x in self.r.smembers(reissue_now_key(store))}
-        overdue, honoured = [], set()
-        for unit, raw in self.r.hgetall(issued_key(store)).items():
+        try:
+            return self._lost_units(store, spec, asked)
+        finally:
+            if asked:
+                self.r.srem(reissue_now_key(store), *asked)
+
+    def _lost_units(self, store: JobStore, spec: JobSpec, asked: set[str]) -> list[tuple[str, int]]:
+        # Only the workunits BOINC may still run (the live ledger: units in flight), not
+        # the job's every unit, on every pass.
+        live = {k.decode(): v.decode() for k, v in self.r.hgetall(live_key(store)).items()}
+        units = sorted(set(live.values()))
+        if not units:
+            return []
+        cand: list[tuple[str, int, str]] = []
+        for unit, raw in zip(units, self.r.hmget(issued_key(store), units), strict=True):
+            if not raw:
+                continue
             rec = json.loads(raw)
-            now_asked = rec["name"] in asked
-            if (now_asked or now >= float(rec["t"]) + float(rec["delay"])) \
-                    and int(rec["attempt"]) + 1 < spec.units.max_total_results:
-                overdue.append((unit.decode(), int(rec["attempt"])))
-                if now_asked:
-                    honoured.add(rec["name"])
-        # (the last workunit max_total_results allows is left to BOINC's own re-issue)
-        states = store.unit_states_of([u for u, _ in overdue]) if overdue else []
-        # Only the overdue units' states, not the job's whole state hash, on every pass.
-        out = sorted((u, a) for (u, a), st in zip(overdue, states, strict=True) if st == "in_progress")
-        if asked:  # requests handed over now, superseded or finished are done with
-            self.r.srem(reissue_now_key(store), *asked)
-            if honoured:
-                log.info("job %s: re-issuing %d unit(s) of reclaimed hosts now", job, len(honoured))
-        return out
+            # (the last workunit max_total_results allows is left to BOINC's own re-issue)
+            if rec["name"] in live and int(rec["attempt"]) + 1 < spec.units.max_total_results:
+                cand.append((unit, int(rec["attempt"]), str(rec["name"])))
+        if not cand:
+            return []
+        states = store.unit_states_of([u for u, _, _ in cand])
+        cand = [c for c, st in zip(cand, states, strict=True) if st == "in_progress"]
+        if not cand:
+            return []
+        now_asked = {name for _, _, name in cand if name in asked}
+        if now_asked:
+            log.info("job %s: re-issuing %d unit(s) of reclaimed hosts now", store.job, len(now_asked))
+        rest = [name for _, _, name in cand if name not in asked]
+        wus = self.boinc_workunits(rest) if rest else {}
+        now = time.time()
+        return sorted((u, a) for u, a, name in cand
+                      if name in now_asked or (wus is not None and name in wus and wus[name].overdue(now)))
+
+    def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
+        """BOINC's view of these workunits (None, logged, when its database is unreadable)."""
+        try:
+            if self._db is None:
+                self._db = BoincDB.connect(self.project)
+            return self._db.workunits(names)
+        except BoincDBError as e:
+            log.error("%s (no regeneration this pass)", e)
+            if self._db is not None:
+                self._db.close()
+            self._db = None
+            return None
+
+    # ---- task size (rsc_fpops_est / rsc_fpops_bound) ---------------------------------------
+    def task_fpops(self, job: str) -> tuple[float, float]:
+        """``rsc_fpops_est`` and ``rsc_fpops_bound`` for the job's next workunits.
+
+        BOINC predicts a task's runtime as ``rsc_fpops_est`` divided by the speed it
+        assumes for the host, and sizes work requests and checks deadlines with that
+        prediction; a client aborts a task that passes ``rsc_fpops_bound``. Once
+        ``FPOPS_MIN_SAMPLES`` tasks of the job came back, the estimate is the median of
+        their measured cost (``elapsed_time * flops_estimate``, BOINC's own figures, start-up
+        included); the job's first units are its calibration, sized by the settings.
+        """
+        default = (self.settings.rsc_fpops_est, self.settings.rsc_fpops_bound)
+        if not self.settings.fpops_from_history:
+            return default
+        now = time.monotonic()
+        cached = self._fpops.get(job)
+        if cached is not None and now - cached[0] < FPOPS_REFRESH_S:
+            return cached[1]
+        value = default
+        costs = None
+        try:
+            if self._db is None:
+                self._db = BoincDB.connect(self.project)
+            costs = self._db.job_task_costs(f"{job}__")
+        except BoincDBError as e:
+            log.warning("task size of job %s from the settings: %s", job, e)
+            self._db = None
+        if (not costs or len(costs) < FPOPS_MIN_SAMPLES) and self._db is not None:
+            value = self._calibration_fpops(job, default)
+        if costs and len(costs) >= FPOPS_MIN_SAMPLES:
+            sizes = sorted(t * f for t, f in costs)
+            est = sizes[len(sizes) // 2]
+            # the bound protects against runaway tasks, never against a slow host
+            value = (est, max(est * FPOPS_BOUND_FACTOR, sizes[-1] * 4))
+            if cached is None or abs(cached[1][0] - est) > 0.2 * cached[1][0]:
+                log.info("job %s: rsc_fpops_est %.3g (median of %d tasks, %.1f s each on the hosts' "
+                         "speeds), bound %.3g", job, est, len(sizes),
+                         sorted(t for t, _ in costs)[len(costs) // 2], value[1])
+        self._fpops[job] = (now, value)
+        return value
+
+    def _calibration_fpops(self, job: str, default: tuple[float, float]) -> tuple[float, float]:
+        """Before the job's own tasks are measured: an estimate that BOINC turns into a
+        predicted runtime of at most ``CALIBRATION_FRACTION`` of the deadline on the
+        median active host. The scheduler refuses a job whose predicted runtime, added
+        to the host's queue, passes ``delay_bound`` (``sched/sched_check.cpp``), so the
+        default estimate (an hour on a 1 GFLOPS host) with a 60 s deadline lets each
+        host hold one task at a time."""
+        assert self._db is not None
+        try:
+            speeds = sorted(self._db.host_fpops())
+        except BoincDBError as e:
+            log.warning("task size of job %s from the settings: %s", job, e)
+            return default
+        if not speeds:
+            return default
+        est = min(default[0], speeds[len(speeds) // 2] * self._spec(job).units.timeout_s * CALIBRATION_FRACTION)
+        return est, max(default[1], est * FPOPS_BOUND_FACTOR)
+
+    # ---- stray workunits ------------------------------------------------------------------
+    def cancel_stray(self, job: str) -> int:
+        """Cancel the job's live workunits that are no longer needed: their unit is merged,
+        given up or cancelled, or they were superseded by a regenerated workunit."""
+        store = JobStore(self.r, job)
+        live = {k.decode(): v.decode() for k, v in self.r.hgetall(live_key(store)).items()}
+        if not live:
+            return 0
+        units = sorted(set(live.values()))
+        states = dict(zip(units, store.unit_states_of(units), strict=True))
+        current = {u: (json.loads(raw)["name"] if raw else None)
+                   for u, raw in zip(units, self.r.hmget(issued_key(store), units), strict=True)}
+        stray = [wu for wu, unit in live.items()
+                 if states.get(unit) in UNIT_DONE or states.get(unit) is None
+                 or (current.get(unit) is not None and current[unit] != wu)]
+        return self._cancel_live(job, stray)
+
+    def cancel_all(self, job: str) -> int:
+        """Cancel every live workunit of a job that ended."""
+        live = [k.decode() for k in self.r.hkeys(live_key(JobStore(self.r, job)))]
+        return self._cancel_live(job, live)
+
+    def _cancel_live(self, job: str, names: list[str]) -> int:
+        if not names:
+            return 0
+        wus = self.boinc_workunits(names)
+        n = 0
+        for name in sorted(names):
+            if wus is not None and name in wus and not wus[name].live():
+                # BOINC finished it already (assimilated, failed or cancelled): nothing to do
+                self.r.hdel(live_key(JobStore(self.r, job)), name)
+                continue
+            self._cancel_workunit(name, job)
+            n += 1
+        if n:
+            log.info("job %s: cancelled %d workunit(s) no longer needed", job, n)
+        return n
 
     def resubmit_regenerated(self, unit: str, wu: Workunit, name: str) -> bool:
         """Cancel ``unit``'s current workunit and queue the regenerated one as ``name``."""
         spec = self._spec(wu.job)
         old = current_instance(self.r, wu.job, unit)
         if old is not None and old != name and self.is_created(wu.job, old):
-            self._cancel_workunit(old)
+            self._cancel_workunit(old, wu.job)
         limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
         self._queue(_Pending(wu, limits, name))
         return True
@@ -268,6 +438,7 @@ class BoincJobSystem(JobSystem):
         now = time.time()
         p = self.r.pipeline(transaction=True)
         p.sadd(created_key(store), *[i.name for i in items])
+        p.hset(live_key(store), mapping={i.name: i.wu.unit for i in items})
         p.hset(issued_key(store), mapping={
             i.wu.unit: json.dumps({"name": i.name, "t": now, "delay": i.limits.delay_bound_s,
                                    "attempt": (parse_unit_name(i.name) or {}).get("attempt", 0)})
@@ -310,6 +481,7 @@ class BoincJobSystem(JobSystem):
                 f"job {job}: units.max_total_results ({total}) must be at least the quorum ({q})")
         if errors > total:
             raise BoincDLError(f"job {job}: units.max_error_results ({errors}) > max_total_results ({total})")
+        est, bound = self.task_fpops(job)
         return [
             "bin/create_work",
             "--appname", APP_NAME,
@@ -321,8 +493,8 @@ class BoincJobSystem(JobSystem):
             "--max_error_results", str(errors),
             "--max_total_results", str(total),
             "--max_success_results", str(total),
-            "--rsc_fpops_est", f"{self.settings.rsc_fpops_est:.6g}",
-            "--rsc_fpops_bound", f"{self.settings.rsc_fpops_bound:.6g}",
+            "--rsc_fpops_est", f"{est:.6g}",
+            "--rsc_fpops_bound", f"{bound:.6g}",
             "--rsc_memory_bound", f"{self.settings.rsc_memory_bound:.6g}",
             "--rsc_disk_bound", f"{disk_bound:.6g}",
             "--stdin",
@@ -368,9 +540,10 @@ class BoincJobSystem(JobSystem):
     def ensure_output_template(self, max_nbytes: int) -> str:
         """Write the output template for this upload bound if missing; its project path."""
         gz = self.settings.gzip_outputs
-        rel = artifacts.output_template_name(max_nbytes, gz)
+        ri = self.settings.report_immediately
+        rel = artifacts.output_template_name(max_nbytes, gz, ri)
         path = self.project.root / rel
-        text = artifacts.output_template(max_nbytes, gz)
+        text = artifacts.output_template(max_nbytes, gz, ri)
         if path.exists():
             if path.read_text() != text:
                 raise BoincToolError(f"{path} exists with other content; BOINC reads it for every "

@@ -77,6 +77,15 @@ class BoincSettings(BaseModel):
     batch_size: int = Field(200, ge=1, description="workunits per create_work call")
     capacity: int | None = Field(None, gt=0, description="units in flight per job (default: spec window)")
     poll_s: float = Field(5.0, gt=0, description="work generator pass interval")
+    report_immediately: bool = Field(
+        True, description="clients report each finished task at once (<report_immediately/> in the result template)"
+    )
+    daemon_sleep_s: int = Field(
+        1, ge=1, description="--sleep_interval of the validator, assimilators and transitioner (install)"
+    )
+    fpops_from_history: bool = Field(
+        True, description="derive rsc_fpops_est/bound from the job's measured unit times"
+    )
 
 
 def filename_hash(name: str, fanout: int) -> str:

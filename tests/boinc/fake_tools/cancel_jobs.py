@@ -2,8 +2,10 @@
 (tools/cancel_jobs.cpp: exactly two arguments)."""
 
 import sys
+import time
 
-from _fakelib import database, die, record
+import _fakemysql
+from _fakelib import PROJECT, database, die, record
 
 record("cancel_jobs")
 args = sys.argv[1:]
@@ -22,3 +24,19 @@ with database() as db:
         for wu in db["workunits"].values():
             if lo <= wu["id"] <= hi:
                 wu["error_mask"] |= 16
+if _fakemysql.enabled(PROJECT):
+    # tools/backend_lib.cpp cancel_job(s): unsent results become OVER/DIDNT_NEED, the
+    # workunit gets WU_ERROR_CANCELLED; results in progress stay (the host may report them).
+    conn = _fakemysql.connect(PROJECT)
+    with conn.cursor() as c:
+        if args[0] == "--name":
+            c.execute("SELECT id FROM workunit WHERE name=%s", (args[1],))
+            ids = [r["id"] for r in c.fetchall()]
+        else:
+            c.execute("SELECT id FROM workunit WHERE id BETWEEN %s AND %s", (int(args[0]), int(args[1])))
+            ids = [r["id"] for r in c.fetchall()]
+        for wid in ids:
+            c.execute("UPDATE result SET server_state=5, outcome=5 WHERE server_state<=2 AND workunitid=%s", (wid,))
+            c.execute("UPDATE workunit SET error_mask=error_mask|16, transition_time=%s WHERE id=%s",
+                      (int(time.time()), wid))
+    conn.close()

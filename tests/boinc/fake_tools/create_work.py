@@ -10,10 +10,12 @@ the fake database (a duplicate name fails the batch like the SQL insert).
 import re
 import shlex
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from _fakelib import config_value, database, die, hier_path, is_project_dir, record
+import _fakemysql
+from _fakelib import PROJECT, config_value, database, die, hier_path, is_project_dir, record
 
 MAIN = {
     "appname": 1, "d": 1, "wu_name": 1, "wu_template": 1, "result_template": 1, "config_dir": 1,
@@ -138,6 +140,28 @@ def main():
             db["next_wu_id"] += 1
             wu["error_mask"] = 0
             db["workunits"][wu["name"]] = wu
+    if _fakemysql.enabled(PROJECT):
+        insert_sql(created)
+
+
+def insert_sql(created):
+    """The batch into the SQL database, as one transaction; then target_nresults UNSENT
+    results per workunit, as the transitioner's first pass creates them."""
+    now = int(time.time())
+    conn = _fakemysql.connect(PROJECT)
+    with conn.cursor() as c:
+        for wu in created:
+            c.execute("INSERT INTO workunit (create_time, name, rsc_fpops_est, rsc_fpops_bound, delay_bound, "
+                      "min_quorum, target_nresults, max_error_results, max_total_results, max_success_results) "
+                      "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                      (now, wu["name"], wu["rsc_fpops_est"], wu["rsc_fpops_bound"], int(wu["delay_bound"]),
+                       int(wu["min_quorum"]), int(wu["target_nresults"]), int(wu["max_error_results"]),
+                       int(wu["max_total_results"]), int(wu["max_success_results"])))
+            wu_id = c.lastrowid
+            for i in range(int(wu["target_nresults"])):
+                c.execute("INSERT INTO result (create_time, workunitid, server_state, name) VALUES (%s,%s,2,%s)",
+                          (now, wu_id, f"{wu['name']}_{i}"))
+    conn.close()
 
 
 main()

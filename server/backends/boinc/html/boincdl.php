@@ -4,8 +4,9 @@
 // Installed into a BOINC project's html/ops/ (with boincdl_lib.php beside it), it
 // uses BOINC's admin page head/tail and the ops directory's access control. Run
 // anywhere else (e.g. `php -S` in this folder) it renders a plain standalone page.
-// Redis location: BDL_REDIS_URL / BDL_REDIS_PASSWORD_FILE in the environment, or
-// boincdl.ini in the project directory (see docs/docker.md).
+// Redis location: as the daemons read it, BDL_REDIS_URL in the environment, else
+// redis_url in the project's boinc-dl.yaml (written by install); else boincdl.ini in
+// the project directory (the docker stack, docs/docker.md). Never a guess.
 
 $bdl_in_boinc = file_exists(__DIR__ . '/../inc/util_ops.inc');
 if ($bdl_in_boinc) {

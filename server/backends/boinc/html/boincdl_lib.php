@@ -192,27 +192,46 @@ class BdlRedis {
 // ---- configuration ---------------------------------------------------------------------
 
 /**
- * Where Redis is: environment first (BDL_REDIS_URL, BDL_REDIS_PASSWORD or
- * BDL_REDIS_PASSWORD_FILE), then an ini file (BDL_ADMIN_CONFIG, default
- * boincdl.ini in the project directory, two levels above html/ops, which the web
- * server does not serve) with keys redis_url, redis_password, redis_password_file.
+ * Where Redis is, read like the daemons read it: BDL_REDIS_URL in the environment
+ * (with BDL_REDIS_PASSWORD or BDL_REDIS_PASSWORD_FILE), else `redis_url` in the
+ * project's boinc-dl.yaml (written by `boinc-dl boinc install`, two levels above
+ * html/ops; BDL_SETTINGS names another file), else an ini file (BDL_ADMIN_CONFIG, or
+ * boincdl.ini in the project directory: the docker stack) with keys redis_url,
+ * redis_password, redis_password_file. No guess: without a URL the page says why.
  */
 function bdl_redis_config() {
+    $project = dirname(dirname(__DIR__));
     $ini = array();
+    $sources = array();
     $path = getenv('BDL_ADMIN_CONFIG');
     if ($path === false || $path === '') {
-        $path = dirname(dirname(__DIR__)) . '/boincdl.ini';
+        $path = $project . '/boincdl.ini';
     }
     if (is_readable($path)) {
         $parsed = parse_ini_file($path, false, INI_SCANNER_RAW);
         if (is_array($parsed)) $ini = $parsed;
+    }
+    $yaml_path = getenv('BDL_SETTINGS');
+    if ($yaml_path === false || $yaml_path === '') {
+        $yaml_path = $project . '/boinc-dl.yaml';
+    }
+    $yaml_url = null;
+    if (file_exists($yaml_path)) {
+        if (!is_readable($yaml_path)) {
+            throw new BdlRedisError("$yaml_path (boinc-dl's settings) is not readable by the web server: "
+                . "give it the web server's group, mode 0640 (see docs/boinc.md)");
+        }
+        $yaml_url = bdl_yaml_scalar(file_get_contents($yaml_path), 'redis_url');
+        $sources[] = $yaml_path;
     }
     $get = function ($env, $key) use ($ini) {
         $v = getenv($env);
         if ($v !== false && $v !== '') return $v;
         return isset($ini[$key]) && $ini[$key] !== '' ? $ini[$key] : null;
     };
-    $url = $get('BDL_REDIS_URL', 'redis_url');
+    $url = getenv('BDL_REDIS_URL');
+    if ($url === false || $url === '') $url = $yaml_url;
+    if ($url === null || $url === '') $url = $get('BDL_REDIS_URL', 'redis_url');
     $password = $get('BDL_REDIS_PASSWORD', 'redis_password');
     $pw_file = $get('BDL_REDIS_PASSWORD_FILE', 'redis_password_file');
     if ($password === null && $pw_file !== null) {
@@ -221,7 +240,28 @@ function bdl_redis_config() {
         }
         $password = trim(file_get_contents($pw_file));
     }
-    return array('url' => $url !== null ? $url : 'redis://127.0.0.1:6379/0', 'password' => $password);
+    if ($url === null || $url === '') {
+        throw new BdlRedisError("no Redis URL: neither BDL_REDIS_URL, nor redis_url in $yaml_path"
+            . (file_exists($yaml_path) ? '' : ' (missing: run boinc-dl boinc install)') . ", nor in $path");
+    }
+    return array('url' => $url, 'password' => $password);
+}
+
+/**
+ * A top-level scalar of a YAML mapping as PyYAML's safe_dump writes it (plain,
+ * 'single-quoted' or "double-quoted"); null when absent or null.
+ */
+function bdl_yaml_scalar($text, $key) {
+    if (!preg_match('/^' . preg_quote($key, '/') . ':[ \t]*(.*?)[ \t]*$/m', $text, $m)) return null;
+    $v = $m[1];
+    if ($v === '' || $v === 'null' || $v === '~') return null;
+    if ($v[0] === "'" && substr($v, -1) === "'") return str_replace("''", "'", substr($v, 1, -1));
+    if ($v[0] === '"' && substr($v, -1) === '"') {
+        $d = json_decode($v);
+        return is_string($d) ? $d : null;
+    }
+    $hash = strpos($v, ' #');
+    return $hash === false ? $v : rtrim(substr($v, 0, $hash));
 }
 
 // ---- data ------------------------------------------------------------------------------
@@ -298,6 +338,10 @@ function bdl_num($v, $digits = 4) {
     return bdl_h(rtrim(rtrim(number_format((float)$v, $digits, '.', ''), '0'), '.'));
 }
 
+function bdl_counter($c, $name) {
+    return isset($c[$name]) ? (int)$c[$name] : 0;
+}
+
 function bdl_time($t) {
     if ($t === null || $t === '' || !is_numeric($t)) return '&ndash;';
     return bdl_h(gmdate('Y-m-d H:i:s', (int)$t) . ' UTC');
@@ -328,7 +372,7 @@ function bdl_style() {
 
 function bdl_jobs_table($jobs, $selected) {
     $o = "<h3>Jobs</h3>\n<table id=\"bdl-jobs\"><tr><th class=l>job</th><th class=l>mode</th><th class=l>status</th>"
-       . "<th>epochs</th><th>in flight</th><th>done</th><th>failed</th><th>re-issued</th><th>rejected</th>"
+       . "<th>epochs</th><th>in flight</th><th>done</th><th>failed</th><th>re-issued / regenerated</th><th>rejected</th>"
        . "<th>val acc</th><th class=l>created</th></tr>\n";
     foreach ($jobs as $j) {
         $m = $j['meta'];
@@ -346,8 +390,8 @@ function bdl_jobs_table($jobs, $selected) {
             . '<td>' . ($j['states']['created'] + $j['states']['in_progress']) . '</td>'
             . '<td>' . $j['states']['assimilated'] . '</td>'
             . '<td>' . $j['states']['failed'] . '</td>'
-            . '<td>' . (isset($j['counters']['reissued']) ? $j['counters']['reissued'] : 0) . '</td>'
-            . '<td>' . (isset($j['counters']['rejected']) ? $j['counters']['rejected'] : 0) . '</td>'
+            . '<td>' . bdl_counter($j['counters'], 'reissued') . ' / ' . bdl_counter($j['counters'], 'regenerated') . '</td>'
+            . '<td>' . bdl_counter($j['counters'], 'rejected') . '</td>'
             . '<td>' . bdl_num($acc) . '</td>'
             . '<td class=l>' . bdl_time(isset($m['created_at']) ? $m['created_at'] : null) . "</td></tr>\n";
     }
@@ -440,7 +484,8 @@ function bdl_job_detail($j) {
     ksort($meta);
     $o .= "<table id=\"bdl-meta\">";
     foreach ($meta as $k => $v) {
-        if ($k === 'created_at') $v = gmdate('Y-m-d H:i:s', (int)$v) . ' UTC';
+        // every time stamp (created_at, finished_at, ...) in UTC, not raw epoch seconds
+        if (substr($k, -3) === '_at' && is_numeric($v)) $v = gmdate('Y-m-d H:i:s', (int)$v) . ' UTC';
         $o .= '<tr><th class=l>' . bdl_h($k) . '</th><td class=l>' . bdl_h($v) . "</td></tr>";
     }
     foreach ($j['versions'] as $m => $v) {
@@ -451,13 +496,18 @@ function bdl_job_detail($j) {
     $st = $j['states'];
     $c = $j['counters'];
     $o .= "<h4>Workunits</h4>\n<table id=\"bdl-units\"><tr><th>queued</th><th>in flight</th><th>done</th><th>failed</th>"
-        . "<th>re-issued</th><th>rejected results</th><th>cancelled</th></tr><tr>"
+        . "<th>re-issued (same inputs)</th><th>regenerated (fresh weights)</th><th>workunits cancelled</th>"
+        . "<th>late calls of superseded workunits</th><th>rejected results</th><th>units cancelled</th></tr><tr>"
         . '<td>' . $st['created'] . '</td><td>' . $st['in_progress'] . '</td><td class=ok>' . $st['assimilated'] . '</td>'
         . '<td class="' . ($st['failed'] ? 'bad' : '') . '">' . $st['failed'] . '</td>'
-        . '<td>' . (isset($c['reissued']) ? $c['reissued'] : 0) . '</td>'
-        . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . (isset($c['rejected']) ? $c['rejected'] : 0) . '</td>'
+        . '<td>' . bdl_counter($c, 'reissued') . '</td>'
+        . '<td>' . bdl_counter($c, 'regenerated') . '</td>'
+        . '<td>' . bdl_counter($c, 'boinc_cancelled') . '</td>'
+        . '<td>' . bdl_counter($c, 'boinc_superseded_calls') . '</td>'
+        . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . bdl_counter($c, 'rejected') . '</td>'
         . '<td>' . $st['cancelled'] . "</td></tr></table>\n";
-    $extra = array_diff_key($c, array('reissued' => 1, 'rejected' => 1));
+    $extra = array_diff_key($c, array('reissued' => 1, 'regenerated' => 1, 'rejected' => 1,
+                                      'boinc_cancelled' => 1, 'boinc_superseded_calls' => 1));
     if ($extra) {
         ksort($extra);
         $o .= '<p class=muted>Other counters: ';

@@ -1,0 +1,259 @@
+"""Read-only access to a BOINC project's database (MariaDB/MySQL), bounded and parametrized.
+
+BOINC alone knows when a result was *sent* (``result.sent_time``), when it is due
+(``result.report_deadline = sent_time + workunit.delay_bound``, ``sched/sched_send.cpp``)
+and whether it came back (``server_state``/``outcome``/``validate_state``). boinc-dl
+reads those facts here instead of guessing them from workunit creation times.
+
+* Credentials come from the project's ``config.xml`` (``db_name``, ``db_host``,
+  ``db_user``, ``db_passwd``, optional ``db_port`` and ``db_socket``), as BOINC's own
+  tools read them (``sched/sched_config.cpp``). ``db_host`` may be ``host:port``.
+* Every session is read-only (``SET SESSION TRANSACTION READ ONLY``), every query is
+  parametrized, has a row limit and runs under connect/read timeouts, so a slow or
+  unreachable database degrades boinc-dl (logged, retried next pass) instead of
+  hanging a daemon.
+
+The constants are BOINC's (``db/boinc_db_types.h``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.backends.boinc.project import BoincProject
+from server.common.errors import BoincDLError
+
+log = logging.getLogger(__name__)
+
+# result.server_state
+RESULT_SERVER_STATE_INACTIVE = 1
+RESULT_SERVER_STATE_UNSENT = 2
+RESULT_SERVER_STATE_IN_PROGRESS = 4
+RESULT_SERVER_STATE_OVER = 5
+# result.outcome
+RESULT_OUTCOME_INIT = 0
+RESULT_OUTCOME_SUCCESS = 1
+RESULT_OUTCOME_COULDNT_SEND = 2
+RESULT_OUTCOME_CLIENT_ERROR = 3
+RESULT_OUTCOME_NO_REPLY = 4
+RESULT_OUTCOME_DIDNT_NEED = 5
+RESULT_OUTCOME_VALIDATE_ERROR = 6
+RESULT_OUTCOME_CLIENT_DETACHED = 7
+# result.validate_state
+VALIDATE_STATE_INIT = 0
+VALIDATE_STATE_VALID = 1
+VALIDATE_STATE_INVALID = 2
+# workunit.assimilate_state
+ASSIMILATE_INIT = 0
+ASSIMILATE_READY = 1
+ASSIMILATE_DONE = 2
+
+#: Outcomes after which BOINC needs (or re-creates) another instance of the workunit.
+LOST_OUTCOMES = (RESULT_OUTCOME_CLIENT_ERROR, RESULT_OUTCOME_NO_REPLY, RESULT_OUTCOME_VALIDATE_ERROR,
+                 RESULT_OUTCOME_CLIENT_DETACHED)
+
+#: Names per ``IN (...)`` query and rows per query: bounded work per call.
+CHUNK = 500
+MAX_ROWS = 100_000
+
+
+class BoincDBError(BoincDLError):
+    """BOINC's database is not configured, unreachable, or a query failed."""
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    """The columns of one ``result`` row boinc-dl uses."""
+
+    id: int
+    name: str
+    server_state: int
+    outcome: int
+    validate_state: int
+    sent_time: int
+    report_deadline: int
+    received_time: int
+    hostid: int
+
+
+@dataclass(frozen=True)
+class HostRow:
+    """The columns of one ``host`` row boinc-dl uses."""
+
+    id: int
+    rpc_time: int
+    p_ncpus: int
+    p_fpops: float
+
+
+@dataclass
+class WorkunitState:
+    """A workunit and its results, as BOINC sees them."""
+
+    id: int
+    name: str
+    error_mask: int
+    assimilate_state: int
+    canonical_resultid: int
+    delay_bound: int
+    results: list[ResultRow] = field(default_factory=list)
+
+    def result_back(self) -> bool:
+        """A result was returned and not (yet) judged invalid: the unit is not lost,
+        whatever happens next (validation, assimilation)."""
+        if self.canonical_resultid or self.assimilate_state != ASSIMILATE_INIT:
+            return True
+        return any(r.server_state == RESULT_SERVER_STATE_OVER and r.outcome == RESULT_OUTCOME_SUCCESS
+                   and r.validate_state != VALIDATE_STATE_INVALID for r in self.results)
+
+    def in_flight(self, now: float) -> bool:
+        """A sent result is still within its report deadline."""
+        return any(r.server_state == RESULT_SERVER_STATE_IN_PROGRESS and r.report_deadline > now
+                   for r in self.results)
+
+    def overdue(self, now: float) -> bool:
+        """The unit is lost: no result back, and a sent result passed its report deadline
+        or BOINC timed one out or saw it fail. A workunit whose results were never sent
+        (still queued in BOINC) is never overdue, nor one BOINC finished (error mask)."""
+        if self.error_mask or self.result_back():
+            return False
+        lost = any((r.server_state == RESULT_SERVER_STATE_IN_PROGRESS and 0 < r.report_deadline <= now)
+                   or (r.server_state == RESULT_SERVER_STATE_OVER and r.outcome in LOST_OUTCOMES)
+                   for r in self.results)
+        return lost and not self.in_flight(now)
+
+    def live(self) -> bool:
+        """BOINC may still send or run an instance (worth cancelling)."""
+        return self.error_mask == 0 and self.assimilate_state == ASSIMILATE_INIT
+
+
+def credentials(project: BoincProject) -> dict[str, Any]:
+    """PyMySQL connection arguments from ``config.xml`` (without timeouts)."""
+    cfg = project.config
+    name = cfg.get("db_name")
+    if not name:
+        raise BoincDBError(f"{project.config_xml}: no <db_name>; boinc-dl cannot read BOINC's database")
+    args: dict[str, Any] = {"database": name, "user": cfg.get("db_user") or "", "password": cfg.get("db_passwd") or ""}
+    host = cfg.get("db_host") or "localhost"
+    socket = cfg.get("db_socket")
+    port = cfg.get("db_port")
+    if ":" in host:
+        host, _, port = host.partition(":")
+    if socket:
+        args["unix_socket"] = socket
+    args["host"] = host
+    if port:
+        try:
+            args["port"] = int(port)
+        except ValueError:
+            raise BoincDBError(f"{project.config_xml}: db_port {port!r} is not a number") from None
+    return args
+
+
+class BoincDB:
+    """A read-only connection to one project's database; use as a context manager or
+    call :meth:`close`. Each method is one bounded query (chunked for long name lists)."""
+
+    def __init__(self, project: BoincProject, timeout_s: float = 5.0):
+        import pymysql
+
+        self._pymysql = pymysql
+        args = credentials(project)
+        try:
+            self.conn = pymysql.connect(**args, connect_timeout=timeout_s, read_timeout=timeout_s,
+                                        write_timeout=timeout_s, autocommit=True, charset="utf8mb4")
+            with self.conn.cursor() as c:
+                c.execute("SET SESSION TRANSACTION READ ONLY")
+        except pymysql.MySQLError as e:
+            where = args.get("unix_socket") or f"{args['host']}:{args.get('port', 3306)}"
+            raise BoincDBError(f"cannot read BOINC's database {args['database']} at {where}: {e}") from None
+
+    @classmethod
+    def connect(cls, project: BoincProject, timeout_s: float = 5.0) -> BoincDB:
+        """Open a read-only session with the credentials of the project's config.xml."""
+        return cls(project, timeout_s)
+
+    def __enter__(self) -> BoincDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection is not an error
+            pass
+
+    def query(self, sql: str, params: Sequence[Any] = (), limit: int = MAX_ROWS) -> list[dict[str, Any]]:
+        """Run one parametrized SELECT (``%s`` placeholders); at most ``limit`` rows."""
+        if not sql.lstrip().lower().startswith("select"):
+            raise BoincDBError("BoincDB runs SELECT statements only")
+        try:
+            with self.conn.cursor(self._pymysql.cursors.DictCursor) as c:
+                c.execute(sql, tuple(params))
+                return list(c.fetchmany(limit))
+        except self._pymysql.MySQLError as e:
+            raise BoincDBError(f"query on BOINC's database failed: {e}") from None
+
+    def workunits(self, names: Iterable[str]) -> dict[str, WorkunitState]:
+        """Workunits by name, each with its results (names BOINC does not know are absent)."""
+        names = list(dict.fromkeys(names))
+        out: dict[str, WorkunitState] = {}
+        by_id: dict[int, WorkunitState] = {}
+        for i in range(0, len(names), CHUNK):
+            chunk = names[i : i + CHUNK]
+            marks = ",".join(["%s"] * len(chunk))
+            for row in self.query("SELECT id, name, error_mask, assimilate_state, canonical_resultid, delay_bound "
+                                  f"FROM workunit WHERE name IN ({marks})", chunk):
+                wu = WorkunitState(int(row["id"]), str(row["name"]), int(row["error_mask"]),
+                                   int(row["assimilate_state"]), int(row["canonical_resultid"]),
+                                   int(row["delay_bound"]))
+                out[wu.name] = by_id[wu.id] = wu
+        ids = list(by_id)
+        for i in range(0, len(ids), CHUNK):
+            chunk = ids[i : i + CHUNK]
+            marks = ",".join(["%s"] * len(chunk))
+            for row in self.query("SELECT id, workunitid, name, server_state, outcome, validate_state, sent_time, "
+                                  "report_deadline, received_time, hostid FROM result "
+                                  f"WHERE workunitid IN ({marks}) ORDER BY id", chunk):
+                by_id[int(row["workunitid"])].results.append(ResultRow(
+                    int(row["id"]), str(row["name"]), int(row["server_state"]), int(row["outcome"]),
+                    int(row["validate_state"]), int(row["sent_time"]), int(row["report_deadline"]),
+                    int(row["received_time"]), int(row["hostid"])))
+        return out
+
+    def workunit_name(self, wu_id: int) -> str | None:
+        """A workunit's name by id (release 1.2's ``--error`` calls pass only the id)."""
+        rows = self.query("SELECT name FROM workunit WHERE id = %s", (int(wu_id),), limit=1)
+        return str(rows[0]["name"]) if rows else None
+
+    def job_task_costs(self, wu_prefix: str, limit: int = 200) -> list[tuple[float, float]]:
+        """(elapsed_time, flops_estimate) of the latest successful results of the workunits
+        whose names start with ``wu_prefix``: what a task of the job really costs.
+        ``flops_estimate`` is the speed the scheduler assumed for the host when it sent the
+        result (``sched/sched_send.cpp``), so their product is the task's size in BOINC's
+        own unit, the one ``rsc_fpops_est`` is divided by to predict a runtime."""
+        like = wu_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        rows = self.query("SELECT r.elapsed_time, r.flops_estimate FROM result r JOIN workunit w "
+                          "ON w.id = r.workunitid WHERE w.name LIKE %s AND r.outcome = %s "
+                          "AND r.elapsed_time > 0 AND r.flops_estimate > 0 ORDER BY r.id DESC LIMIT %s",
+                          (like, RESULT_OUTCOME_SUCCESS, int(limit)), limit=limit)
+        return [(float(r["elapsed_time"]), float(r["flops_estimate"])) for r in rows]
+
+    def active_hosts(self, active_within_s: float = 86400.0) -> list[HostRow]:
+        """Hosts that contacted the scheduler within ``active_within_s``, with their
+        CPU count and benchmarked speed (``host`` table)."""
+        rows = self.query("SELECT id, rpc_time, p_ncpus, p_fpops FROM host WHERE rpc_time > UNIX_TIMESTAMP() - %s "
+                          "ORDER BY id", (float(active_within_s),), limit=100_000)
+        return [HostRow(int(r["id"]), int(r["rpc_time"]), int(r["p_ncpus"]), float(r["p_fpops"])) for r in rows]
+
+    def host_fpops(self, active_within_s: float = 86400.0) -> list[float]:
+        """Benchmarked floating-point speed (``host.p_fpops``) of the hosts that contacted
+        the scheduler recently: what BOINC divides ``rsc_fpops_est`` by for a new app."""
+        rows = self.query("SELECT p_fpops FROM host WHERE rpc_time > UNIX_TIMESTAMP() - %s AND p_fpops > 0",
+                          (float(active_within_s),), limit=10_000)
+        return [float(r["p_fpops"]) for r in rows]

@@ -1,0 +1,79 @@
+"""The fake project's BOINC database in a real MariaDB (test double, not BOINC code).
+
+Only the columns of BOINC's ``workunit``, ``result`` and ``host`` tables that boinc-dl
+reads, with BOINC's names and meanings (``db/schema.sql``, ``db/boinc_db_types.h``).
+The fake tools write here when ``<project>/fake_mariadb`` exists; the database and its
+credentials are those of the project's ``config.xml``, as for BOINC's own tools.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+SCHEMA = (
+    """CREATE TABLE workunit (
+        id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        create_time INTEGER NOT NULL,
+        appid INTEGER NOT NULL DEFAULT 1,
+        name VARCHAR(254) NOT NULL UNIQUE,
+        rsc_fpops_est DOUBLE NOT NULL DEFAULT 0,
+        rsc_fpops_bound DOUBLE NOT NULL DEFAULT 0,
+        delay_bound INTEGER NOT NULL,
+        transition_time INTEGER NOT NULL DEFAULT 0,
+        error_mask INTEGER NOT NULL DEFAULT 0,
+        file_delete_state INTEGER NOT NULL DEFAULT 0,
+        assimilate_state INTEGER NOT NULL DEFAULT 0,
+        canonical_resultid INTEGER NOT NULL DEFAULT 0,
+        min_quorum INTEGER NOT NULL DEFAULT 1,
+        target_nresults INTEGER NOT NULL DEFAULT 1,
+        max_error_results INTEGER NOT NULL DEFAULT 1,
+        max_total_results INTEGER NOT NULL DEFAULT 1,
+        max_success_results INTEGER NOT NULL DEFAULT 1
+    )""",
+    """CREATE TABLE result (
+        id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        create_time INTEGER NOT NULL,
+        workunitid INTEGER NOT NULL,
+        server_state INTEGER NOT NULL,
+        outcome INTEGER NOT NULL DEFAULT 0,
+        validate_state INTEGER NOT NULL DEFAULT 0,
+        file_delete_state INTEGER NOT NULL DEFAULT 0,
+        hostid INTEGER NOT NULL DEFAULT 0,
+        report_deadline INTEGER NOT NULL DEFAULT 0,
+        sent_time INTEGER NOT NULL DEFAULT 0,
+        received_time INTEGER NOT NULL DEFAULT 0,
+        name VARCHAR(254) NOT NULL UNIQUE,
+        elapsed_time DOUBLE NOT NULL DEFAULT 0,
+        flops_estimate DOUBLE NOT NULL DEFAULT 0,
+        KEY (workunitid)
+    )""",
+    """CREATE TABLE host (
+        id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        create_time INTEGER NOT NULL,
+        rpc_time INTEGER NOT NULL DEFAULT 0,
+        domain_name VARCHAR(254) NOT NULL DEFAULT '',
+        p_ncpus INTEGER NOT NULL DEFAULT 1,
+        p_fpops DOUBLE NOT NULL DEFAULT 0
+    )""",
+)
+
+
+def enabled(project: Path) -> bool:
+    return (project / "fake_mariadb").exists()
+
+
+def connect(project: Path):  # noqa: ANN201 - a pymysql connection
+    """A read-write connection with config.xml's credentials (the fake tools own the DB)."""
+    import pymysql
+
+    cfg = ET.parse(project / "config.xml").getroot().find("config")
+
+    def val(tag: str) -> str:
+        el = cfg.find(tag) if cfg is not None else None
+        return (el.text or "").strip() if el is not None else ""
+
+    return pymysql.connect(host=val("db_host"), port=int(val("db_port") or 3306), user=val("db_user"),
+                           password=val("db_passwd"), database=val("db_name"), autocommit=True,
+                           connect_timeout=5, read_timeout=10, write_timeout=10,
+                           cursorclass=pymysql.cursors.DictCursor)
