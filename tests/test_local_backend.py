@@ -7,13 +7,15 @@ Each test runs a tiny VC-ASGD job (digits, a few hundred examples) through
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from server.common.store import JobStore, connect
-from server.faults.harness import small_spec
+from server.common.workunit import unit_name
+from server.faults.harness import run_headless, small_spec
 from server.run import run_job
 
 from .conftest import REPO
@@ -57,24 +59,30 @@ def test_preempted_units_are_reissued_after_deadline(tmp_path: Path) -> None:
     assert len(merges) == 8 and set(merges.values()) == {1}
 
 
-def test_bad_results_rejected_reissued_then_given_up(tmp_path: Path) -> None:
+def test_every_result_rejected_fails_the_job_fast(tmp_path: Path) -> None:
     """A learning rate that blows the weights up to NaN: every result is rejected with
-    its reason, re-issued up to max_error_results, then given up (policy: skip)."""
-    spec = _spec("nan", training={"epochs": 1, "learning_rate": 1e30, "optimizer": "sgd"},
+    its reason; after the first 3 units, all rejected the same way and none merged, the
+    job ends failed with that reason (fail fast) instead of "done" with nothing learned."""
+    spec = _spec("nan", training={"epochs": 3, "learning_rate": 1e30, "optimizer": "sgd"},
                  units={"max_error_results": 2, "max_total_results": 3})
     res = run_job(spec, tmp_path / "run", live=False, search_path=REPO / "examples")
-    assert res.status == "done"
-    assert res.backend["rejected"] == 8 and res.backend["given_up"] == 4, res.backend
-    assert res.epochs[0]["units_failed"] == 4
+    assert res.status == "failed", res.reason
+    assert re.search(r"first [3-8] units all failed with the same error", res.reason) and "NaN/Inf" in res.reason
+    assert res.backend["merged"] == 0 and 3 <= res.backend["rejected"] < 3 * 4 * 2, res.backend
     hist = json.loads((tmp_path / "run" / "history.json").read_text())
-    assert all("NaN/Inf" in r["reason"] for r in hist["rejections"])
+    assert hist["rejections"] and all("NaN/Inf" in r["reason"] for r in hist["rejections"])
 
 
-def test_fail_policy_fails_the_job(tmp_path: Path) -> None:
-    spec = _spec("nanfail", training={"epochs": 2, "learning_rate": 1e30, "optimizer": "sgd"},
-                 units={"max_error_results": 1, "max_total_results": 1}, vcasgd={"give_up_policy": "fail"})
-    res = run_job(spec, tmp_path / "run", live=False, search_path=REPO / "examples")
-    assert res.status == "failed" and "failed for good" in res.reason
+def test_give_up_policy_fail_fails_the_job(tmp_path: Path, redis_server) -> None:
+    """One unit whose every result kills its assimilator is given up while the others
+    merge: with ``give_up_policy: fail`` the epoch's close fails the job."""
+    spec = small_spec("givefail", training={"epochs": 2}, vcasgd={"give_up_policy": "fail"},
+                      units={"max_error_results": 1, "max_total_results": 2})
+    victim = unit_name(spec.name, 1, 0, "0")
+    res = run_headless(spec, tmp_path / "run", redis_server.url, search_path=REPO / "examples",
+                       on_start=lambda backend, gen: backend.poison_unit(victim),
+                       backend_opts={"synthetic_unit_s": 0.2})
+    assert res.status == "failed" and "epoch 1: 1 unit(s) failed for good" in res.reason, res.reason
 
 
 def test_target_accuracy_stops_early(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.common.errors import DatasetError, SpecError
+from server.common.errors import SpecError
 from server.common.spec import parse_spec
 from server.common.store import JobStore, connect
 from server.common.weights import OptimizerState
@@ -97,5 +97,5 @@ def test_bad_mop_input(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="mop"):
         parse_spec({"name": "x", "mode": "mop", "model": "m:f", "dataset": {"name": "digits"}})
     spec = _spec("toomany", mop={"partitions": 100000, "param_grid": {"hidden": [8]}})
-    with pytest.raises(DatasetError, match="cannot split"):
+    with pytest.raises(SpecError, match="100000 partitions but only"):
         run_job(spec, tmp_path / "run", live=False, search_path=REPO / "examples")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import os
-
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from server.common.errors import BoincDLError
+from server.common.spec import one_line
+from server.common.tf_env import quiet_env
 
-# TensorFlow's C++ logging floods the terminal from every worker process; keep errors
+# TensorFlow's start-up lines flood the terminal from every worker process; keep them
 # in the run's log files instead (set TF_CPP_MIN_LOG_LEVEL yourself to see them).
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+quiet_env()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deep-learning training and model selection on BOINC and preemptible VMs.")
@@ -19,7 +20,14 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def error_line(message: str) -> None:
+    """``error: message`` on stderr as one line, whatever the terminal's width (no
+    wrapping; brackets in the message are not markup)."""
+    err_console.print(Text.assemble(("error:", "red"), " ", one_line(str(message), limit=2000)),
+                      soft_wrap=True, highlight=False)
+
+
 def fail(e: BoincDLError) -> None:
     """Print ``e`` as one line and exit with its code."""
-    err_console.print(f"[red]error:[/] {e}", markup=True, highlight=False)
+    error_line(str(e))
     raise typer.Exit(e.exit_code)

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from server.cli.app import app, console
+from server.cli.app import app, console, error_line
 from server.cli.app import fail as _fail
 from server.common.errors import BoincDLError, UnknownJob
 
@@ -34,7 +34,10 @@ def run(
 ) -> None:
     """Run a job on the embedded local backend (private Redis, N hosts x T slots)."""
     from server.common.spec import load_spec
+    from server.common.spec_checks import check_resources
+    from server.common.tf_env import require_tensorflow
     from server.run import run_job, summary_table
+    from server.run.signals import stop_on_signals
 
     try:
         spec = load_spec(spec_file)
@@ -42,16 +45,20 @@ def run(
             spec = spec.model_copy(update={"training": spec.training.model_copy(update={"epochs": epochs})})
         opts = {k: v for k, v in {"workers": workers, "slots": slots, "assimilators": assimilators,
                                   "preempt_prob": preempt_prob}.items() if v is not None}
-        res = run_job(spec, run_dir, resume=resume, redis_url=redis_url, console=console,
-                      live=not quiet and console.is_terminal, backend_opts=opts,
-                      search_path=spec_file.resolve().parent)
+        check_resources(spec, opts)
+        require_tensorflow()
+        with stop_on_signals():  # SIGTERM and SIGHUP stop the run as Ctrl-C does
+            res = run_job(spec, run_dir, resume=resume, redis_url=redis_url, console=console,
+                          live=not quiet and console.is_terminal, backend_opts=opts,
+                          search_path=spec_file.resolve().parent)
     except BoincDLError as e:
         _fail(e)
         return
     console.print(summary_table(res, spec))
     if res.status == "interrupted":
-        raise typer.Exit(130)
+        raise typer.Exit(res.exit_code or 130)
     if res.status != "done":
+        error_line(f"job {spec.name} {res.status}" + (f": {res.reason}" if res.reason else ""))
         raise typer.Exit(1)
 
 
@@ -189,13 +196,20 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     """Check a job spec (and that its dataset and model can be loaded) without running it."""
     from server.common.datasets import load_dataset
     from server.common.spec import load_spec
+    from server.common.spec_checks import check_model_fits, check_resources, check_split
 
     try:
         spec = load_spec(spec_file)
+        check_resources(spec)
         data = load_dataset(spec.dataset, spec.seed)
+        check_split(spec, len(data.x_train))
         from server.common.keras_model import build_model, model_fingerprint
 
-        fp = model_fingerprint(build_model(spec.model, spec.model_args, spec_file.resolve().parent))
+        model = build_model(spec.model, spec.model_args, spec_file.resolve().parent)
+        fp = model_fingerprint(model)
+        check_model_fits(tuple(model.inputs[0].shape[1:]) if getattr(model, "inputs", None) else (),
+                         tuple(model.outputs[0].shape[1:]) if getattr(model, "outputs", None) else (),
+                         tuple(data.x_train.shape[1:]), data.n_classes)
     except BoincDLError as e:
         _fail(e)
         return

@@ -92,7 +92,31 @@ def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         raise DatasetError(f"{p}: empty dataset")
     if not np.issubdtype(np.asarray(y).dtype, np.integer):
         raise DatasetError(f"{p}: labels 'y' must be integers, got {y.dtype}")
+    check_arrays(str(p), x, y)
     return np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int32)
+
+
+#: Labels are class indices: far more classes than this is a mistake, not a dataset.
+MAX_CLASSES = 1_000_000
+
+
+def check_arrays(source: str, x: np.ndarray, y: np.ndarray) -> None:
+    """Cheap checks of what every client would trip over: non-numeric or non-finite
+    features, labels that are not class indices (negative, or absurdly large)."""
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+        raise DatasetError(f"{source}: features 'x' must be numbers, got {x.dtype}")
+    if np.issubdtype(x.dtype, np.inexact):
+        bad = int(x.size - np.count_nonzero(np.isfinite(x)))
+        if bad:
+            raise DatasetError(f"{source}: features 'x' hold {bad} non-finite value(s) (NaN or infinity)")
+        if np.issubdtype(x.dtype, np.floating) and x.size and float(np.abs(x).max()) > 3.0e38:
+            raise DatasetError(f"{source}: features 'x' hold values beyond float32's range")
+    if y.ndim != 1:
+        raise DatasetError(f"{source}: labels 'y' must be one class index per example, got shape {y.shape}")
+    if y.size and int(y.min()) < 0:
+        raise DatasetError(f"{source}: labels 'y' must be class indices >= 0, found {int(y.min())}")
+    if y.size and int(y.max()) >= MAX_CLASSES:
+        raise DatasetError(f"{source}: label {int(y.max())} is not a class index (more than {MAX_CLASSES:,} classes)")
 
 
 def load_dataset(spec: DatasetSpec, seed: int) -> Dataset:

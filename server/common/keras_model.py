@@ -16,13 +16,19 @@ from typing import Any
 import numpy as np
 
 from server.common.errors import ModelError
+from server.common.tf_env import quiet_python_logging, require_tensorflow
 from server.common.weights import Fingerprint, fingerprint_of
 
 
 def configure_tf(threads: int | None = None, deterministic: bool = True) -> Any:
     """Import TensorFlow quietly, with bounded threads and deterministic ops."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    tf = _import_tf_quietly() if "tensorflow" not in sys.modules else sys.modules["tensorflow"]
+    if "tensorflow" in sys.modules:
+        tf = sys.modules["tensorflow"]
+    else:
+        require_tensorflow()
+        tf = _import_tf_quietly()
+        quiet_python_logging()
 
     if threads:
         try:

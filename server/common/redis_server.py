@@ -15,11 +15,16 @@ the server cannot take it back (``tests/test_faults_server.py`` kills it mid-mer
 
 :meth:`EmbeddedRedis.supervise` restarts a server that died on its own data dir (the
 local stand-in for docker's ``restart: always``); clients reconnect through
-:class:`~server.common.store.JobStore`'s retry window.
+:class:`~server.common.store.JobStore`'s retry window. ``boinc-dl run`` supervises its
+private server and starts it with ``die_with_parent``: the kernel sends it SIGTERM (a
+graceful shutdown that flushes the AOF) when the run's process dies, even by SIGKILL,
+so no run leaves an orphaned redis-server behind.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -31,6 +36,17 @@ from pathlib import Path
 import redis
 
 from server.common.errors import BoincDLError
+
+log = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Ask Linux to SIGTERM this process when the thread that forked it ends."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the run's own cleanup (and signal handlers) still stop it
 
 
 def redis_binary() -> str:
@@ -57,8 +73,13 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: str | Path, appendfsync: str = "everysec", port: int = 0,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, die_with_parent: bool = False):
         self.data_dir = Path(data_dir).resolve()
+        # The kernel's parent-death signal is tied to the *thread* that started the
+        # server: only for a server started and supervised by one long-lived owner.
+        self.die_with_parent = die_with_parent
+        #: Wall-clock times (time.time()) at which the supervisor found the server dead.
+        self.deaths: list[float] = []
         self.appendfsync = appendfsync
         self.port = port
         self.extra_args = list(extra_args or [])
@@ -105,7 +126,8 @@ class EmbeddedRedis:
             "--proto-max-bulk-len", "2gb",
             *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=_die_with_parent if self.die_with_parent else None)  # noqa: PLW1509
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -146,10 +168,16 @@ class EmbeddedRedis:
                 with self._lock:
                     if self._supervise_stop.is_set() or self.proc is None or self.alive():
                         continue
+                    code = self.proc.returncode
+                    self.deaths.append(time.time())
+                    log.warning("redis-server (pid %s) died (exit %s): restarting it on its AOF",
+                                self.proc.pid, code)
                     try:
                         self.restarts += 1
                         self._start(20.0)
-                    except BoincDLError:
+                        log.warning("redis-server restarted (pid %s)", self.proc.pid)
+                    except BoincDLError as e:
+                        log.error("redis-server restart failed: %s; trying again", e)
                         time.sleep(1.0)  # keep trying: a busy disk or a stale socket clears
 
         self._supervisor = threading.Thread(target=watch, name="bdl-redis-supervisor", daemon=True)

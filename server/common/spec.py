@@ -20,8 +20,13 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BUILTIN_DATASETS = ("digits", "mnist")
 
 
+#: Seeds go to numpy (``default_rng``, ``RandomState``) and TensorFlow: 32 bits.
+MAX_SEED = 2**32 - 1
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # No NaN or infinity anywhere: a non-finite setting would only fail on the hosts.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class DatasetSpec(_Strict):
@@ -31,7 +36,7 @@ class DatasetSpec(_Strict):
     train: str | None = Field(None, description=".npz/.h5 file with arrays x and y")
     val: str | None = Field(None, description="optional validation file; else val_fraction of train")
     val_fraction: float = Field(0.2, gt=0.0, lt=1.0)
-    limit: int | None = Field(None, gt=0, description="use only the first N training examples")
+    limit: int | None = Field(None, gt=0, le=2**40, description="use only the first N training examples")
 
     @model_validator(mode="after")
     def _one_source(self) -> DatasetSpec:
@@ -40,6 +45,8 @@ class DatasetSpec(_Strict):
         if self.name is not None and self.name not in BUILTIN_DATASETS:
             raise ValueError(f"unknown built-in dataset {self.name!r}; choose one of {BUILTIN_DATASETS}")
         for f in (self.train, self.val):
+            if f is not None and not f.isprintable():
+                raise ValueError("a dataset file name must not hold control characters")
             if f is not None and not f.endswith((".npz", ".h5", ".hdf5")):
                 raise ValueError(f"dataset file {f!r} must be .npz or .h5")
         return self
@@ -48,12 +55,12 @@ class DatasetSpec(_Strict):
 class TrainingSpec(_Strict):
     """Per-unit training settings, identical on every client."""
 
-    epochs: int = Field(10, gt=0, description="server epochs (passes over the data)")
-    batch_size: int = Field(32, gt=0)
+    epochs: int = Field(10, gt=0, le=1_000_000, description="server epochs (passes over the data)")
+    batch_size: int = Field(32, gt=0, le=2**31 - 1)
     optimizer: Literal["adam", "sgd", "rmsprop", "adagrad"] = "adam"
     learning_rate: float = Field(0.001, gt=0.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    local_epochs: int = Field(1, gt=0, description="passes over its subset inside one unit")
+    local_epochs: int = Field(1, gt=0, le=100_000, description="passes over its subset inside one unit")
     loss: str = "sparse_categorical_crossentropy"
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="stop early when reached")
 
@@ -64,10 +71,10 @@ AlphaSchedule = Literal["e/(e+1)"]
 class VCASGDSpec(_Strict):
     """VC-ASGD: one model, merged as W_s <- a_e*W_s + (1-a_e)*W_c."""
 
-    n_subsets: int = Field(16, gt=0)
+    n_subsets: int = Field(16, gt=0, le=1_000_000)
     alpha: float | AlphaSchedule = Field("e/(e+1)", description="constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"
-    window: int | None = Field(None, gt=0, description="units in flight; default: total slots")
+    window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots")
     give_up_policy: Literal["skip", "fail"] = Field(
         "skip", description="a subset whose unit failed for good: skip it or fail the job"
     )
@@ -93,14 +100,14 @@ class VCASGDSpec(_Strict):
 class MOPSpec(_Strict):
     """MOP model selection: configurations hop across p data partitions."""
 
-    partitions: int = Field(4, gt=0)
+    partitions: int = Field(4, gt=0, le=100_000)
     param_grid: dict[str, Any] = Field(
         ..., description="name -> list of choices, or {uniform|loguniform|randint: [a, b]} (random, pbt)"
     )
     search: Literal["grid", "random", "sha", "hyperband", "pbt"] = "grid"
-    budget: int | None = Field(None, gt=0, description="configurations (random, sha) or population (pbt)")
+    budget: int | None = Field(None, gt=0, le=100_000, description="configurations (random, sha) or population (pbt)")
     search_options: dict[str, Any] = Field(default_factory=dict)
-    replication: int = Field(1, gt=0, description="hosts holding each partition (local backend)")
+    replication: int = Field(1, gt=0, le=10_000, description="hosts holding each partition (local backend)")
 
     @model_validator(mode="after")
     def _space(self) -> MOPSpec:
@@ -116,11 +123,11 @@ class MOPSpec(_Strict):
 class UnitSpec(_Strict):
     """Deadlines and retry limits, passed to the job system (BOINC create_work flags)."""
 
-    timeout_s: float = Field(300.0, gt=0, description="deadline t_o: re-issue after this")
-    max_error_results: int = Field(4, ge=1)
-    max_total_results: int = Field(8, ge=1)
-    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0)
-    checkpoint_every_s: float = Field(10.0, gt=0)
+    timeout_s: float = Field(300.0, gt=0, le=365 * 86400.0, description="deadline t_o: re-issue after this")
+    max_error_results: int = Field(4, ge=1, le=1000)
+    max_total_results: int = Field(8, ge=1, le=1000)
+    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, le=2**40)
+    checkpoint_every_s: float = Field(10.0, gt=0, le=86400.0)
 
     @model_validator(mode="after")
     def _limits(self) -> UnitSpec:
@@ -140,10 +147,10 @@ class ValidationSpec(_Strict):
 class LocalBackendSpec(_Strict):
     """The embedded job system: N hosts x T slots, P assimilators."""
 
-    workers: int = Field(4, gt=0)
-    slots: int = Field(2, gt=0)
-    assimilators: int = Field(2, gt=0)
-    threads_per_slot: int = Field(1, gt=0)
+    workers: int = Field(4, gt=0, le=4096)
+    slots: int = Field(2, gt=0, le=1024)
+    assimilators: int = Field(2, gt=0, le=256)
+    threads_per_slot: int = Field(1, gt=0, le=1024)
     preempt_prob: float = Field(0.0, ge=0.0, lt=1.0, description="chance a unit is killed mid-way")
 
 
@@ -166,7 +173,7 @@ class JobSpec(_Strict):
     units: UnitSpec = Field(default_factory=UnitSpec)
     validation: ValidationSpec = Field(default_factory=ValidationSpec)
     backend: BackendSpec = Field(default_factory=BackendSpec)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="numpy's seed range: 0 to 2**32-1")
 
     @model_validator(mode="after")
     def _mode_section(self) -> JobSpec:
@@ -184,29 +191,105 @@ class JobSpec(_Strict):
     @field_validator("model")
     @classmethod
     def _model(cls, v: str) -> str:
+        if not v.isprintable():
+            raise ValueError("must not hold control characters")
         if v.endswith((".keras", ".h5")):
             return v
         mod, sep, fn = v.partition(":")
-        if not sep or not mod or not fn or not fn.isidentifier():
+        if not sep or not fn.isidentifier() or not all(part.isidentifier() for part in mod.split(".")):
             raise ValueError("must be 'package.module:function' or a .keras/.h5 model file")
         return v
 
 
+# pydantic's error types in the user's words ({...} filled from the error's context).
+_PLAIN = {
+    "missing": "required",
+    "extra_forbidden": "unknown field",
+    "finite_number": "must be a finite number (not NaN or infinity)",
+    "greater_than": "must be greater than {gt}",
+    "greater_than_equal": "must be at least {ge}",
+    "less_than": "must be less than {lt}",
+    "less_than_equal": "must be at most {le}",
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "int_type": "must be a whole number",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "int_parsing_size": "is far too large a number",
+    "string_type": "must be text",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+    "dict_type": "must be a mapping (key: value)",
+    "model_type": "must be a mapping (key: value)",
+    "model_attributes_type": "must be a mapping (key: value)",
+    "list_type": "must be a list",
+    "none_required": "must be empty (null)",
+}
+
+
+def _plain(e: Any) -> str:
+    kind = e["type"]
+    ctx = e.get("ctx") or {}
+    if kind == "literal_error":
+        expected = str(ctx.get("expected", ""))
+        if "," in expected or " or " in expected:
+            return f"must be one of {expected.replace(' or ', ', ')}"
+        return f"must be {expected}"
+    if kind in _PLAIN:
+        try:
+            return _PLAIN[kind].format(**ctx)
+        except (KeyError, IndexError, ValueError):
+            return _PLAIN[kind]
+    return str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """The field's dotted name; union member tags (``float``, ``literal['e/(e+1)']``,
+    ``function-after[...]``) are pydantic's internals, not fields: dropped."""
+    parts = []
+    for p in loc:
+        text = str(p)
+        if isinstance(p, str) and ("[" in text or text in ("float", "int", "str", "bool", "none", "dict",
+                                                            "list", "constrained-str", "constrained-int",
+                                                            "constrained-float")):
+            continue
+        parts.append(text if text.isprintable() else repr(text))
+    return ".".join(parts) or "(top level)"
+
+
 def _format_error(err: ValidationError) -> str:
-    lines = []
+    """All errors on one line, one entry per field; a union's alternatives joined by 'or'."""
+    by_field: dict[str, list[str]] = {}
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"{loc}: {msg}")
-    return "; ".join(lines)
+        msgs = by_field.setdefault(_field_path(e["loc"]), [])
+        m = _plain(e)
+        if m not in msgs:
+            msgs.append(m)
+    out = []
+    for loc, msgs in by_field.items():
+        if len(msgs) > 1 and all(m.startswith("must be ") for m in msgs):
+            msg = "must be " + " or ".join(m.removeprefix("must be ") for m in msgs)
+        else:
+            msg = "; ".join(msgs)
+        out.append(f"{loc}: {msg}")
+    return one_line("; ".join(out))
+
+
+def one_line(text: str, limit: int = 600) -> str:
+    """``text`` with control characters and line breaks made visible, cut at ``limit``."""
+    flat = "".join(c if c.isprintable() else " " if c in "\n\r\t" else repr(c)[1:-1] for c in text)
+    flat = " ".join(flat.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def parse_spec(data: Any, source: str = "<spec>", base_dir: Path | None = None) -> JobSpec:
     """Validate a decoded spec mapping; relative file paths resolve against ``base_dir``."""
+    if data is None:
+        raise SpecError(f"{source}: the job spec is empty")
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: the job spec must be a YAML mapping, got {type(data).__name__}")
+        kind = {list: "a list", str: "text", int: "a number", float: "a number", bool: "true/false"}.get(
+            type(data), type(data).__name__)
+        raise SpecError(f"{source}: the job spec must be a YAML mapping (key: value lines), got {kind}")
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
@@ -229,15 +312,95 @@ def resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
     return spec.model_copy(update={"dataset": ds, "model": model})
 
 
+#: A job spec is a few hundred bytes; anything past this is not one.
+MAX_SPEC_BYTES = 1024 * 1024
+#: Values a spec may expand to once YAML aliases are followed, and its nesting depth.
+MAX_SPEC_NODES = 100_000
+MAX_SPEC_DEPTH = 64
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (YAML silently keeps
+    the last one, so a typo'd override would be ignored without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            try:
+                dup = key in seen
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be text or a number", key_node.start_mark) from None
+            if dup:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicated key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e)
+    context = getattr(e, "context", None)
+    if context:
+        problem = f"{context}, {problem}"
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return one_line(f"{problem}{where}")
+
+
+def _check_size(data: Any) -> None:
+    """Refuse a document that expands past MAX_SPEC_NODES values or MAX_SPEC_DEPTH levels:
+    YAML aliases can make a few hundred bytes stand for billions of values."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_SPEC_NODES:
+            raise ValueError(f"expands to more than {MAX_SPEC_NODES:,} values (YAML aliases?)")
+        if depth > MAX_SPEC_DEPTH:
+            raise ValueError(f"nested more than {MAX_SPEC_DEPTH} levels deep")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for kv in node.items() for v in kv)
+        elif isinstance(node, list | tuple | set):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def read_spec_text(p: Path) -> str:
+    """The spec file's text: bounded, not binary, valid UTF-8; else one clear SpecError."""
+    try:
+        with p.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as e:
+        raise SpecError(f"{p}: cannot read the job spec ({e.strerror or e})") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"{p}: not a job spec (larger than {MAX_SPEC_BYTES // 1024} KiB)")
+    if b"\0" in raw:
+        raise SpecError(f"{p}: a binary file, not a YAML job spec")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{p}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+
+
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate a YAML job spec file, with one clear error on any problem."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise SpecError(f"{p}: job spec file not found")
+    if not p.is_file():
+        raise SpecError(f"{p}: not a regular file")
+    text = read_spec_text(p)
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        _check_size(data)
     except yaml.YAMLError as e:
-        raise SpecError(f"{p}: not valid YAML: {e}") from None
+        raise SpecError(f"{p}: not valid YAML: {_yaml_error(e)}") from None
+    except ValueError as e:
+        raise SpecError(f"{p}: {e}") from None
+    except RecursionError:
+        raise SpecError(f"{p}: nested too deeply to be a job spec") from None
     return parse_spec(data, str(p), p.parent.resolve())
 
 

@@ -4,6 +4,9 @@ logging, counters and the end-of-run summary."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,9 @@ from server.backends.local import LocalJobSystem
 from server.common.redis_server import EmbeddedRedis
 from server.common.spec import JobSpec
 from server.common.store import JobStore, connect
+from server.run.failfast import FailFastWatch
+from server.run.signals import RunStopped
+from server.work_generator.prepare import n_shards
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,8 @@ class RunResult:
     elapsed_s: float = 0.0
     outputs: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    #: For an interrupted run, the exit code its signal asks for (130 for Ctrl-C).
+    exit_code: int = 0
 
 
 def default_run_dir(spec: JobSpec) -> Path:
@@ -39,7 +47,9 @@ def open_store(run_dir: Path, redis_url: str | None, job: str) -> tuple[Embedded
     """The job's store: on ``redis_url``, or on a private Redis kept in ``run_dir/redis``."""
     server = None
     if redis_url is None:
-        server = EmbeddedRedis(run_dir / "redis").start()
+        # Supervised: a Redis that dies is restarted on its AOF within a second and the
+        # run carries on (clients retry); it dies with this process, whatever kills it.
+        server = EmbeddedRedis(run_dir / "redis", die_with_parent=True).start().supervise()
         redis_url = server.url
     return server, redis_url, JobStore(connect(redis_url), job)
 
@@ -50,7 +60,8 @@ def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
     opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
     backend = LocalJobSystem(run_dir, redis_url, spec.name, workers=opts["workers"], slots=opts["slots"],
                              assimilators=opts["assimilators"], threads_per_slot=opts["threads_per_slot"],
-                             preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed)
+                             preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed,
+                             synthetic_unit_s=opts.get("synthetic_unit_s"))
     backend.start()
     return backend
 
@@ -72,6 +83,52 @@ class CounterSync:
             if delta:
                 self.store.incr_counter(k, delta)
                 self.pushed[k] += delta
+
+
+def record_heartbeat(store: JobStore) -> None:
+    """Say that this process owns the running job and is alive now (read by ``status``)."""
+    store.set_meta(owner_pid=os.getpid(), owner_host=socket.gethostname(), heartbeat_at=time.time())
+
+
+def stop_reason(e: KeyboardInterrupt) -> tuple[str, int]:
+    """(what stopped the run, in words; the exit code that says so: 128 + signal)."""
+    if isinstance(e, RunStopped):
+        return f"stopped by {e}", e.exit_code
+    return "stopped by Ctrl-C", 130
+
+
+def fail_job(store: JobStore, gen: object, reason: str) -> None:
+    """End the job as failed now (units in flight are cancelled by the generator)."""
+    finish = getattr(gen, "fail", None)
+    if callable(finish):
+        finish(reason)
+    else:
+        store.set_meta(status="failed", stopping=1, finished_at=time.time(), reason=reason)
+    log.error("job %s failed: %s", store.job, reason)
+
+
+class RunWatch:
+    """What the run's loop does besides stepping the generator, every ``every_s``: push
+    fault counters, beat the heartbeat, and fail the job fast when no unit can succeed."""
+
+    def __init__(self, spec: JobSpec, store: JobStore, backend: LocalJobSystem, gen: object, every_s: float = 0.5):
+        self.store, self.gen, self.every_s = store, gen, every_s
+        self.sync = CounterSync(store, backend)
+        self.fail_fast = FailFastWatch(backend, k=min(3, n_shards(spec)))
+        self.last = 0.0
+
+    def tick(self, force: bool = False) -> bool:
+        """True when it did its work (time to refresh a view too)."""
+        now = time.time()
+        if not force and now - self.last < self.every_s:
+            return False
+        self.last = now
+        self.sync.push()
+        record_heartbeat(self.store)
+        verdict = self.fail_fast.check()
+        if verdict and self.store.meta().get("status") == "running":
+            fail_job(self.store, self.gen, verdict)
+        return True
 
 
 def setup_logging(run_dir: Path) -> None:

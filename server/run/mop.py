@@ -21,7 +21,7 @@ from rich.table import Table
 from server.backends.local import LocalJobSystem
 from server.common.spec import JobSpec
 from server.common.store import JobStore
-from server.run.lifecycle import CounterSync, RunResult, start_local_backend
+from server.run.lifecycle import RunResult, RunWatch, start_local_backend, stop_reason
 from server.work_generator.mop.assignment import round_robin_availability
 from server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from server.work_generator.prepare import prepare_job
@@ -135,6 +135,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     gen: MOPWorkGenerator | None = None
     t0 = time.time()
     status = "interrupted"
+    exit_code = 0
     snap: dict[str, Any] = {}
     try:
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}")
@@ -142,38 +143,36 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
         if store.meta().get("status") not in ("done", "failed", "cancelled"):
-            store.set_meta(status="running")
+            store.set_meta(status="running", reason="")
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
             gen.recover(resubmit_in_progress=True)
-            sync = CounterSync(store, backend)
+            watch = RunWatch(spec, store, backend, gen)
             view = Live(_table(store, spec, backend, t0), console=console, refresh_per_second=2) if live else None
             if view:
                 view.start()
             try:
-                last = 0.0
                 while gen.step():
                     time.sleep(0.05)
-                    if time.time() - last > 0.5:
-                        sync.push()
-                        if view:
-                            view.update(_table(store, spec, backend, t0))
-                        last = time.time()
-                sync.push()
+                    if watch.tick() and view:
+                        view.update(_table(store, spec, backend, t0))
+                watch.tick(force=True)
             finally:
                 if view:
                     view.stop()
         status = store.meta().get("status", "running")
-    except KeyboardInterrupt:
-        console.print("\n[yellow]interrupted[/]: state is saved; continue with [bold]--resume[/]")
-        store.set_meta(status="interrupted")
+    except KeyboardInterrupt as e:
+        stopped, exit_code = stop_reason(e)
+        store.retry_s = min(store.retry_s, 5.0)  # stopping: do not wait out a long Redis outage
+        console.print(f"\n[yellow]interrupted[/] ({stopped}): state is saved; continue with [bold]--resume[/]")
+        store.set_meta(status="interrupted", reason=stopped)
     finally:
         if backend is not None:
             snap = backend.snapshot()
             snap["data_bytes_per_host"] = backend.data_bytes_per_host()
             backend.stop()
     res = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
-                    reason=store.meta().get("reason", ""))
+                    reason=store.meta().get("reason", ""), exit_code=exit_code)
     res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
     res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
     lb = leaderboard(store)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import Counter
 from typing import Any
@@ -11,18 +13,53 @@ from rich.table import Table
 
 from server.common.store import JobStore
 
+#: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
+#: second; one older than this means the process that ran it is gone (crashed,
+#: killed, its machine lost).
+HEARTBEAT_STALE_S = 30.0
+FINISHED = ("done", "failed", "cancelled")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def effective_status(meta: dict[str, str], now: float | None = None) -> tuple[str, str]:
+    """(status, reason): a job recorded as running whose owner is gone is *crashed* —
+    its process is dead (same machine) or its heartbeat stopped."""
+    status, reason = meta.get("status", "?"), meta.get("reason", "")
+    if status != "running" or "heartbeat_at" not in meta:
+        return status, reason
+    now = time.time() if now is None else now
+    try:
+        beat, pid = float(meta["heartbeat_at"]), int(meta.get("owner_pid", 0))
+    except ValueError:
+        return status, reason
+    if meta.get("owner_host") == socket.gethostname() and pid and not _pid_alive(pid):
+        return "crashed", f"its process {pid} is gone (last heartbeat {now - beat:.0f} s ago); continue with --resume"
+    if now - beat > HEARTBEAT_STALE_S:
+        return "crashed", f"no heartbeat for {now - beat:.0f} s; continue with --resume"
+    return status, reason
+
 
 def job_status(store: JobStore) -> dict[str, Any]:
     """Everything ``status`` shows, as plain data (also used by ``--json``)."""
     meta = store.meta()
+    status, reason = effective_status(meta)
     epochs = store.epochs()
     states = Counter(store.unit_states().values())
     last = epochs[max(epochs)] if epochs else {}
     return {
         "job": store.job,
-        "status": meta.get("status", "?"),
+        "status": status,
         "mode": meta.get("mode", "?"),
-        "reason": meta.get("reason", ""),
+        "reason": reason,
         "epoch": int(float(meta.get("epoch", 0))),
         "closed_epochs": len(epochs),
         "latest_val_acc": last.get("val_acc"),
@@ -40,7 +77,10 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
     """Print a status dict as a compact table plus recent rejections."""
     t = Table(title=f"job {st['job']} ({st['mode']}): {st['status']}" + (f" — {st['reason']}" if st["reason"] else ""),
               show_header=False)
-    t.add_row("epoch", f"{st['closed_epochs']} closed, creating epoch {st['epoch']}")
+    if st["status"] in ("running",):
+        t.add_row("epoch", f"{st['closed_epochs']} closed, creating epoch {st['epoch']}")
+    else:
+        t.add_row("epochs", f"{st['closed_epochs']} closed")
     u = st["units"]
     t.add_row("units", ", ".join(f"{k} {v}" for k, v in sorted(u.items())) or "none")
     acc = st["latest_val_acc"]

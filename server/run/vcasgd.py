@@ -22,7 +22,8 @@ from server.backends.local import LocalJobSystem
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec
 from server.common.store import JobStore
-from server.run.lifecycle import CounterSync, RunResult, start_local_backend
+from server.run.eta import EtaEstimator, format_eta
+from server.run.lifecycle import RunResult, RunWatch, start_local_backend, stop_reason
 from server.run.outputs import collect_history, plot_learning_curve, save_final_model, write_history
 from server.work_generator.prepare import n_shards, prepare_job
 from server.work_generator.vcasgd import VCASGDWorkGenerator
@@ -30,7 +31,8 @@ from server.work_generator.vcasgd import VCASGDWorkGenerator
 log = logging.getLogger(__name__)
 
 
-def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0: float) -> Table:
+def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0: float,
+                    eta: EtaEstimator | None = None) -> Table:
     meta = store.meta()
     n = n_shards(spec)
     epoch = int(float(meta.get("epoch", 1)))
@@ -40,7 +42,9 @@ def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0:
     total = n * spec.training.epochs
     snap = backend.snapshot()
     elapsed = time.time() - t0
-    eta = elapsed / done_units * (total - done_units) if done_units else float("nan")
+    eta = eta or EtaEstimator(total)
+    eta.total = total
+    left = eta.observe(time.time(), done_units)
     acc = meta.get("latest_val_acc")
     t = Table(title=f"boinc-dl · {spec.name} · VC-ASGD on {backend.n_hosts} hosts x {backend.n_slots} slots, "
                     f"{backend.n_assim} assimilators", show_header=False, box=None)
@@ -49,7 +53,7 @@ def _progress_table(spec: JobSpec, store: JobStore, backend: LocalJobSystem, t0:
     t.add_row("faults", f"re-issued {snap['reissued']}, timed out {snap['timed_out']}, preempted "
                         f"{snap['preempted']}, rejected {snap['rejected']}, late {snap['late_results']}")
     t.add_row("val accuracy", f"{float(acc):.4f}" if acc else "-")
-    t.add_row("elapsed / ETA", f"{elapsed:6.1f} s / " + (f"{eta:6.1f} s" if eta == eta else "-"))
+    t.add_row("elapsed / ETA", f"{elapsed:6.1f} s / {format_eta(left)}")
     return t
 
 
@@ -59,13 +63,14 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
     backend: LocalJobSystem | None = None
     t0 = time.time()
     status = "interrupted"
+    exit_code = 0
     try:
         console.print(f"[bold]boinc-dl[/] preparing job [cyan]{spec.name}[/] in {run_dir}")
         files = prepare_job(spec, store, run_dir, resume=resume, search_path=search_path)
         if store.meta().get("status") in ("done", "failed", "cancelled") and resume:
             console.print(f"job {spec.name} already {store.meta()['status']}: writing its outputs")
         else:
-            store.set_meta(status="running")
+            store.set_meta(status="running", reason="")
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = VCASGDWorkGenerator(store, spec, run_dir, backend)
             # A restarted run's job system is new: units in flight before are resubmitted.
@@ -74,10 +79,12 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
                 console.print(f"resumed: {recovered} unit(s) in flight re-submitted")
             _drive(gen, spec, store, backend, console, live, t0)
         status = store.meta().get("status", "running")
-    except KeyboardInterrupt:
-        console.print("\n[yellow]interrupted[/]: state is saved; continue with [bold]--resume[/]")
+    except KeyboardInterrupt as e:
+        stopped, exit_code = stop_reason(e)
+        store.retry_s = min(store.retry_s, 5.0)  # stopping: do not wait out a long Redis outage
+        console.print(f"\n[yellow]interrupted[/] ({stopped}): state is saved; continue with [bold]--resume[/]")
         try:
-            store.set_meta(status="interrupted")
+            store.set_meta(status="interrupted", reason=stopped)
         except BoincDLError:
             pass
     finally:
@@ -85,7 +92,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         if backend is not None:
             backend.stop()
     result = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
-                       reason=store.meta().get("reason", ""))
+                       reason=store.meta().get("reason", ""), exit_code=exit_code)
     hist = collect_history(store)
     hist["backend"] = snap
     result.epochs = hist["epochs"]
@@ -108,23 +115,20 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
 def _drive(gen: VCASGDWorkGenerator, spec: JobSpec, store: JobStore, backend: LocalJobSystem,
            console: Console, live: bool, t0: float) -> None:
     """Step the work generator until the job finishes, refreshing the progress view."""
-    sync = CounterSync(store, backend)
-    if not live:
-        last = 0.0
+    watch = RunWatch(spec, store, backend, gen, every_s=0.25 if live else 0.5)
+    eta = EtaEstimator(n_shards(spec) * spec.training.epochs)
+    view = Live(_progress_table(spec, store, backend, t0, eta), console=console, refresh_per_second=4) \
+        if live else None
+    if view:
+        view.start()
+    try:
         while gen.step():
             time.sleep(0.05)
-            if time.time() - last > 1.0:
-                sync.push()
-                last = time.time()
-        sync.push()
-        return
-    with Live(_progress_table(spec, store, backend, t0), console=console, refresh_per_second=4) as view:
-        last = 0.0
-        while gen.step():
-            time.sleep(0.05)
-            if time.time() - last > 0.25:
-                view.update(_progress_table(spec, store, backend, t0))
-                sync.push()
-                last = time.time()
-        view.update(_progress_table(spec, store, backend, t0))
-    sync.push()
+            if watch.tick() and view:
+                view.update(_progress_table(spec, store, backend, t0, eta))
+        if view:
+            view.update(_progress_table(spec, store, backend, t0, eta))
+    finally:
+        if view:
+            view.stop()
+    watch.tick(force=True)

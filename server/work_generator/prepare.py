@@ -15,6 +15,7 @@ from pathlib import Path
 from server.common.datasets import Dataset, load_dataset, save_npz, split_shards
 from server.common.errors import BoincDLError
 from server.common.spec import JobSpec, spec_to_json
+from server.common.spec_checks import check_model_fits, check_split
 from server.common.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ def write_data_files(spec: JobSpec, files: JobFiles, data: Dataset | None = None
     """(Re)write the validation split and the shard files from the spec's dataset."""
     files.dir.mkdir(parents=True, exist_ok=True)
     data = data or load_dataset(spec.dataset, spec.seed)
+    check_split(spec, len(data.x_train))
     shards = split_shards(len(data.x_train), n_shards(spec), spec.seed)
     save_npz(files.val, data.x_val, data.y_val)
     for k, idx in enumerate(shards):
@@ -131,12 +133,7 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
     fp = model_fingerprint(model)
     out_shape = tuple(model.outputs[0].shape[1:]) if model.outputs else ()
     in_shape = tuple(model.inputs[0].shape[1:]) if model.inputs else ()
-    if in_shape and tuple(data.x_train.shape[1:]) != tuple(in_shape):
-        raise BoincDLError(
-            f"model input shape {in_shape} does not match the dataset's features {data.x_train.shape[1:]}"
-        )
-    if out_shape and out_shape[-1] < data.n_classes:
-        raise BoincDLError(f"model has {out_shape[-1]} outputs but the dataset has {data.n_classes} classes")
+    check_model_fits(in_shape, out_shape, tuple(data.x_train.shape[1:]), data.n_classes)
     store.create(spec_to_json(spec), spec.mode, {"0": fp}, {**meta, "n_params": fp.n_params})
     store.init_weights("0", get_flat(model))
     return files

@@ -327,6 +327,10 @@ class VCASGDWorkGenerator:
             elif e >= self.spec.training.epochs:
                 self._finish("done", f"{e} epochs done")
 
+    def fail(self, reason: str) -> None:
+        """End the job as failed (the run's fail-fast policy): units in flight are cancelled."""
+        self._finish("failed", reason)
+
     def _finish(self, status: str, reason: str) -> None:
         """End the job: cancel units still in flight (of later epochs) and record why."""
         self.store.set_meta(stopping=1)

@@ -10,7 +10,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.backends.local.slots import _FAST_DEATH_S, _FAST_DEATHS_FREE, _inbox, _respawn_delay
+from server.backends.local.slots import (
+    _FAST_DEATH_S,
+    _FAST_DEATHS_FREE,
+    _exit_with,
+    _inbox,
+    _respawn_delay,
+)
 from server.backends.local.units import _Unit
 
 log = logging.getLogger(__name__)
@@ -55,9 +61,10 @@ def assimilate_guarded(store: Any, spec: Any, kind: str, result: str, unit: str,
         return AssimilationOutcome("rejected", unit, reason=reason)
 
 
-def _assimilator_main(index: int, conn: Any, redis_url: str, job: str) -> None:
+def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: int) -> None:
     """One parameter-server process: validate + merge each result it is handed, then ack."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with(owner)
     from server.common.errors import StoreUnavailable
     from server.common.spec import spec_from_json
     from server.common.store import JobStore, connect
@@ -131,7 +138,7 @@ class AssimilatorPool:
 
     def _spawn_assimilator(self, a: _Assimilator) -> None:
         parent, child = self.ctx.Pipe()
-        p = self.ctx.Process(target=_assimilator_main, args=(a.index, child, self.redis_url, self.job),
+        p = self.ctx.Process(target=_assimilator_main, args=(a.index, child, self.redis_url, self.job, os.getpid()),
                              name=f"bdl-assimilator-{a.index}", daemon=True)
         p.start()
         child.close()

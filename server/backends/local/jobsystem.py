@@ -142,6 +142,9 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         #: replacement (a new slot process, standing in for a new VM) said "ready".
         self.slot_downtimes: list[float] = []
         self.poisoned: set[str] = set()
+        #: (unit, reason) of every failed instance: client errors and rejected results, in
+        #: order (the first ones are what a failing job reports; bounded).
+        self.failure_log: list[tuple[str, str]] = []
         self.unit_times: list[float] = []
         self.host_data: dict[int, set[str]] = {h: set() for h in range(workers)}
         self.slot_busy_s = 0.0
@@ -149,8 +152,21 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.log_file = self.base / "local-backend.log"
 
     # ---- lifecycle ------------------------------------------------------------------------
+    def _start_forkserver(self) -> None:
+        """Start the fork server (if this process has none yet) with its stdout and stderr
+        on the backend's log: TensorFlow's start-up lines in every slot, and any child's
+        traceback, go there instead of the run's console."""
+        from multiprocessing import forkserver
+
+        from server.common.tf_env import quiet_env, stdio_to
+
+        quiet_env()
+        with stdio_to(self.log_file):
+            forkserver.ensure_running()
+
     def start(self) -> None:
         (self.base / "upload").mkdir(parents=True, exist_ok=True)
+        self._start_forkserver()
         for i in range(self.n_assim):
             a = _Assimilator(i)
             self._spawn_assimilator(a)

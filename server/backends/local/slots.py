@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,35 @@ def _synthetic_unit(slot_dir: Path, seconds: float, should_stop: Callable[[], bo
     return "ok", {}
 
 
+def _exit_with(owner: int) -> None:
+    """Exit this child as soon as process ``owner`` (the job system's) is gone.
+
+    A slot or assimilator notices a dead parent on its pipe only between units; when
+    the run is SIGKILLed mid-unit it would go on training (and keep the fork server
+    alive) for the rest of the unit. A watchdog thread waits on the owner's pidfd
+    (Linux), else polls it, and ends the process at once: nobody is left to report to.
+    """
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(owner)
+        except (AttributeError, OSError):
+            fd = None
+        while True:
+            if fd is not None:
+                if wait_conns([fd], timeout=None):
+                    os._exit(0)
+            else:
+                try:
+                    os.kill(owner, 0)
+                except ProcessLookupError:
+                    os._exit(0)
+                except PermissionError:
+                    pass
+                time.sleep(0.5)
+
+    threading.Thread(target=watch, name="bdl-owner-watch", daemon=True).start()
+
+
 def _inbox(conn: Any) -> Iterator[Any]:
     """Messages from the parent until it sends None or the pipe closes (parent gone)."""
     while True:
@@ -91,9 +121,11 @@ def _inbox(conn: Any) -> Iterator[Any]:
         yield msg
 
 
-def _slot_main(host: int, slot: int, conn: Any, base: str, threads: int, synthetic_s: float | None) -> None:
+def _slot_main(host: int, slot: int, conn: Any, base: str, threads: int, synthetic_s: float | None,
+               owner: int) -> None:
     """A simulated host slot: run units in-process, one at a time, until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the run, not each slot
+    _exit_with(owner)
     os.environ["BDL_THREADS"] = str(threads)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from client_app.preemption import start_watcher
@@ -180,7 +212,7 @@ class SlotPool:
         parent, child = self.ctx.Pipe()
         p = self.ctx.Process(target=_slot_main,
                              args=(slot.host, slot.index, child, str(self.base), self.threads,
-                                   self.synthetic_unit_s),
+                                   self.synthetic_unit_s, os.getpid()),
                              name=f"bdl-host{slot.host}-slot{slot.index}", daemon=True)
         p.start()
         child.close()
@@ -251,6 +283,7 @@ class SlotPool:
         if status != "ok" or not paths:
             self.counters["client_errors"] += 1
             log.warning("result %s: client error %s", result, err or status)
+            self._log_failure(inst.unit, f"client error: {err or status}")
             if not late and inst.state == "in_progress":
                 self._instance_failed(inst, "client_error")
             return

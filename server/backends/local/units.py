@@ -135,6 +135,15 @@ class UnitBook:
             self.reissue_delays.append({"unit": u.wu.unit, "via": u.lost_via, "reissue_s": now - u.lost_at})
         self._new_instance(u.wu.unit)
 
+    def _log_failure(self, unit: str, reason: str) -> None:
+        if len(self.failure_log) < 1000:
+            self.failure_log.append((unit, reason))
+
+    def failures_since(self, index: int) -> list[tuple[str, str]]:
+        """Failed instances (unit, reason) from position ``index`` of the failure log on."""
+        with self.lock:
+            return self.failure_log[index:]
+
     def _mark_lost(self, name: str, now: float) -> None:
         inst = self.instances.get(name)
         if inst is not None and inst.lost_at is None:
@@ -158,6 +167,7 @@ class UnitBook:
             self._drop_unsent(u)
         elif status == "rejected" and result:
             self.counters["rejected"] += 1
+            self._log_failure(unit, f"result rejected: {reason}")
             inst = self.instances.get(result)
             if inst is not None and not u.done:
                 inst.state = "in_progress"  # let _instance_failed account it

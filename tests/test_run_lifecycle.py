@@ -1,0 +1,178 @@
+"""``boinc-dl run`` as a real process: its private Redis SIGKILLed mid-run, the run
+stopped by SIGTERM or SIGHUP, a job in which every unit fails, a crashed run's status.
+
+Each test starts the real command line (TensorFlow, Redis, slot and assimilator
+processes) and looks at the processes it left behind through psutil.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+EXE = [sys.executable, "-m", "server.cli"]
+ENV = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(REPO)}
+ENV.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the command must keep TensorFlow quiet by itself
+
+SPEC = """name: life
+model: models:mlp
+model_args: {input_dim: 64, hidden: 32, n_classes: 10}
+dataset: {name: digits}
+training: {epochs: EPOCHS, batch_size: 32, learning_rate: LR, local_epochs: 1}
+vcasgd: {n_subsets: 4, alpha: 0.5}
+units: {timeout_s: 60}
+backend: {kind: local, local: {workers: 2, slots: 2, assimilators: 2}}
+seed: 3
+"""
+
+
+def _spec(tmp: Path, epochs: int = 3, lr: str = "0.005") -> Path:
+    shutil.copy(REPO / "examples" / "models.py", tmp / "models.py")
+    p = tmp / "job.yaml"
+    p.write_text(SPEC.replace("EPOCHS", str(epochs)).replace("LR", lr))
+    return p
+
+
+def _start(tmp: Path, spec: Path, run_dir: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([*EXE, "run", str(spec), "--run-dir", str(run_dir), "-q"], cwd=tmp, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(pred, timeout: float, proc: subprocess.Popen[str], what: str) -> None:  # noqa: ANN001
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"run ended before {what}: rc {proc.returncode}\n{out}\n{err}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def _family(pid: int) -> list[psutil.Process]:
+    """The run's process and all its descendants (Redis, fork server, slots, assimilators)."""
+    p = psutil.Process(pid)
+    return [p, *p.children(recursive=True)]
+
+
+def _redis_of(run_dir: Path) -> psutil.Process | None:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "redis-server" in cmd and str(run_dir) in cmd:
+            return p
+    return None
+
+
+def _survivors(procs: list[psutil.Process], timeout: float = 30.0) -> list[str]:
+    """Processes of ``procs`` still alive after ``timeout`` (the fork server, holding
+    TensorFlow, takes a few seconds to tear down on a loaded machine)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in alive
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _assimilated(run_dir: Path) -> Counter[str]:
+    hist = json.loads((run_dir / "history.json").read_text())
+    return Counter(u["unit"] for u in hist["units"] if "failed" not in u)
+
+
+def _tf_noise(text: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if any(k in line for k in ("absl::", "oneDNN", "cuda", "cpu_feature_guard", "I0000", "W0000", "E0000"))]
+
+
+def test_redis_sigkilled_mid_run_is_restarted_and_the_run_merges_each_unit_once(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, _spec(tmp_path, epochs=3), run_dir)
+    _wait_for(lambda: "epoch 1 closed" in (run_dir / "boinc-dl.log").read_text(errors="replace")
+              if (run_dir / "boinc-dl.log").exists() else False, 300, proc, "epoch 1 to close")
+    redis = _redis_of(run_dir)
+    assert redis is not None
+    redis.send_signal(signal.SIGKILL)  # a real crash of the run's Redis, mid-run
+    killed_at = time.time()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out, err)
+    assert "Traceback" not in err and _tf_noise(out + err) == [], err
+    log = (run_dir / "boinc-dl.log").read_text(errors="replace")
+    assert "restarting it on its AOF" in log and "redis-server restarted" in log
+    merges = _assimilated(run_dir)
+    assert len(merges) == 3 * 4 and set(merges.values()) == {1}, merges  # every unit, exactly once
+    hist = json.loads((run_dir / "history.json").read_text())
+    after = [u["t"] for u in hist["units"] if u.get("t") and u["t"] > killed_at]
+    assert after and min(after) - killed_at < 10.0  # the next merge came within seconds
+    assert _redis_of(run_dir) is None  # the restarted Redis stopped with the run
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_stop_the_run_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, _spec(tmp_path, epochs=20), run_dir)
+    # Wait until every kind of child is up: Redis, fork server, slots and assimilators.
+    _wait_for(lambda: (run_dir / "boinc-dl.log").exists()
+              and "merged" in (run_dir / "boinc-dl.log").read_text(errors="replace")
+              or len(_family(proc.pid)) >= 8, 300, proc, "the run to start its processes")
+    family = _family(proc.pid)
+    assert _redis_of(run_dir) in family
+    t0 = time.time()
+    proc.send_signal(sig)  # to the run alone, as kill(1) or systemd would
+    out, err = proc.communicate(timeout=60)
+    stop_s = time.time() - t0
+    assert proc.returncode == 128 + sig, (proc.returncode, out, err)
+    assert "--resume" in out and "Traceback" not in err
+    assert stop_s < 30, stop_s
+    assert _survivors(family) == []
+    st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir), "--json"], cwd=tmp_path, env=ENV,
+                        capture_output=True, text=True, timeout=120)
+    state = json.loads(st.stdout)
+    assert state["status"] == "interrupted" and signal.Signals(sig).name in state["reason"]
+
+
+def test_sigkilled_run_leaves_no_redis_and_shows_as_crashed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, _spec(tmp_path, epochs=20), run_dir)
+    _wait_for(lambda: len(_family(proc.pid)) >= 8, 300, proc, "the run to start its processes")
+    time.sleep(2.0)  # a heartbeat or two
+    family = _family(proc.pid)
+    proc.kill()  # no clean-up at all: only the kernel's parent-death signal is left
+    proc.communicate(timeout=30)
+    assert _survivors(family) == []
+    st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir)], cwd=tmp_path, env=ENV,
+                        capture_output=True, text=True, timeout=120)
+    assert st.returncode == 0, st.stderr
+    assert "crashed" in st.stdout and "creating epoch" not in st.stdout
+
+
+def test_a_job_in_which_every_unit_fails_ends_failed_fast(tmp_path: Path) -> None:
+    """A learning rate that makes every unit diverge: the job fails after the first few
+    units with their error on the console and exit 1, instead of "done"."""
+    run_dir = tmp_path / "run"
+    spec = _spec(tmp_path, epochs=3, lr="1.0e+30")
+    t0 = time.time()
+    res = subprocess.run([*EXE, "run", str(spec), "--run-dir", str(run_dir), "-q"], cwd=tmp_path, env=ENV,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    err_lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(err_lines) == 1 and "failed" in err_lines[0] and "units all failed" in err_lines[0], res.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["backend"]["merged"] == 0
+    assert summary["backend"]["sent"] < 3 * 4  # fast: it did not try every unit of every epoch
+    assert time.time() - t0 < 300
+    st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir)], cwd=tmp_path, env=ENV,
+                        capture_output=True, text=True, timeout=120)
+    assert "failed" in st.stdout and "creating epoch" not in st.stdout
