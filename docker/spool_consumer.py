@@ -12,8 +12,8 @@ Delivery is at least once: a crash between the merge and the deletion makes the
 next pass find the entry again, and the merge's idempotency mark turns the re-run
 into a no-op. An entry is removed by renaming it out of the queue first, so a crash
 during deletion never leaves a half-deleted entry to be misread. Entries that can
-never be attributed to a job (no identity in the files, unknown job, a workunit that
-is not ours) are moved to ``SPOOL/dead/`` with a ``reason`` file instead of being
+never be attributed to a job (BOINC's file names name no boinc-dl workunit, unknown
+job, a workunit that is not ours) are moved to ``SPOOL/dead/`` with a ``reason`` file instead of being
 lost. Redis being down is transient: the entry stays and is retried.
 
 Entry layout (written by the shim)::
@@ -59,10 +59,11 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 
 from server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
-from server.common.errors import ResultRejected, StoreUnavailable
+from server.backends.boinc.scripts import identity_from_names, result_name_of
+from server.common.errors import StoreUnavailable
 from server.common.store import JobStore, connect
 from server.common.workunit import parse_unit_name
-from server.validator.checks import peek_identity
+from server.validator.checks import unit_for_workunit
 
 DEFAULT_SPOOL = "/var/lib/boinc-dl/spool"
 QUEUE = "assimilate"
@@ -185,14 +186,18 @@ class SpoolConsumer:
             missing = _read_lines(entry / "missing") if (entry / "missing").exists() else []
             why = f"missing: {', '.join(missing)}" if missing else "no file arguments"
             return self._bury(entry, f"the assimilator call carried no result files ({why}); argv: {argv}")
-        try:
-            job, unit = peek_identity(paths)
-        except ResultRejected as e:
-            return self._bury(entry, f"result cannot be attributed to a job: {e.reason}")
+        # Identity from BOINC's names of the uploads (the shim's sources), never the files.
+        originals = [line.split("\t", 1)[1] for line in _read_lines(entry / "sources") if "\t" in line]
+        job, wu = identity_from_names(originals or [str(p) for p in paths])
+        if not job:
+            names = [Path(p).name for p in originals][:4]
+            return self._bury(entry, f"result cannot be attributed to a job: BOINC's names {names} name no "
+                                     "boinc-dl workunit")
         store = JobStore(self.r, job)
         if not store.exists():
-            return self._bury(entry, f"unknown job {job!r} (unit {unit!r})", job=job, unit=unit)
-        outcome = assimilate_files(store, paths, result_name=_result_name(paths[0]))
+            return self._bury(entry, f"unknown job {job!r} (workunit {wu!r})", job=job, unit=wu)
+        result = result_name_of(originals[0]) if originals else ""
+        outcome = assimilate_files(store, paths, result_name=result, unit=unit_for_workunit(store, wu) or "")
         return self._done(entry, outcome, job)
 
     def _error_call(self, entry: Path, argv: list[str]) -> EntryResult:
@@ -319,12 +324,6 @@ class ValidateRunner:
 
 def _read_lines(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines() if line != ""]
-
-
-def _result_name(first_file: Path) -> str:
-    """BOINC output files are named ``<result>_<index>``: recover the result name."""
-    base, sep, idx = first_file.name.rpartition("_")
-    return base if sep and idx.isdigit() else first_file.name
 
 
 def _bump_attempts(entry: Path) -> int:

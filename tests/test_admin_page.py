@@ -248,6 +248,18 @@ def test_page_shows_jobs_epochs_units_and_rejections(page: PhpServer, redis_tcp)
         assert external not in html.lower()
 
 
+def test_page_shows_the_cloud_cost(page: PhpServer, redis_tcp) -> None:
+    _srv, r, _facts = redis_tcp
+    status, html = page.get("/boincdl.php?job=digits-vcasgd")
+    assert status == 200 and "bdl-cost" not in html  # no fleet, no section
+    r.hset("bdl:digits-vcasgd:cost_summary", mapping={
+        "instance_hours": "41.250", "total_usd": "9.87", "on_demand_usd": "21.70", "saving_usd": "11.83",
+        "saving_pct": "54.5", "reclaims": "3", "lost_hours": "0.420", "lost_usd": "0.11", "job": "<b>x</b>"})
+    status, html = page.get("/boincdl.php?job=digits-vcasgd")
+    t = parse(html)
+    assert t.tables["bdl-cost"][1] == ["41.250", "9.87", "21.70", "11.83", "54.5", "3", "0.420", "0.11"]
+
+
 def test_page_escapes_hostile_job_names(page: PhpServer) -> None:
     status, html = page.get()
     assert '<script>alert("job")' not in html

@@ -85,11 +85,13 @@ def make_job(r: redis.Redis, job: str = "digits-vc", n_units: int = 3) -> tuple[
     return store, units, fp
 
 
-def write_result(dirpath: Path, result: str, job: str, unit: str, fp, value: float) -> list[Path]:
-    """BOINC-style output files of one result: ``<result>_0`` (HDF5), ``<result>_1`` (JSON)."""
+def write_result(dirpath: Path, job: str, unit: str, fp, value: float, seq: int = 0) -> list[Path]:
+    """Output files of result ``<unit>_<seq>`` named as BOINC names them,
+    ``<result>_r<random>_<i>``: 0 is the HDF5 weights, 1 the metrics JSON."""
     dirpath.mkdir(parents=True, exist_ok=True)
-    w = dirpath / f"{result}_0"
-    m = dirpath / f"{result}_1"
+    result = f"{unit}_{seq}"
+    w = dirpath / f"{result}_r123456_0"
+    m = dirpath / f"{result}_r123456_1"
     flat = np.full(fp.n_params, value, np.float32)
     metrics = {"job": job, "unit": unit, "val_acc": 0.5, "val_loss": 1.0, "result": result}
     write_weights(w, WeightsFile(flat, fp, job=job, model="0", unit=unit, base_version=0, examples_seen=10, metrics=metrics))
@@ -284,7 +286,7 @@ def test_consumer_assimilates_and_is_idempotent(tmp_path: Path, rds: redis.Redis
     spool = tmp_path / "spool"
     spool.mkdir()
     upload = tmp_path / "upload"
-    files = write_result(upload, "res_a_r0", store.job, units[0], fp, 2.0)
+    files = write_result(upload, store.job, units[0], fp, 2.0)
     assert run_shim(spool, "101", *map(str, files)).returncode == 0
     (entry,) = entries(spool)
     kept = tmp_path / "kept"
@@ -314,7 +316,7 @@ def test_consumer_records_rejection_and_failure(tmp_path: Path, rds: redis.Redis
     spool = tmp_path / "spool"
     spool.mkdir()
     # a result whose weights hold NaN: rejected, recorded, entry removed
-    files = write_result(tmp_path / "up", "res_nan_r0", store.job, units[1], fp, float("nan"))
+    files = write_result(tmp_path / "up", store.job, units[1], fp, float("nan"))
     assert run_shim(spool, "102", *map(str, files)).returncode == 0
     # 1.6-style error call with the name in argv
     assert run_shim(spool, "--error", "8", units[2], "103", "0").returncode == 0
@@ -324,7 +326,7 @@ def test_consumer_records_rejection_and_failure(tmp_path: Path, rds: redis.Redis
     assert results[units[2]].status == "failed"
     assert entries(spool) == []
     (rej,) = store.rejections()
-    assert rej["unit"] == units[1] and rej["result"] == "res_nan_r0"
+    assert rej["unit"] == units[1] and rej["result"] == f"{units[1]}_0"
     assert "too many total results" in store.failed()[units[2]]
     assert store.unit_states()[units[2]] == "failed"
     assert store.get_weights("0")[1] == 0
@@ -337,7 +339,7 @@ def test_consumer_buries_unattributable_entries(tmp_path: Path, rds: redis.Redis
     junk = tmp_path / "junk_0"
     junk.write_text("not a result")
     assert run_shim(spool, "5", str(junk)).returncode == 0
-    other = write_result(tmp_path / "o", "r_other", "no-such-job", "no-such-job__m0_e0001_s0000", fp, 1.0)
+    other = write_result(tmp_path / "o", "no-such-job", "no-such-job__m0_e0001_s0000", fp, 1.0)
     assert run_shim(spool, "6", *map(str, other)).returncode == 0
     assert run_shim(spool, "--error", "8", "99").returncode == 0  # 1.2 call, name unresolved
     results = spool_consumer.SpoolConsumer(spool, rds).run_once()
@@ -356,7 +358,7 @@ def test_consumer_keeps_entries_while_redis_is_down(tmp_path: Path) -> None:
     store, units, fp = make_job(r)
     spool = tmp_path / "spool"
     spool.mkdir()
-    files = write_result(tmp_path / "up", "res_a_r0", store.job, units[0], fp, 2.0)
+    files = write_result(tmp_path / "up", store.job, units[0], fp, 2.0)
     assert run_shim(spool, "101", *map(str, files)).returncode == 0
     consumer = spool_consumer.SpoolConsumer(spool, r)
     srv.stop()
@@ -379,7 +381,7 @@ def test_consumer_cli_once_and_mod_sharding(tmp_path: Path) -> None:
         spool = tmp_path / "spool"
         spool.mkdir()
         for i, u in enumerate(units):
-            files = write_result(tmp_path / "up" / str(i), f"res{i}_r0", store.job, u, fp, 1.0)
+            files = write_result(tmp_path / "up" / str(i), store.job, u, fp, 1.0)
             assert run_shim(spool, str(i), *map(str, files)).returncode == 0
         r.config_set("requirepass", "p@ss:/word")
         pw = tmp_path / "redis_password"

@@ -51,7 +51,7 @@ def test_first_merged_result_of_a_subset_wins(tmp_path: Path, redis_server, firs
     wu_a = Workunit.load(store.unit_info(a)["files"][WU_JSON])
     assert wu_a.weights_version == 0
     # Another subset merges: the server weights move on to version 1.
-    assert assimilate_files(store, _result(tmp_path / "rb", store, b, 0, 1.0), spec).status == "merged"
+    assert assimilate_files(store, _result(tmp_path / "rb", store, b, 0, 1.0), spec, unit=b).status == "merged"
 
     made = gen.regenerate(a, 1)
     assert made is not None
@@ -66,7 +66,7 @@ def test_first_merged_result_of_a_subset_wins(tmp_path: Path, redis_server, firs
     fresh = _result(tmp_path / "fresh", store, a, 1, 3.0)
     late = _result(tmp_path / "late", store, a, 0, 5.0)
     order = [fresh, late] if first == "regenerated" else [late, fresh]
-    outs = [assimilate_files(store, paths, spec).status for paths in order]
+    outs = [assimilate_files(store, paths, spec, unit=a).status for paths in order]
     assert outs == ["merged", "duplicate"]
     assert store.version("0") == 2
     rec = store.assimilated()[a]

@@ -53,7 +53,7 @@ JOBS = {
 }
 # Huge weights overflow the update-norm computation to inf (then rejected): expected.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-FUZZ = settings(max_examples=700, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=int(os.environ.get("BDL_FUZZ_EXAMPLES", "200")), deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
@@ -82,7 +82,13 @@ _counter = itertools.count()
 
 # No NUL: HDF5 variable-length strings cannot hold one (h5py refuses to write it).
 names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"], exclude_characters="\0"), max_size=12)
-units = st.one_of(st.sampled_from([f"u{i}" for i in range(N_UNITS)]), names)
+issued_units = st.sampled_from([f"u{i}" for i in range(N_UNITS)])
+units = st.one_of(issued_units, names)
+
+
+def embedded(issued: str) -> st.SearchStrategy[str]:
+    """The unit a file claims: mostly the one it was issued for, sometimes another or junk."""
+    return st.one_of(st.just(issued), st.just(issued), st.just(issued), units)
 
 
 def jobs_for(job: str) -> st.SearchStrategy[str]:
@@ -107,13 +113,13 @@ def _flat(kind: str, rng: np.random.Generator) -> np.ndarray:
 
 
 @st.composite
-def weights_file(draw, path: Path, job: str) -> str:  # noqa: ANN001
+def weights_file(draw, path: Path, job: str, issued: str) -> str:  # noqa: ANN001
     """Write one weights-like file at ``path``; returns a label of what it is."""
     kind = draw(st.sampled_from(["valid", "valid", "crafted", "crafted", "garbage", "empty", "hdf5-empty"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     if kind == "valid":
         wf = WeightsFile(_flat(draw(values), rng), FP, job=draw(jobs_for(job)), model=draw(st.sampled_from(["0", "0", "1"])),
-                         unit=draw(units), base_version=draw(st.integers(0, 2**31)),
+                         unit=draw(embedded(issued)), base_version=draw(st.integers(0, 2**31)),
                          examples_seen=draw(st.integers(0, 2**31)),
                          metrics=draw(st.dictionaries(names, st.integers(), max_size=3)))
         write_weights(path, wf)
@@ -123,18 +129,18 @@ def weights_file(draw, path: Path, job: str) -> str:  # noqa: ANN001
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "hdf5-empty":
-        with h5py.File(path, "w"):
+        with h5py.File(path, "w", libver="latest"):
             pass
     else:
-        _crafted(draw, path, rng, job)
+        _crafted(draw, path, rng, job, issued)
     return kind
 
 
-def _crafted(draw, path: Path, rng: np.random.Generator, job: str) -> None:  # noqa: ANN001
+def _crafted(draw, path: Path, rng: np.random.Generator, job: str, issued: str) -> None:  # noqa: ANN001
     """An HDF5 file in our layout with some parts wrong: attributes, tensors or both."""
-    with h5py.File(path, "w") as f:
+    with h5py.File(path, "w", libver=draw(st.sampled_from(["latest", "latest", "earliest"]))) as f:
         for key, good in (("format", FORMAT), ("fingerprint", FP.to_json()), ("job", draw(jobs_for(job))),
-                          ("model", "0"), ("unit", draw(units)), ("base_version", 0),
+                          ("model", "0"), ("unit", draw(embedded(issued))), ("base_version", 0),
                           ("examples_seen", 10), ("metrics", "{}")):
             choice = draw(st.sampled_from(["good", "good", "good", "missing", "weird"]))
             if choice == "good":
@@ -214,8 +220,9 @@ def test_fuzzed_result_files_never_crash_the_assimilator(stores, workdir, data) 
     store, spec = stores[job], JOBS[job]
     d = workdir / f"r{next(_counter)}"
     d.mkdir()
+    issued = data.draw(issued_units)  # what the job system issued: known, never from the file
     try:
-        data.draw(weights_file(d / "weights_out.h5", job))
+        data.draw(weights_file(d / "weights_out.h5", job, issued))
         paths = [str(d / "weights_out.h5")]
         if data.draw(metrics_file(d / "metrics.json")):
             paths.append(str(d / "metrics.json"))
@@ -228,10 +235,12 @@ def test_fuzzed_result_files_never_crash_the_assimilator(stores, workdir, data) 
             paths.append(paths[0])
         paths = data.draw(st.permutations(paths))
         v0, r0 = store.version("0"), store.counters().get("rejected", 0)
-        out = assimilate_guarded(store, spec, "result", d.name, "", paths)
+        out = assimilate_guarded(store, spec, "result", d.name, issued, paths)
         _check_outcome(store, out, v0, r0)
+        if out.status == "merged":
+            assert store.is_assimilated(issued)
         try:
-            validate_result(paths, store, spec.units.max_upload_bytes)
+            validate_result(paths, store, spec.units.max_upload_bytes, issued)
         except ResultRejected as e:
             assert e.reason
     finally:
@@ -248,8 +257,9 @@ def test_mutated_bytes_of_valid_results_never_crash(stores, workdir, data) -> No
     try:
         rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
         w = d / "weights_out.h5"
+        issued = data.draw(issued_units)
         write_weights(w, WeightsFile(_flat("small", rng), FP, job="fz", model="0",
-                                     unit=data.draw(units), base_version=1))
+                                     unit=data.draw(embedded(issued)), base_version=1))
         raw = bytearray(w.read_bytes())
         for _ in range(data.draw(st.integers(1, 4))):
             op = data.draw(st.sampled_from(["truncate", "flip", "zero", "splice"]))
@@ -265,7 +275,7 @@ def test_mutated_bytes_of_valid_results_never_crash(stores, workdir, data) -> No
         w.write_bytes(bytes(raw))
         (d / "metrics.json").write_text("{}")
         v0, r0 = store.version("0"), store.counters().get("rejected", 0)
-        out = assimilate_guarded(store, spec, "result", d.name, "", [str(w), str(d / "metrics.json")])
+        out = assimilate_guarded(store, spec, "result", d.name, issued, [str(w), str(d / "metrics.json")])
         _check_outcome(store, out, v0, r0)
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -278,14 +288,14 @@ def test_unknown_job_store_rejects_cleanly(stores, tmp_path: Path) -> None:
     d.mkdir()
     write_weights(d / "w.h5", WeightsFile(np.zeros(FP.n_params, np.float32), FP, job="ghost", unit="u0"))
     with pytest.raises(ResultRejected, match="no job named"):
-        validate_result([str(d / "w.h5")], ghost, 10**9)
-    out = assimilate_files(ghost, [str(d / "w.h5")], JOBS["fz"], "g_0")
+        validate_result([str(d / "w.h5")], ghost, 10**9, "u0")
+    out = assimilate_files(ghost, [str(d / "w.h5")], JOBS["fz"], "g_0", unit="u0")
     assert out.status == "rejected" and "no job named" in out.reason
 
 
 def _array_attr_result(d: Path) -> list[str]:
     d.mkdir()
-    with h5py.File(d / "w.h5", "w") as f:
+    with h5py.File(d / "w.h5", "w", libver="latest") as f:
         f.attrs["format"] = FORMAT
         f.attrs["fingerprint"] = FP.to_json()
         f.attrs["job"], f.attrs["unit"] = "fz", "u1"
@@ -294,13 +304,13 @@ def _array_attr_result(d: Path) -> list[str]:
 
 
 def test_array_attribute_is_rejected_by_the_parameter_server(stores, tmp_path: Path) -> None:
-    out = assimilate_guarded(stores["fz"], JOBS["fz"], "result", "arr_0", "", _array_attr_result(tmp_path / "a"))
+    out = assimilate_guarded(stores["fz"], JOBS["fz"], "result", "arr_0", "u1", _array_attr_result(tmp_path / "a"))
     assert out.status == "rejected" and out.reason
 
 
 def test_array_attribute_through_assimilate_files(stores, tmp_path: Path) -> None:
     """The BOINC script entry point calls assimilate_files directly: this must reject too."""
-    out = assimilate_files(stores["fz"], _array_attr_result(tmp_path / "b"), JOBS["fz"], "arr_1")
+    out = assimilate_files(stores["fz"], _array_attr_result(tmp_path / "b"), JOBS["fz"], "arr_1", unit="u1")
     assert out.status == "rejected"
 
 
@@ -311,7 +321,9 @@ def test_fuzz_campaign_rejected_each_kind_with_a_reason(stores) -> None:
     reasons = " | ".join(r["reason"] for s in stores.values() for r in s.rejections(10000))
     # NaN/Inf and the update-norm bound need a drawn file whose job, unit and model all
     # match; they are covered deterministically in tests/test_validator.py.
-    for needle in ("unknown unit", "not JSON", "over the", "tensors"):
+    # The deeper structural checks (links, storage, filters, shapes) are attacked one by
+    # one in tests/test_hostile_results.py.
+    for needle in ("not JSON", "over the", "signature", "superblock"):
         assert needle in reasons, needle
     assert math.isfinite(stores["fznorm"].get_weights("0")[0].sum())
 

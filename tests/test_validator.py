@@ -37,8 +37,8 @@ def test_good_result_merges_once(tiny_job, tmp_path: Path) -> None:
     ("kwargs", "reason"),
     [
         ({"flat": np.full(15, np.nan, np.float32)}, "NaN/Inf"),
-        ({"unit": "nope"}, "unknown unit"),
-        ({"job": "other"}, "belongs to job"),
+        ({"unit": "nope"}, "embeds unit"),
+        ({"job": "other"}, "embeds job"),
         ({"metrics": "{not json"}, "not JSON"),
         ({"metrics": "[1, 2]"}, "not a JSON object"),
     ],
@@ -47,8 +47,8 @@ def test_rejections(tiny_job, tmp_path: Path, kwargs, reason: str) -> None:
     store, spec, fp = tiny_job
     paths = _result(tmp_path, fp, **kwargs)
     with pytest.raises(ResultRejected, match=reason):
-        validate_result(paths, store, spec.units.max_upload_bytes)
-    out = assimilate_files(store, paths, spec, "r_0")
+        validate_result(paths, store, spec.units.max_upload_bytes, "u0")
+    out = assimilate_files(store, paths, spec, "r_0", unit="u0")
     assert out.status == "rejected" and reason.split()[0] in out.reason
     assert store.version("0") == 0
     assert store.rejections(1)[0]["reason"] == out.reason
@@ -58,9 +58,9 @@ def test_wrong_shapes_and_sizes(tiny_job, tmp_path: Path) -> None:
     store, spec, _fp = tiny_job
     other = fingerprint_of(["dense/kernel", "dense/bias"], [np.zeros((5, 3)), np.zeros(3)])
     with pytest.raises(ResultRejected, match="shape"):
-        validate_result(_result(tmp_path, other, np.ones(18, np.float32)), store, 10**9)
+        validate_result(_result(tmp_path, other, np.ones(18, np.float32)), store, 10**9, "u0")
     with pytest.raises(ResultRejected, match="over the"):
-        validate_result(_result(tmp_path, _fp, name="big"), store, 100)
+        validate_result(_result(tmp_path, _fp, name="big"), store, 100, "u0")
 
 
 def test_truncated_and_missing(tiny_job, tmp_path: Path) -> None:
@@ -69,19 +69,19 @@ def test_truncated_and_missing(tiny_job, tmp_path: Path) -> None:
     data = Path(paths[0]).read_bytes()
     Path(paths[0]).write_bytes(data[: len(data) // 2])
     with pytest.raises(ResultRejected):
-        validate_result(paths, store, 10**9)
+        validate_result(paths, store, 10**9, "u0")
     with pytest.raises(ResultRejected, match="missing"):
-        validate_result([str(tmp_path / "nothing.h5")], store, 10**9)
+        validate_result([str(tmp_path / "nothing.h5")], store, 10**9, "u0")
 
 
 def test_update_norm_bound(tiny_job, tmp_path: Path) -> None:
     store, spec, fp = tiny_job
     spec = spec.model_copy(update={"validation": spec.validation.model_copy(update={"max_update_norm": 10.0})})
     far = _result(tmp_path, fp, np.full(fp.n_params, 100.0, np.float32), name="far")
-    out = assimilate_files(store, far, spec, "far_0")
+    out = assimilate_files(store, far, spec, "u0_0")
     assert out.status == "rejected" and "exceeds the bound" in out.reason
     near = _result(tmp_path, fp, np.full(fp.n_params, 1.0, np.float32), unit="u1", name="near")
-    assert assimilate_files(store, near, spec, "near_0").status == "merged"
+    assert assimilate_files(store, near, spec, "u1_0").status == "merged"
 
 
 def test_error_call_marks_failed_once(tiny_job) -> None:

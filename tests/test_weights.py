@@ -40,15 +40,23 @@ def test_round_trip(tmp_path: Path) -> None:
         assert f["tensors"]["000000"].shape == (4, 3)
 
 
-def test_slow_path_for_compressed_files(tmp_path: Path) -> None:
-    wf = _write(tmp_path / "w.h5")
-    with h5py.File(tmp_path / "w.h5", "r") as src, h5py.File(tmp_path / "c.h5", "w") as dst:
+def _copy(src_path: Path, dst_path: Path, **ds_kw) -> None:
+    """Rewrite a weights file dataset by dataset with h5py options (another writer)."""
+    with h5py.File(src_path, "r") as src, h5py.File(dst_path, "w", libver="latest") as dst:
         for k, v in src.attrs.items():
             dst.attrs[k] = v
         g = dst.create_group("tensors")
         for k in src["tensors"]:
-            g.create_dataset(k, data=src["tensors"][k][()], compression="gzip", chunks=True)
+            g.create_dataset(k, data=src["tensors"][k][()], **ds_kw)
+
+
+def test_chunked_read_compressed_rejected(tmp_path: Path) -> None:
+    wf = _write(tmp_path / "w.h5")
+    _copy(tmp_path / "w.h5", tmp_path / "c.h5", chunks=True)
     assert np.array_equal(read_weights(tmp_path / "c.h5", wf.fingerprint).flat, wf.flat)
+    _copy(tmp_path / "w.h5", tmp_path / "z.h5", chunks=True, compression="gzip")
+    with pytest.raises(WeightsFormatError, match="filtered"):
+        read_weights(tmp_path / "z.h5", wf.fingerprint)
 
 
 @pytest.mark.parametrize(

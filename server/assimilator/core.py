@@ -10,6 +10,7 @@ and a late original result of a re-issued unit never merge twice.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ import numpy as np
 from server.common.errors import ResultRejected
 from server.common.spec import JobSpec, spec_from_json
 from server.common.store import JobStore
-from server.validator.checks import ValidResult, validate_result
+from server.validator import norms
+from server.validator.checks import ValidResult, unit_for_workunit, validate_result
 
 
 @dataclass
@@ -46,6 +48,17 @@ def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
     return ws
 
 
+def _number(v: Any) -> float | None:
+    """A finite float from a host's metrics value, else None."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:  # an int of 400 digits
+        return None
+    return f if math.isfinite(f) else None
+
+
 def alpha_for(spec: JobSpec, epoch: int) -> float:
     """The merge weight of the server copy for a unit of ``epoch``."""
     return spec.vcasgd.alpha_for(epoch) if spec.mode == "vcasgd" else 0.0
@@ -60,7 +73,7 @@ def assimilate_valid(
     epoch = int(info.get("epoch", 0))
     model = str(info.get("model", "0"))
     alpha = alpha_for(spec, epoch)
-    bound = spec.validation.max_update_norm
+    bound, source = norms.bound_for(store, spec, model)
     rejected: list[str] = []
     wc = res.weights.flat
     # Checks on the whole model come before any shard is touched: a merge applies shard
@@ -71,11 +84,16 @@ def assimilate_valid(
     elif bound is not None:
         # Against a snapshot (each shard atomic): the bound guards against a wild
         # result, a merge landing in between moves the reference by a step at most.
-        dist = float(np.linalg.norm(wc - store.snapshot(model).flat))
-        if not np.isfinite(dist) or dist > bound:
-            rejected.append(f"update distance {dist:.4g} from the server weights exceeds the bound {bound:.4g}")
+        reason = norms.check_distance(float(np.linalg.norm(wc - store.snapshot(model).flat)), bound, source)
+        if reason:
+            rejected.append(reason)
+    # The distance for the adaptive bound's statistic, from the shards as merged (no
+    # second read of the weights): squared distance per shard, by shard start.
+    sq: dict[int, float] = {}
 
     def combine(ws: np.ndarray, sl: slice) -> np.ndarray:
+        d = wc[sl] - ws
+        sq[sl.start or 0] = float(np.dot(d, d))
         return merge_into(ws, wc[sl], alpha)
 
     m = res.metrics
@@ -85,19 +103,21 @@ def assimilate_valid(
         "alpha": alpha,
         "base_version": res.weights.base_version,
         "examples_seen": res.weights.examples_seen,
-        "val_acc": m.get("val_acc"),
-        "val_loss": m.get("val_loss"),
-        "train_loss": m.get("train_loss"),
-        "train_acc": m.get("train_acc"),
-        "train_s": m.get("train_s"),
-        "wall_s": m.get("wall_s"),
-        "host": m.get("host"),
+        # A host's metrics are typed here: what the generator, status and reports read
+        # from the merge record is a finite number or None, the host a short string.
+        **{k: _number(m.get(k)) for k in ("val_acc", "val_loss", "train_loss", "train_acc", "train_s", "wall_s")},
+        "host": str(m["host"])[:64] if isinstance(m.get("host"), str | int) else None,
     }
     if rejected:
-        store.record_rejection(unit, str(m.get("result", "")), rejected[0])
+        store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
+    if out.given_up:
+        reason = "the unit was already given up; a late result is not merged"
+        return AssimilationOutcome("duplicate", unit, out.version, reason, out.retries)
+    if out.applied and sq:
+        norms.record_norm(store, model, math.sqrt(sum(sq.values())))
     if out.applied and spec.mode == "mop" and res.weights.optimizer is not None:
         # MOP hops the optimizer state with the model. Tagged with the weights version it
         # belongs to: a crash before this write only means the next unit starts a fresh
@@ -108,25 +128,30 @@ def assimilate_valid(
 
 
 def assimilate_files(
-    store: JobStore, paths: Sequence[str | Path], spec: JobSpec | None = None, result_name: str = ""
+    store: JobStore,
+    paths: Sequence[str | Path],
+    spec: JobSpec | None = None,
+    result_name: str = "",
+    unit: str | None = None,
 ) -> AssimilationOutcome:
     """Validate then merge a result given by its files (the BOINC entry point's core).
 
-    A rejected result is recorded in Redis and reported as ``rejected``; a transient
-    fault (Redis down) propagates as :class:`~server.common.errors.StoreUnavailable`.
+    ``unit`` is the unit the job system issued the result for (never read from the
+    file); without it, the unit of the workunit named by ``result_name``
+    (``<workunit>_<n>``, BOINC's result names). A rejected result is recorded in Redis
+    and reported as ``rejected``; a transient fault (Redis down) propagates as
+    :class:`~server.common.errors.StoreUnavailable`.
     """
     if spec is None:
         spec = spec_from_json(store.spec_json())
+    if unit is None:
+        wu, sep, seq = result_name.rpartition("_")
+        unit = (unit_for_workunit(store, wu) if sep and seq.isdigit() else None) or ""
     try:
-        res = validate_result(paths, store, spec.units.max_upload_bytes)
+        if not unit:
+            raise ResultRejected(f"result {result_name[:80]!r} is not a result of a known unit of {store.job!r}")
+        res = validate_result(paths, store, spec.units.max_upload_bytes, unit)
     except ResultRejected as e:
-        unit = ""
-        try:
-            from server.validator.checks import peek_identity
-
-            unit = peek_identity(paths)[1]
-        except ResultRejected:
-            pass
         store.record_rejection(unit, result_name, e.reason)
         return AssimilationOutcome("rejected", unit, reason=e.reason)
     if store.is_assimilated(res.unit):

@@ -4,10 +4,11 @@ One module per command group, mounted here on :data:`server.cli.app.app`:
 
 * :mod:`.jobs` — ``run``, ``submit``, ``status``, ``cancel``, ``validate``;
 * :mod:`.boinc` — ``boinc-dl boinc ...`` (install, daemons, validator/assimilator scripts);
+* :mod:`.fleet` — ``boinc-dl fleet ...`` (the spot fleet controller) and ``boinc-dl cost JOB``;
 * :mod:`.plan` — ``boinc-dl plan`` (predicted time and cost of fleets, the recommended one).
 
-Further groups (``fleet``, ``plan``) go beside ``boinc``: a module with its own
-``typer.Typer`` added with ``app.add_typer`` below.
+Further groups go beside these: a module with its own ``typer.Typer`` added with
+``app.add_typer`` below.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def _mount_optional() -> None:
     except ImportError:
         return
     app.add_typer(boinc_app, name="boinc", help="BOINC server integration (install, daemons, scripts).")
+    from server.cli.fleet import cost, fleet_app
+
+    app.add_typer(fleet_app, name="fleet")
+    app.command("cost")(cost)
 
 
 _mount_optional()

@@ -201,7 +201,8 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     try:
         spec = load_spec(spec_file)
         check_resources(spec)
-        data = load_dataset(spec.dataset, spec.seed)
+        # boinc-dl's own dataset loader (bandit takes it for Hugging Face's load_dataset)
+        data = load_dataset(spec.dataset, spec.seed)  # nosec B615
         check_split(spec, len(data.x_train))
         from server.common.keras_model import build_model, model_fingerprint
 

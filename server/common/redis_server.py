@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -91,7 +92,7 @@ class EmbeddedRedis:
         # Unix socket paths are limited to ~107 bytes: fall back to a short /tmp path.
         sock = self.data_dir / "redis.sock"
         if len(str(sock)) > 100:
-            sock = Path("/tmp") / f"bdl-redis-{abs(hash(str(self.data_dir))) % 10**10}.sock"
+            sock = Path(tempfile.gettempdir()) / f"bdl-redis-{abs(hash(str(self.data_dir))) % 10**10}.sock"
         self.socket = sock
 
     @property

@@ -142,6 +142,14 @@ class ValidationSpec(_Strict):
     max_update_norm: float | None = Field(
         None, gt=0, description="reject a result whose L2 distance from the server copy exceeds this"
     )
+    update_norm_k: float | None = Field(
+        10.0, gt=0,
+        description="reject a result whose distance from the server copy exceeds the median + k * MAD "
+        "(scaled to a standard deviation) of this model's accepted distances; null disables",
+    )
+    update_norm_warmup: int = Field(
+        10, ge=3, description="accepted results seen before the adaptive distance bound applies"
+    )
 
 
 class LocalBackendSpec(_Strict):
@@ -393,7 +401,8 @@ def load_spec(path: str | Path) -> JobSpec:
         raise SpecError(f"{p}: not a regular file")
     text = read_spec_text(p)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        # _UniqueKeyLoader is a SafeLoader subclass (it only refuses duplicate keys).
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506  # nosec B506
         _check_size(data)
     except yaml.YAMLError as e:
         raise SpecError(f"{p}: not valid YAML: {_yaml_error(e)}") from None

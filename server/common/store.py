@@ -153,6 +153,7 @@ class MergeOutcome:
     version: int
     retries: int = 0
     duplicate: bool = False
+    given_up: bool = False  # the unit was marked failed before: never merged after that
 
 
 class JobStore:
@@ -400,8 +401,9 @@ class JobStore:
         if prev is not None:
             return self._outcome_of_mark(model, prev, token, 0)
         if self.call(lambda: self.r.hexists(self.k("failed"), unit)):
-            # a unit given up on is never also merged (its late result changes nothing)
-            return MergeOutcome(False, self.version(model), 0, duplicate=True)
+            # Given up for good (its epoch counted it failed): a late result may not also
+            # count as merged. (A give-up landing while the shards are applied is not seen.)
+            return MergeOutcome(False, self.version(model), 0, given_up=True)
         lay = self.layout(model)
         one_arg = _arity(combine) == 1
         if one_arg and lay.shards > 1:

@@ -8,9 +8,9 @@ Layout::
 
 The server side never imports TensorFlow: it reads a file straight into one flat
 float32 buffer (the representation kept in Redis) and writes one from it.
-Tensors are stored contiguous and uncompressed, so the reader can copy them out
-of a single ``read()`` of the file by their byte offsets (fast path); chunked or
-compressed files from other writers are still read through h5py (slow path).
+Tensors are stored contiguous and uncompressed. Files come from hosts, so the reader
+accepts exactly that layout (see "reading untrusted files" below): it checks the
+whole structure first, then copies each tensor from its byte offset in the file.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import os
-import random
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,6 +33,8 @@ from server.common.errors import WeightsFormatError
 
 FORMAT = "boinc-dl-weights"
 FORMAT_VERSION = 1
+MAX_ATTR_BYTES = 4 << 20  # the fingerprint of a 20 000-tensor model fits
+_F32 = np.dtype("<f4")
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,13 @@ class Fingerprint:
     @classmethod
     def from_json(cls, text: str) -> Fingerprint:
         try:
-            rows = json.loads(text)
-            return cls(tuple(TensorSpec(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in rows))
+            from server.common import bounded
+
+            rows = bounded.loads(text, max_bytes=MAX_ATTR_BYTES, max_depth=3)
+            fp = cls(tuple(TensorSpec(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in rows))
+            if any(d < 0 for t in fp.tensors for d in t.shape):
+                raise ValueError("negative dimension")
+            return fp
         except (ValueError, TypeError) as e:
             raise WeightsFormatError(f"malformed model fingerprint: {e}") from None
 
@@ -169,16 +176,9 @@ def write_weights(path: str | Path, wf: WeightsFile) -> None:
         f.attrs["examples_seen"] = int(wf.examples_seen)
         f.attrs["metrics"] = json.dumps(wf.metrics)
         g = f.create_group("tensors")
-        layout = []
         for i, (t, arr) in enumerate(zip(fp.tensors, fp.split(wf.flat), strict=True)):
             ds = g.create_dataset(f"{i:06d}", data=arr, dtype="<f4")
             ds.attrs["name"] = t.name
-            layout.append(ds.id.get_offset())
-        # Byte offsets of the (contiguous, float32) tensors: lets a reader copy them out
-        # of the file without opening 700 dataset headers. Only a shortcut: a file
-        # without it (or with one that does not fit) is read through the datasets.
-        if all(o is not None for o in layout):
-            f.attrs["layout"] = np.asarray(layout, dtype=np.int64)
         if wf.optimizer is not None:
             og = f.create_group("optimizer")
             og.attrs["kind"] = wf.optimizer.kind
@@ -187,72 +187,320 @@ def write_weights(path: str | Path, wf: WeightsFile) -> None:
     os.replace(tmp, path)
 
 
-def _attr_str(f: h5py.File | h5py.Group, key: str, default: str = "") -> str:
-    v = f.attrs.get(key, default)
-    return v.decode() if isinstance(v, bytes) else str(v)
+# ---- reading untrusted files -------------------------------------------------------------
+#
+# A weights file comes from a host: the reader accepts exactly what write_weights writes
+# and looks at the structure through h5py's low-level API before reading a byte of data.
+# Links are inspected without being followed (an external link would open another file),
+# datasets must keep their bytes inside this file (no external raw storage, no virtual
+# dataset), without filters (write_weights writes none; a filter is a decompression bomb
+# or an unknown plugin), as one name each (no hard-link alias), with the shapes and
+# dtypes of the fingerprint, fully allocated (an unallocated dataset reads as fill value:
+# 8 GB from a 30 KB file). Attributes are a fixed set of small scalars.
+
+HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+ROOT_ATTRS = frozenset({"format", "format_version", "fingerprint", "fingerprint_sha", "job", "model", "unit",
+                        "base_version", "examples_seen", "metrics", "layout"})
+MAX_METRICS_ATTR_BYTES = 1 << 20
+_LAYOUTS = (h5py.h5d.CONTIGUOUS, h5py.h5d.CHUNKED, h5py.h5d.COMPACT)
 
 
-def read_header(path: str | Path) -> WeightsFile:
-    """Read only the metadata of a weights file (``flat`` is an empty array)."""
+def _check_file(path: Path, max_bytes: int | None) -> int:
+    """File-level checks before HDF5 sees the file; returns its size.
+
+    A regular file within the upload bound, HDF5 signature at offset 0 (no user block,
+    in which anything could hide), superblock version 2 or 3 as ``libver="latest"``
+    writes (versions 0/1 carry a driver-info block: family/multi/split drivers), no
+    consistency flags set (a file still open for writing or SWMR).
+    """
     try:
-        with h5py.File(path, "r") as f:
-            return _header(f)
+        # Follows a symbolic link (a client's input files are links into its cache);
+        # result files are refused as links before they get here (validator, scripts).
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise WeightsFormatError("not a regular file (a device, a pipe?)")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise WeightsFormatError(f"{st.st_size} bytes, over the {max_bytes}-byte bound")
+        with path.open("rb") as fh:
+            head = fh.read(12)
+    except OSError as e:
+        raise WeightsFormatError(f"cannot read ({e.strerror})") from None
+    if head[:8] != HDF5_MAGIC:
+        raise WeightsFormatError("no HDF5 signature at offset 0 (not HDF5, or a user block)")
+    if len(head) < 12 or head[8] not in (2, 3):
+        raise WeightsFormatError(f"HDF5 superblock version {head[8] if len(head) > 8 else '?'} "
+                                 "(boinc-dl writes version 2/3 only)")
+    if head[11] != 0:
+        raise WeightsFormatError("HDF5 file is marked open for writing (or SWMR)")
+    return st.st_size
+
+
+def _open(path: Path) -> h5py.File:
+    # locking=False: a reader needs no lock on a file no one else writes, and upload
+    # directories may sit on NFS; the default sec2 driver (never family/split).
+    return h5py.File(path, "r", locking=False, driver=None)
+
+
+def _attr(obj: Any, name: str, max_bytes: int = MAX_ATTR_BYTES, scalar: bool = True) -> Any:
+    """One attribute's value, its size and shape checked before it is read; None if absent."""
+    if not h5py.h5a.exists(obj, name.encode()):
+        return None
+    a = h5py.h5a.open(obj, name.encode())
+    if scalar and a.shape != ():
+        raise WeightsFormatError(f"attribute {name!r} is not a scalar")
+    if a.get_storage_size() > max_bytes:
+        raise WeightsFormatError(f"attribute {name!r} is over {max_bytes} bytes")
+    dt = a.dtype
+    if dt.kind not in "iufSO" or (dt.kind == "O" and h5py.check_string_dtype(dt) is None):
+        raise WeightsFormatError(f"attribute {name!r} has type {dt}")
+    out = np.empty(a.shape, dtype=dt)
+    a.read(out)
+    v = out[()] if out.shape == () else out
+    if isinstance(v, bytes | str) and len(v) > max_bytes:
+        raise WeightsFormatError(f"attribute {name!r} is over {max_bytes} bytes")
+    return v
+
+
+def _attr_str(obj: Any, name: str, default: str = "", max_bytes: int = MAX_ATTR_BYTES) -> str:
+    v = _attr(obj, name, max_bytes)
+    if v is None:
+        return default
+    if isinstance(v, bytes):
+        try:
+            return v.decode()
+        except UnicodeDecodeError:
+            raise WeightsFormatError(f"attribute {name!r} is not UTF-8") from None
+    if isinstance(v, str):
+        return v
+    raise WeightsFormatError(f"attribute {name!r} is not a string")
+
+
+def _attr_int(obj: Any, name: str) -> int:
+    v = _attr(obj, name, 16)
+    if v is None:
+        return 0
+    if not isinstance(v, np.integer | int):
+        raise WeightsFormatError(f"attribute {name!r} is not an integer")
+    return int(v)
+
+
+def _check_attr_names(obj: Any, allowed: frozenset[str], what: str) -> None:
+    n = h5py.h5a.get_num_attrs(obj)
+    if n > len(allowed):
+        raise WeightsFormatError(f"{what} has {n} attributes")
+    for i in range(n):
+        name = h5py.h5a.open(obj, index=i).name
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        if name not in allowed:
+            raise WeightsFormatError(f"{what} has an unexpected attribute {name[:40]!r}")
+
+
+def _members(g: Any, what: str) -> list[str]:
+    """The names in a group, all hard links (soft, external and user-defined links are
+    listed, never followed). One C-level iteration, not one call per member."""
+    names: list[str] = []
+    bad: list[str] = []
+
+    def link(name: bytes, info: Any) -> int | None:
+        (names if info.type == h5py.h5l.TYPE_HARD else bad).append(name.decode(errors="replace"))
+        return 0 if bad else None
+
+    g.links.iterate(link, info=True)
+    if bad:
+        raise WeightsFormatError(f"{what}/{bad[0][:40]} is a soft, external or user-defined link")
+    return names
+
+
+def _objects(root: Any) -> dict[str, tuple[int, int]]:
+    """Every object reachable by hard links: {path: (object type, attribute count)};
+    each must be linked once (no second name for one object)."""
+    objs: dict[str, tuple[int, int]] = {}
+    bad: list[str] = []
+
+    def obj(name: bytes, info: Any) -> int | None:
+        path = name.decode(errors="replace")
+        if info.rc != 1 and path != ".":
+            bad.append(path)
+            return 0
+        objs[path] = (info.type, info.num_attrs)
+        return None
+
+    h5py.h5o.visit(root, obj, info=True)
+    if bad:
+        raise WeightsFormatError(f"/{bad[0][:40]} is linked under more than one name")
+    return objs
+
+
+def _group(parent: Any, name: str, what: str, objs: dict[str, tuple[int, int]]) -> Any:
+    if objs[name][0] != h5py.h5o.TYPE_GROUP:
+        raise WeightsFormatError(f"{what} is not a group")
+    return h5py.h5g.open(parent, name.encode())
+
+
+@dataclass
+class _Dataset:
+    """A checked dataset, ready to be read into a buffer of ``shape``/``dtype``."""
+
+    id: Any
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int | None  # byte offset in the file when contiguous
+
+
+def _dataset(g: Any, name: str, what: str, file_size: int, shape: tuple[int, ...] | None,
+             member: tuple[int, int], kinds: str = "f") -> _Dataset:
+    """Open and check one dataset without reading it (see the section comment).
+
+    ``member``: its (object type, attribute count) from :func:`_links`."""
+    if member[0] != h5py.h5o.TYPE_DATASET:
+        raise WeightsFormatError(f"{what} is not a dataset")
+    if member[1] > 1:  # write_weights gives a tensor its "name"; nothing else is read
+        raise WeightsFormatError(f"{what} has unexpected attributes")
+    d = h5py.h5d.open(g, name.encode())
+    dcpl = d.get_create_plist()
+    layout = dcpl.get_layout()
+    if layout not in _LAYOUTS:
+        raise WeightsFormatError(f"{what} is a virtual dataset (or of an unknown layout {layout})")
+    if dcpl.get_external_count():
+        raise WeightsFormatError(f"{what} keeps its data in external files")
+    if dcpl.get_nfilters():
+        raise WeightsFormatError(f"{what} is filtered (compressed); boinc-dl writes no filters")
+    space = d.get_space()
+    if space.get_simple_extent_type() not in (h5py.h5s.SIMPLE, h5py.h5s.SCALAR):
+        raise WeightsFormatError(f"{what} has a null dataspace")
+    got = tuple(int(x) for x in space.shape)
+    if shape is not None and got != shape:
+        raise WeightsFormatError(f"{what}: stored shape {got} != {shape}")
+    if kinds == "f":
+        # Compared as HDF5 types: cheaper than a numpy dtype, and stricter (precision,
+        # padding and byte order included).
+        if not d.get_type().equal(h5py.h5t.IEEE_F32LE):
+            raise WeightsFormatError(f"{what}: stored type is not little-endian float32")
+        dt = _F32
+    else:
+        try:
+            dt = d.dtype
+        except (TypeError, ValueError):
+            raise WeightsFormatError(f"{what} has an unsupported data type") from None
+        if dt.kind not in kinds or dt.itemsize > 8 or dt.byteorder == ">":
+            raise WeightsFormatError(f"{what}: dtype {dt} is not numeric")
+    nbytes = math.prod(got) * dt.itemsize
+    if nbytes > file_size:
+        raise WeightsFormatError(f"{what} declares {nbytes} bytes in a file of {file_size}")
+    stored = d.get_storage_size()
+    if stored < nbytes:
+        raise WeightsFormatError(f"{what} has {stored} of its {nbytes} bytes stored (fill values)")
+    offset = None
+    if layout == h5py.h5d.CONTIGUOUS:
+        offset = d.get_offset()
+        if nbytes and (offset is None or offset < 0 or offset + nbytes > file_size):
+            raise WeightsFormatError(f"{what}: data outside the file")
+    elif layout == h5py.h5d.CHUNKED:
+        chunk = dcpl.get_chunk()
+        if len(chunk) != len(got) or any(c > max(s, 1) for c, s in zip(chunk, got, strict=True)):
+            raise WeightsFormatError(f"{what}: chunks {chunk} larger than the dataset {got}")
+    if stored > file_size:
+        raise WeightsFormatError(f"{what} stores {stored} bytes in a file of {file_size}")
+    return _Dataset(d, got, dt, offset)
+
+
+def _read_into(fh: Any, ds: _Dataset, dst: np.ndarray) -> None:
+    """Fill ``dst`` (the dataset's element count, its dtype) from a checked dataset."""
+    if not dst.size:
+        return
+    if ds.offset is not None and dst.dtype == ds.dtype:
+        fh.seek(ds.offset)
+        view = memoryview(dst.reshape(-1)).cast("B")
+        if fh.readinto(view) != view.nbytes:
+            raise WeightsFormatError("file truncated")
+    else:
+        ds.id.read(h5py.h5s.ALL, h5py.h5s.ALL, dst.reshape(ds.shape) if ds.shape else dst.reshape(()))
+
+
+def read_header(path: str | Path, max_bytes: int | None = None) -> WeightsFile:
+    """Read only the metadata of a weights file (``flat`` is an empty array)."""
+    path = Path(path)
+    try:
+        _check_file(path, max_bytes)
+        with _open(path) as f:
+            return _header(h5py.h5g.open(f.id, b"/"))
+    except WeightsFormatError as e:
+        raise WeightsFormatError(f"{path.name}: {e}") from None
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
-        raise WeightsFormatError(f"{Path(path).name}: not a readable weights file ({e})") from None
+        raise WeightsFormatError(f"{path.name}: not a readable weights file ({e})") from None
 
 
-def _header(f: h5py.File) -> WeightsFile:
-    if _attr_str(f, "format") != FORMAT:
+def _header(root: Any, expected: Fingerprint | None = None) -> WeightsFile:
+    from server.common import bounded
+
+    _check_attr_names(root, ROOT_ATTRS, "the file")
+    if _attr_str(root, "format") != FORMAT:
         raise WeightsFormatError("not a boinc-dl weights file (format attribute missing)")
     try:
-        metrics = json.loads(_attr_str(f, "metrics", "{}"))
-    except ValueError:
-        raise WeightsFormatError("metrics attribute is not JSON") from None
+        metrics = bounded.loads(_attr_str(root, "metrics", "{}", MAX_METRICS_ATTR_BYTES), MAX_METRICS_ATTR_BYTES)
+    except ValueError as e:
+        raise WeightsFormatError(f"metrics attribute is not bounded JSON ({e})") from None
     if not isinstance(metrics, dict):
         raise WeightsFormatError("metrics attribute is not a JSON object")
     return WeightsFile(
         flat=np.empty(0, np.float32),
-        fingerprint=Fingerprint.from_json(_attr_str(f, "fingerprint", "[]")),
-        job=_attr_str(f, "job"),
-        model=_attr_str(f, "model", "0"),
-        unit=_attr_str(f, "unit"),
-        base_version=int(f.attrs.get("base_version", 0)),
-        examples_seen=int(f.attrs.get("examples_seen", 0)),
+        fingerprint=_fingerprint_attr(_attr_str(root, "fingerprint", "[]"), expected),
+        job=_attr_str(root, "job"),
+        model=_attr_str(root, "model", "0"),
+        unit=_attr_str(root, "unit"),
+        base_version=_attr_int(root, "base_version"),
+        examples_seen=_attr_int(root, "examples_seen"),
         metrics=metrics,
     )
 
 
-def read_weights(path: str | Path, expected: Fingerprint | None = None) -> WeightsFile:
+def _fingerprint_attr(text: str, expected: Fingerprint | None) -> Fingerprint:
+    # What write_weights wrote for the expected model, byte for byte: no parse needed.
+    if expected is not None and text == expected.to_json():
+        return expected
+    return Fingerprint.from_json(text)
+
+
+def read_weights(path: str | Path, expected: Fingerprint | None = None, max_bytes: int | None = None) -> WeightsFile:
     """Read a weights file into one flat float32 buffer.
 
     With ``expected``, the file's tensors (count, names, shapes, dtypes) must match it
-    exactly; the error says which tensor differs. Any unreadable or truncated file
-    raises :class:`WeightsFormatError`, never an h5py exception.
+    exactly; the error says which tensor differs. ``max_bytes`` bounds the file size.
+    The whole structure is checked (see above) before anything is allocated or read;
+    any unreadable, truncated or hostile file raises :class:`WeightsFormatError`,
+    never an h5py exception.
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise WeightsFormatError(f"{path.name}: cannot read ({e.strerror})") from None
-    try:
-        with h5py.File(path, "r") as f:
-            wf = _header(f)
+        size = _check_file(path, max_bytes)
+        with _open(path) as f, path.open("rb") as fh:
+            root = h5py.h5g.open(f.id, b"/")
+            wf = _header(root, expected)
             fp = wf.fingerprint
             if expected is not None:
                 _check_fingerprint(fp, expected)
-            g = f.get("tensors")
-            if not isinstance(g, h5py.Group):
-                raise WeightsFormatError("no 'tensors' group")
-            flat = _read_by_layout(f, fp, raw)
-            if flat is None:
-                flat = _read_tensors(g, fp, raw)
+                fp = wf.fingerprint = expected
+            if 4 * fp.n_params > size:
+                raise WeightsFormatError(f"fingerprint declares {fp.n_params} values in a file of {size} bytes")
+            names = _members(root, "")
+            objs = _objects(root)
+            if not set(names) <= {"tensors", "optimizer"} or "tensors" not in names:
+                raise WeightsFormatError(f"unexpected top-level objects {sorted(names)[:5]}")
+            tensors, optimizer = _checked_datasets(root, fp, size, "optimizer" in names, objs)
+            flat = np.empty(fp.n_params, dtype=np.float32)
+            off = 0
+            for ds, t in zip(tensors, fp.tensors, strict=True):
+                _read_into(fh, ds, flat[off : off + t.size])
+                off += t.size
             wf.flat = flat
-            og = f.get("optimizer")
-            if isinstance(og, h5py.Group):
-                arrays = [np.asarray(og[k][()]) for k in sorted(og.keys())]
-                if any(a.dtype.kind not in "fiu" for a in arrays):
-                    raise WeightsFormatError("optimizer state holds non-numeric data")
-                wf.optimizer = OptimizerState(_attr_str(og, "kind"), arrays)
+            if optimizer is not None:
+                kind, dss = optimizer
+                arrays = []
+                for ds in dss:
+                    a = np.empty(ds.shape, ds.dtype)
+                    _read_into(fh, ds, a)
+                    arrays.append(a)
+                wf.optimizer = OptimizerState(kind, arrays)
             return wf
     except WeightsFormatError as e:
         raise WeightsFormatError(f"{path.name}: {e}") from None
@@ -260,71 +508,44 @@ def read_weights(path: str | Path, expected: Fingerprint | None = None) -> Weigh
         raise WeightsFormatError(f"{path.name}: not a readable HDF5 weights file ({e})") from None
 
 
-_F32 = np.dtype("<f4")
+def _checked_datasets(root: Any, fp: Fingerprint, size: int, has_optimizer: bool,
+                      objs: dict[str, tuple[int, int]]
+                      ) -> tuple[list[_Dataset], tuple[str, list[_Dataset]] | None]:
+    """Every dataset of the file checked against ``fp`` and the file size, none read.
 
-
-def _read_by_layout(f: h5py.File, fp: Fingerprint, raw: bytes) -> np.ndarray | None:
-    """The fast path: copy tensors from the file bytes at the offsets the writer recorded.
-
-    None when the file has no usable layout (another writer, or offsets that do not fit
-    the file): the caller then reads through the datasets. A layout that lies can only
-    make the file's own weights garbage, which a bad client could send anyway; the
-    validator's finiteness and distance checks still apply.
+    The optimizer state first: a few datasets, so a bad one is refused before the
+    hundreds of tensor headers are opened.
     """
-    layout = f.attrs.get("layout")
-    g = f.get("tensors")
-    if layout is None or not isinstance(g, h5py.Group):
-        return None
-    layout = np.asarray(layout)
-    if layout.ndim != 1 or layout.dtype.kind not in "iu" or len(layout) != len(fp.tensors):
-        return None
-    layout = layout.astype(np.int64)
-    # Spot-check the recorded offsets against the datasets themselves (first, last and two
-    # random ones): a layout attribute copied into another file by a tool that moved the
-    # data (h5repack, a copy) is caught here and the file is read the slow way.
-    n = len(fp.tensors)
-    for i in {0, n - 1, *random.sample(range(n), min(2, n))}:
-        try:
-            d = h5py.h5d.open(g.id, f"{i:06d}".encode())
-        except KeyError:
-            return None
-        if d.get_offset() != int(layout[i]) or tuple(d.shape) != fp.tensors[i].shape or d.dtype != _F32:
-            return None
-    flat = np.empty(fp.n_params, dtype=np.float32)
-    off = 0
-    for start, t in zip(layout.tolist(), fp.tensors, strict=True):
-        if start < 0 or start + 4 * t.size > len(raw):
-            return None
-        flat[off : off + t.size] = np.frombuffer(raw, dtype=_F32, count=t.size, offset=start)
-        off += t.size
-    return flat
+    optimizer = _checked_optimizer(root, fp, size, objs) if has_optimizer else None
+    g = _group(root, "tensors", "/tensors", objs)
+    _check_attr_names(g, frozenset(), "/tensors")
+    names = sorted(_members(g, "/tensors"))
+    want = [f"{i:06d}" for i in range(len(fp.tensors))]
+    if names != want:
+        raise WeightsFormatError(f"file holds {len(names)} tensors named {names[:3]}..., its fingerprint "
+                                 f"lists {len(fp.tensors)}")
+    tensors = [_dataset(g, k, f"tensor {t.name}", size, t.shape, objs[f"tensors/{k}"])
+               for k, t in zip(want, fp.tensors, strict=True)]
+    return tensors, optimizer
 
 
-def _read_tensors(g: h5py.Group, fp: Fingerprint, raw: bytes) -> np.ndarray:
-    """Copy every tensor into one flat buffer, checking count, shapes and dtypes.
-
-    Uses h5py's low-level dataset API (5x faster than ``g[name]`` for hundreds of
-    tensors) and, for contiguous datasets, copies straight from the file's bytes.
-    """
-    names = sorted(n.decode() if isinstance(n, bytes) else n for n in g.id.__iter__())
-    if len(names) != len(fp.tensors):
-        raise WeightsFormatError(f"file holds {len(names)} tensors, its fingerprint lists {len(fp.tensors)}")
-    flat = np.empty(fp.n_params, dtype=np.float32)
-    off = 0
-    for key, t in zip(names, fp.tensors, strict=True):
-        d = h5py.h5d.open(g.id, key.encode())
-        if tuple(d.shape) != t.shape:
-            raise WeightsFormatError(f"tensor {t.name}: stored shape {d.shape} != {t.shape}")
-        if d.dtype != _F32:
-            raise WeightsFormatError(f"tensor {t.name}: dtype {d.dtype} is not float32")
-        dst = flat[off : off + t.size]
-        start = d.get_offset()  # None unless contiguous and allocated
-        if start is not None and start + 4 * t.size <= len(raw):
-            dst[:] = np.frombuffer(raw, dtype=_F32, count=t.size, offset=start)
-        elif t.size:
-            d.read(h5py.h5s.ALL, h5py.h5s.ALL, dst.reshape(t.shape) if t.shape else dst.reshape(()))
-        off += t.size
-    return flat
+def _checked_optimizer(root: Any, fp: Fingerprint, size: int, objs: dict[str, tuple[int, int]]
+                       ) -> tuple[str, list[_Dataset]]:
+    og = _group(root, "optimizer", "/optimizer", objs)
+    _check_attr_names(og, frozenset({"kind"}), "/optimizer")
+    kind = _attr_str(og, "kind", max_bytes=256)
+    onames = sorted(_members(og, "/optimizer"))
+    # Slots (Adam: 2 per variable) plus a step counter: bounded by the model's size.
+    if len(onames) > 4 * len(fp.tensors) + 16:
+        raise WeightsFormatError(f"optimizer state has {len(onames)} arrays for {len(fp.tensors)} tensors")
+    dss, total = [], 0
+    for k in onames:
+        ds = _dataset(og, k, f"optimizer array {k[:40]}", size, None, objs[f"optimizer/{k}"], kinds="fiu")
+        total += math.prod(ds.shape)
+        if total > 4 * fp.n_params + 16:
+            raise WeightsFormatError(f"optimizer state has over {total} values for a model of {fp.n_params}")
+        dss.append(ds)
+    return kind, dss
 
 
 def check_fingerprint(got: Fingerprint, want: Fingerprint) -> None:

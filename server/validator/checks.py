@@ -1,15 +1,19 @@
 """Result validation: decide whether a returned result may be merged.
 
-Rejects (with one clear reason each) a result whose files are missing or oversized,
-whose weights file is not readable HDF5 or is truncated, whose tensors do not match
-the model fingerprint (names, shapes, dtypes), that contains NaN/Inf, whose metrics
-file is not a JSON object, or that names an unknown job or unit. The same function
-serves BOINC's ``script_validator`` and the local backend.
+A result's identity (job, unit) comes from the workunit it was uploaded for, as the
+job system knows it (BOINC's workunit/result names, the local backend's record of what
+a slot ran), never from inside the file: the caller passes the unit, and a file whose
+embedded job, unit or model disagrees is rejected with that reason. Rejects (with one
+clear reason each) a result whose files are missing or oversized, whose weights file
+is not exactly what ``write_weights`` writes (see :mod:`server.common.weights`: no
+links, external storage, virtual datasets or filters, shapes and sizes checked before
+any read), whose tensors do not match the unit's model fingerprint, that contains
+NaN/Inf, or whose metrics file is not a bounded JSON object. The same function serves
+BOINC's ``script_validator`` and the local backend.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +21,15 @@ from typing import Any
 
 import numpy as np
 
+from server.common import bounded
 from server.common.errors import ResultRejected, UnknownJob, WeightsFormatError
+from server.common.paths import check_name, is_safe_name
 from server.common.store import JobStore
-from server.common.weights import WeightsFile, check_fingerprint, read_header, read_weights
+from server.common.weights import WeightsFile, read_weights
+from server.common.workunit import parse_unit_name, unit_name
 
+MAX_METRICS_BYTES = 1 << 20
+MAX_METRICS_DEPTH = 16
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
@@ -42,6 +51,7 @@ class ValidResult:
 
     @property
     def unit(self) -> str:
+        """The unit (checked equal to the one the job system issued the result for)."""
         return self.weights.unit
 
     @property
@@ -54,6 +64,9 @@ def identify_files(paths: Sequence[str | Path]) -> ResultFiles:
     weights: Path | None = None
     metrics: Path | None = None
     for p in map(Path, paths):
+        if p.is_symlink():
+            # The server reads only what the host uploaded, never what a link points at.
+            raise ResultRejected(f"result file {p.name} is a symbolic link")
         try:
             with p.open("rb") as f:
                 head = f.read(8)
@@ -69,11 +82,14 @@ def identify_files(paths: Sequence[str | Path]) -> ResultFiles:
 
 
 def read_metrics(path: Path | None) -> dict[str, Any]:
-    """Decode the metrics file; a missing one is empty, a malformed one is rejected."""
+    """Decode the metrics file (bounded in size and nesting); a missing one is empty,
+    a malformed one is rejected."""
     if path is None:
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = bounded.load_file(path, MAX_METRICS_BYTES, MAX_METRICS_DEPTH)
+    except bounded.BoundExceeded as e:
+        raise ResultRejected(f"metrics file {path.name}: {e}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ResultRejected(f"metrics file {path.name} is not JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
@@ -81,33 +97,34 @@ def read_metrics(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def peek_identity(paths: Sequence[str | Path]) -> tuple[str, str]:
-    """(job, unit) written by the client into the result, without full validation."""
-    files = identify_files(paths)
-    try:
-        h = read_header(files.weights)
-        if h.job and h.unit:
-            return h.job, h.unit
-    except WeightsFormatError:
-        pass
-    m = read_metrics(files.metrics)
-    job, unit = m.get("job"), m.get("unit")
-    if isinstance(job, str) and isinstance(unit, str) and job and unit:
-        return job, unit
-    raise ResultRejected("the result names no job/unit (weights header and metrics both unreadable)")
+def unit_for_workunit(store: JobStore, wu_name: str) -> str | None:
+    """The unit a workunit name stands for: itself when registered (MOP's attempts are
+    units of their own), else the unit it regenerates (``<unit>_r<n>``); None if neither."""
+    if not is_safe_name(wu_name):
+        return None
+    if store.unit_info(wu_name) is not None:
+        return wu_name
+    p = parse_unit_name(wu_name)
+    if p and p["attempt"] and p["job"] == store.job:
+        base = unit_name(p["job"], p["epoch"], p["shard"], p["model"])
+        if store.unit_info(base) is not None:
+            return base
+    return None
 
 
 def validate_result(
     paths: Sequence[str | Path],
     store: JobStore,
     max_bytes: int,
-    expected_unit: str | None = None,
+    expected_unit: str,
 ) -> ValidResult:
-    """Check a result against its job; raises :class:`ResultRejected` with the reason.
+    """Check a result of ``expected_unit`` (known from the job system) against its job.
 
-    Raises :class:`~server.common.errors.StoreUnavailable` (a transient fault, not a
-    verdict) when Redis cannot be reached.
+    Raises :class:`ResultRejected` with the reason, or
+    :class:`~server.common.errors.StoreUnavailable` (a transient fault, not a verdict)
+    when Redis cannot be reached.
     """
+    check_name(expected_unit, "unit")
     files = identify_files(paths)
     for p in (files.weights, files.metrics):
         if p is not None and p.stat().st_size > max_bytes:
@@ -117,29 +134,26 @@ def validate_result(
         store.require()
     except UnknownJob as e:
         raise ResultRejected(str(e)) from None
+    info = store.unit_info(expected_unit)
+    if info is None:
+        raise ResultRejected(f"unknown unit {expected_unit!r} for job {store.job!r}")
+    model = str(info.get("model", "0"))
     try:
-        # One read: header and tensors (checked against the file's own fingerprint).
-        wf = read_weights(files.weights)
+        expected = store.fingerprint(model)
+    except UnknownJob as e:
+        raise ResultRejected(str(e)) from None
+    try:
+        # Structure, sizes and the unit's fingerprint checked before any data is read.
+        wf = read_weights(files.weights, expected, max_bytes)
     except WeightsFormatError as e:
         raise ResultRejected(str(e)) from None
     if wf.job != store.job:
-        raise ResultRejected(f"result belongs to job {wf.job!r}, not {store.job!r}")
-    if expected_unit is not None and wf.unit != expected_unit:
-        raise ResultRejected(f"result is for unit {wf.unit!r}, expected {expected_unit!r}")
-    info = store.unit_info(wf.unit)
-    if info is None:
-        raise ResultRejected(f"unknown unit {wf.unit!r} for job {store.job!r}")
-    model = str(info.get("model", "0"))
+        raise ResultRejected(f"result embeds job {wf.job[:80]!r}, but was uploaded for a unit of {store.job!r}")
+    if wf.unit != expected_unit:
+        raise ResultRejected(f"result embeds unit {wf.unit[:80]!r}, but was uploaded for {expected_unit!r}")
     if wf.model != model:
-        raise ResultRejected(f"result is for model {wf.model!r}, unit trains model {model!r}")
-    try:
-        check_fingerprint(wf.fingerprint, store.fingerprint(model))
-    except (WeightsFormatError, UnknownJob) as e:
-        raise ResultRejected(f"{files.weights.name}: {e}") from None
+        raise ResultRejected(f"result is for model {wf.model[:40]!r}, unit trains model {model!r}")
     if wf.optimizer is not None:
-        size = sum(a.size for a in wf.optimizer.arrays)
-        if size > 4 * wf.flat.size + 16:
-            raise ResultRejected(f"optimizer state has {size} values for a model of {wf.flat.size}")
         if not all(np.isfinite(a).all() for a in wf.optimizer.arrays if a.dtype.kind == "f"):
             raise ResultRejected("optimizer state contains NaN/Inf values")
     if not np.isfinite(wf.flat).all():

@@ -207,8 +207,9 @@ class BoincDB:
         for i in range(0, len(names), CHUNK):
             chunk = names[i : i + CHUNK]
             marks = ",".join(["%s"] * len(chunk))
+            # Only "%s" placeholders are formatted in; the values go as query parameters.
             for row in self.query("SELECT id, name, error_mask, assimilate_state, canonical_resultid, delay_bound "
-                                  f"FROM workunit WHERE name IN ({marks})", chunk):
+                                  f"FROM workunit WHERE name IN ({marks})", chunk):  # nosec B608
                 wu = WorkunitState(int(row["id"]), str(row["name"]), int(row["error_mask"]),
                                    int(row["assimilate_state"]), int(row["canonical_resultid"]),
                                    int(row["delay_bound"]))
@@ -217,7 +218,8 @@ class BoincDB:
         for i in range(0, len(ids), CHUNK):
             chunk = ids[i : i + CHUNK]
             marks = ",".join(["%s"] * len(chunk))
-            for row in self.query("SELECT id, workunitid, name, server_state, outcome, validate_state, sent_time, "
+            # Only "%s" placeholders are formatted in; the values go as query parameters.
+            for row in self.query("SELECT id, workunitid, name, server_state, outcome, validate_state, sent_time, "  # nosec B608
                                   "report_deadline, received_time, hostid FROM result "
                                   f"WHERE workunitid IN ({marks}) ORDER BY id", chunk):
                 by_id[int(row["workunitid"])].results.append(ResultRow(

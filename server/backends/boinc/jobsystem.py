@@ -32,7 +32,9 @@ which rebuilds them from the freshest weights, and
 :meth:`BoincJobSystem.resubmit_regenerated` cancels the old workunit (``cancel_jobs``)
 and creates ``<unit>_r<n>``. Regeneration stops one short of ``max_total_results``
 workunits, after which BOINC's own re-issue of the last one takes over, so a unit
-never runs more instances than the limit allows.
+never runs more instances than the limit allows. A workunit named in the job's
+``reissue_now`` set (the fleet controller's request when a cloud reclaims the host
+running it) is handed over at once, without waiting for its deadline.
 
 Every workunit created is kept in a ledger of live workunits
 (``bdl:<job>:boinc:live``, name -> unit) until it is cancelled or the assimilator
@@ -110,7 +112,7 @@ class _Pending:
 
 def file_md5(path: Path) -> tuple[str, int]:
     """(md5 hex, size) of a file, read in 1 MiB blocks."""
-    h = hashlib.md5()
+    h = hashlib.md5(usedforsecurity=False)  # BOINC's file checksum, not a security hash
     n = 0
     with path.open("rb") as f:
         while block := f.read(1 << 20):
@@ -133,6 +135,11 @@ def current_instance(r: redis.Redis, job: str, unit: str) -> str | None:
     """The name of the workunit that currently carries ``unit`` (None if never created)."""
     raw = r.hget(issued_key(JobStore(r, job)), unit)
     return str(json.loads(raw)["name"]) if raw else None
+
+
+def reissue_now_key(store: JobStore) -> str:
+    """Redis set of the job's workunit names to regenerate now (their host was reclaimed)."""
+    return store.k("boinc", "reissue_now")
 
 
 def live_key(store: JobStore) -> str:
@@ -252,6 +259,17 @@ class BoincJobSystem(JobSystem):
         if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
             return []
         store = JobStore(self.r, job)
+        # Workunits whose host the fleet controller saw reclaimed (it read BOINC's database
+        # itself): honoured while still their unit's current, live workunit, so a request
+        # never re-issues a unit twice; read once, then done with.
+        asked = {x.decode() for x in self.r.smembers(reissue_now_key(store))}
+        try:
+            return self._lost_units(store, spec, asked)
+        finally:
+            if asked:
+                self.r.srem(reissue_now_key(store), *asked)
+
+    def _lost_units(self, store: JobStore, spec: JobSpec, asked: set[str]) -> list[tuple[str, int]]:
         # Only the workunits BOINC may still run (the live ledger: units in flight), not
         # the job's every unit, on every pass.
         live = {k.decode(): v.decode() for k, v in self.r.hgetall(live_key(store)).items()}
@@ -272,11 +290,14 @@ class BoincJobSystem(JobSystem):
         cand = [c for c, st in zip(cand, states, strict=True) if st == "in_progress"]
         if not cand:
             return []
-        wus = self.boinc_workunits([name for _, _, name in cand])
-        if wus is None:
-            return []
+        now_asked = {name for _, _, name in cand if name in asked}
+        if now_asked:
+            log.info("job %s: re-issuing %d unit(s) of reclaimed hosts now", store.job, len(now_asked))
+        rest = [name for _, _, name in cand if name not in asked]
+        wus = self.boinc_workunits(rest) if rest else {}
         now = time.time()
-        return sorted((u, a) for u, a, name in cand if name in wus and wus[name].overdue(now))
+        return sorted((u, a) for u, a, name in cand
+                      if name in now_asked or (wus is not None and name in wus and wus[name].overdue(now)))
 
     def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
         """BOINC's view of these workunits (None, logged, when its database is unreadable)."""

@@ -8,8 +8,9 @@ How the daemons call them (``sched/script_assimilator.cpp``, ``sched/script_vali
   delimiter on every piece, so a multi-token string (``"x wu_name files"``) matches no
   token and the script gets **no arguments**. A single token (``"x"``) gets the
   defaults: ``wu_id files`` (assimilator), ``files`` (init script), ``files files2``
-  (compare script). We declare single tokens and read the unit's identity from the
-  result files; other token sets (``files files2 wu_id wu_name result_id runtime
+  (compare script). We declare single tokens and take the unit's identity from the
+  output file names (``<wu_name>_<n>_r<random>_<i>``, named by BOINC, never from inside
+  the files, which the host wrote); other token sets (``files files2 wu_id wu_name result_id runtime
   batch_id``) are parsed too, for servers where they work.
 * a workunit without canonical result: ``--error <mask> <wu_name> <wu_id> <batch>``
   (1.6 and later) or ``--error <mask> <wu_id>`` (1.2).
@@ -31,7 +32,6 @@ assimilator share one parser and one set of exit-code rules, and read best toget
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import re
@@ -43,12 +43,16 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from server.backends.boinc.jobsystem import UNIT_DONE, forget_workunit, issued_key
 from server.backends.boinc.project import BoincProject
+from server.common import bounded
 from server.common.errors import ResultRejected, StoreUnavailable, UnknownJob, WeightsFormatError
+from server.common.paths import confined, is_safe_name
+from server.common.spec import JOB_NAME_RE
 from server.common.store import PREFIX, JobStore, connect
 from server.common.weights import read_weights
 from server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name, unit_name
@@ -264,20 +268,28 @@ def check_files(paths: Sequence[str]) -> list[str]:
     return missing
 
 
-def copy_result(paths: Sequence[str], dest: Path) -> list[Path]:
-    """Copy result files into ``dest`` (gunzipping ``<gzip_when_done/>`` uploads)."""
+def copy_result(paths: Sequence[str], dest: Path, max_bytes: int) -> list[Path]:
+    """Copy result files into ``dest`` (gunzipping ``<gzip_when_done/>`` uploads).
+
+    Each file is bounded by ``max_bytes`` (the job's upload bound): a gzip'd one is
+    decompressed as a stream that stops there (a gzip bomb costs ``max_bytes`` of disk,
+    not gigabytes). Symbolic links are refused (the server reads only upload files).
+    """
     dest.mkdir(parents=True, exist_ok=True)
     out = []
     for p in map(Path, paths):
-        target = dest / p.name
-        with p.open("rb") as f:
-            gz = f.read(2) == GZIP_MAGIC
         try:
+            if p.is_symlink():
+                raise ResultRejected(f"result file {p.name} is a symbolic link")
+            target = confined(dest, p.name)
+            with p.open("rb") as f:
+                gz = f.read(2) == GZIP_MAGIC
             if gz:
-                with gzip.open(p, "rb") as src, target.open("wb") as dst:
-                    shutil.copyfileobj(src, dst)
+                bounded.gunzip_bounded(p, target, max_bytes)
             else:
-                shutil.copyfile(p, target)
+                bounded.copy_file_bounded(p, target, max_bytes)
+        except bounded.BoundExceeded as e:
+            raise ResultRejected(f"result file {p.name}: {e} (the upload bound)") from None
         except (OSError, EOFError) as e:
             raise ResultRejected(f"result file {p.name} cannot be read: {e}") from None
         out.append(target)
@@ -295,19 +307,24 @@ def _store_for(project: BoincProject, job: str, wait_s: float = 0.0) -> JobStore
             time.sleep(1.0)
 
 
-def _identity(paths: Sequence[str | Path], call: ScriptCall, original: Sequence[str]) -> tuple[str, str]:
-    """(job, unit) from the files, else from the workunit name (argument or file name)."""
-    from server.validator.checks import peek_identity
+def identity_from_names(paths: Sequence[str | Path], wu_name: str | None = None) -> tuple[str, str]:
+    """(job, workunit name) of a result, from what BOINC names: the output files'
+    names (``<wu>_<n>_r<random>_<i>``, checked to agree) or the ``wu_name`` argument;
+    ("", "") when BOINC names no boinc-dl workunit. Never from inside the files."""
+    names = {wu_name_of_result(result_name_of(p)) for p in paths}
+    wu = names.pop() if len(names) == 1 else ""
+    if not wu and not names:
+        wu = wu_name or ""
+    if wu_name and wu and wu_name != wu:
+        return "", ""
+    parsed = parse_unit_name(wu) if is_safe_name(wu) else None
+    if not parsed or not JOB_NAME_RE.match(parsed["job"]):
+        return "", ""
+    return parsed["job"], wu
 
-    try:
-        return peek_identity(paths)
-    except ResultRejected:
-        pass
-    wu = call.wu_name or (wu_name_of_result(result_name_of(original[0])) if original else "")
-    parsed = parse_unit_name(wu) if wu else None
-    if parsed:
-        return parsed["job"], wu
-    return "", ""
+
+def _identity(call: ScriptCall, paths: Sequence[str]) -> tuple[str, str]:
+    return identity_from_names(paths, call.wu_name)
 
 
 # ---- superseded workunits -----------------------------------------------------------------
@@ -365,53 +382,55 @@ def assimilate(project: BoincProject, argv: Sequence[str], tokens: Sequence[str]
 
 
 def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
-    from server.assimilator.core import assimilate_error, assimilate_files
+    from server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
     from server.common.spec import spec_from_json
+    from server.validator.checks import unit_for_workunit
 
     result = result_name_of(call.files[0])
     missing = check_files(call.files)
+    job, wu = _identity(call, call.files)
+    if not job:
+        log.error("result %s: BOINC names no boinc-dl workunit (files %s); nothing recorded",
+                  result or "?", [Path(f).name for f in call.files][:4])
+        return EXIT_OK
+    store = _store_for(project, job)
+    if not store.exists():
+        log.warning("result %s: job %r is not in Redis (deleted?); ignored", result, job)
+        return EXIT_OK
+    unit = unit_for_workunit(store, wu) or ""
+    spec = spec_from_json(store.spec_json())
     spool = project.boincdl_dir / "spool"
     spool.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{result or 'result'}.", dir=spool))
+    work = Path(tempfile.mkdtemp(prefix=f"{result if is_safe_name(result) else 'result'}.", dir=spool))
+    copies: list[Path] = []
     try:
-        copies = [] if missing else copy_result(call.files, work)
-        job, unit = _identity(copies, call, call.files)
-        if not job:
-            log.error("result %s names no boinc-dl job or unit; nothing recorded", result or call.files)
-            return EXIT_OK
-        store = _store_for(project, job)
-        if not store.exists():
-            log.warning("result %s: job %r is not in Redis (deleted?); ignored", result, job)
-            return EXIT_OK
-        # The workunit comes from BOINC's names (the upload's file name, else the
-        # argument), never from inside the files.
-        wu = wu_name_of_result(result) or call.wu_name or ""
-        if wu and _late_call(store, wu, "a missing-files call" if missing else "a late result"):
+        if _late_call(store, wu, "a missing-files call" if missing else "a late result"):
             return EXIT_OK
         state = store.unit_states_of([unit])[0] if unit else None
         if state == "cancelled":
             # the job ended (or the unit was cancelled) while this result ran: BOINC still
             # validates and assimilates a cancelled workunit's late success
             log.info("%s (%s): late result of a cancelled unit; nothing recorded", unit, result)
-            if wu:
-                forget_workunit(store.r, job, wu)
+            forget_workunit(store.r, job, wu)
             return EXIT_OK
         if missing:
             reason = f"result files missing on the server: {', '.join(Path(m).name for m in missing)}"
-            if store.unit_states_of([unit])[0] in UNIT_DONE:
+            if unit and store.unit_states_of([unit])[0] in UNIT_DONE:
                 # the file deleter removed the files of a unit already merged or given up
                 log.info("%s: %s; the unit is already %s, nothing recorded", unit, reason,
                          store.unit_states_of([unit])[0])
             else:
-                store.record_rejection(unit, result, reason)
-                out = assimilate_error(store, unit, reason)
-                log.warning("%s: %s -> %s", unit, reason, out.status)
-            if wu:
-                forget_workunit(store.r, job, wu)
+                store.record_rejection(unit or wu, result, reason)
+                out = assimilate_error(store, unit or wu, reason)
+                log.warning("%s: %s -> %s", unit or wu, reason, out.status)
+            forget_workunit(store.r, job, wu)
             return EXIT_OK
-        spec = spec_from_json(store.spec_json())
         try:
-            out = assimilate_files(store, copies, spec, result)
+            copies = copy_result(call.files, work, spec.units.max_upload_bytes)
+            out = assimilate_files(store, copies, spec, result, unit=unit or None)
+        except ResultRejected as e:
+            store.record_rejection(unit or wu, result, e.reason)
+            out = AssimilationOutcome("rejected", unit or wu, reason=e.reason)
         except (StoreUnavailable, UnknownJob):
             raise
         except Exception as e:  # noqa: BLE001 - a bug must not stop every assimilation
@@ -421,13 +440,13 @@ def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
             store.record_rejection(unit, result, reason)
             assimilate_error(store, unit, reason)
             return EXIT_OK
-        if out.status == "rejected" and unit and store.unit_info(unit) and not store.is_assimilated(unit):
+        if out.status == "rejected" and unit and not store.is_assimilated(unit):
             # BOINC considers the workunit done: give up on it so the epoch can close.
             assimilate_error(store, unit, f"rejected at assimilation: {out.reason}")
         if wu:
             forget_workunit(store.r, job, wu)
         _keep(project, store, unit, copies, weights=project.settings.keep_weights or out.status == "rejected")
-        log.info("%s (%s): %s%s", unit, result, out.status, f" ({out.reason})" if out.reason else
+        log.info("%s (%s): %s%s", unit or wu, result, out.status, f" ({out.reason})" if out.reason else
                  f", weights version {out.version}")
         return EXIT_OK
     finally:
@@ -435,12 +454,18 @@ def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
 
 
 def _keep(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Path], weights: bool) -> None:
-    """Keep the metrics (and, if asked, the weights) under the job's results directory."""
-    if not unit or not copies:
+    """Keep the metrics (and, if asked, the weights) under the job's results directory.
+
+    ``unit`` comes from BOINC's names and the job's own records, and the directory is
+    still built through :func:`confined`: nothing a host wrote picks a path.
+    """
+    if not unit or not copies or not is_safe_name(unit):
         return
     job_dir = store.meta().get("job_dir") or str(project.job_dir(store.job))
-    dest = Path(job_dir) / "results" / unit
-    dest.mkdir(parents=True, exist_ok=True)
+    results = Path(job_dir) / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    dest = confined(results, unit)
+    dest.mkdir(exist_ok=True)
     from server.validator.checks import identify_files
 
     try:
@@ -533,45 +558,41 @@ def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[s
 
 
 def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: ScriptCall) -> int:
-    from server.validator.checks import validate_result
+    from server.common.spec import spec_from_json
+    from server.validator import norms
+    from server.validator.checks import unit_for_workunit, validate_result
 
     result = result_name_of(paths[0])
     missing = check_files(paths)
     if missing:
         log.warning("result %s invalid: files missing: %s", result, missing)
         return EXIT_INVALID
-    try:
-        copies = copy_result(paths, tmp)
-    except ResultRejected as e:
-        log.warning("result %s invalid: %s", result, e.reason)
-        return EXIT_INVALID
-    job, unit = _identity(copies, call, paths)
+    job, wu = _identity(call, paths)
     if not job:
-        log.warning("result %s invalid: it names no boinc-dl job/unit", result)
+        log.warning("result %s invalid: BOINC names no boinc-dl workunit for it", result)
         return EXIT_INVALID
     store = _store_for(project, job, project.settings.validator_redis_wait_s)
-    spec_json = None
     try:
         spec_json = store.spec_json()
     except UnknownJob:
         log.warning("result %s invalid: job %r is not in Redis", result, job)
         return EXIT_INVALID
-    from server.common.spec import spec_from_json
-
     spec = spec_from_json(spec_json)
+    unit = unit_for_workunit(store, wu) or ""
     try:
-        res = validate_result(copies, store, spec.units.max_upload_bytes)
-        bound = spec.validation.max_update_norm
-        if bound is not None:
-            ws, _ = store.get_weights(res.weights.model)
-            if ws.size == res.weights.flat.size:
-                dist = float(np.linalg.norm(res.weights.flat - ws))
-                if not np.isfinite(dist) or dist > bound:
-                    raise ResultRejected(f"update distance {dist:.4g} from the server weights exceeds "
-                                         f"the bound {bound:.4g}")
+        if not unit:
+            raise ResultRejected(f"workunit {wu!r} is not a unit of job {job!r}")
+        copies = copy_result(paths, tmp, spec.units.max_upload_bytes)
+        res = validate_result(copies, store, spec.units.max_upload_bytes, unit)
+        bound, source = norms.bound_for(store, spec, res.weights.model)
+        ws, _ = store.get_weights(res.weights.model)
+        if ws.size == res.weights.flat.size:
+            reason = norms.check_distance(float(np.linalg.norm(res.weights.flat - ws)), bound, source)
+            if reason:
+                raise ResultRejected(reason)
     except ResultRejected as e:
-        store.record_rejection(unit, result, e.reason)
-        log.warning("result %s of %s invalid: %s", result, unit, e.reason)
+        store.record_rejection(unit or wu, result, e.reason)
+        log.warning("result %s of %s invalid: %s", result, unit or wu, e.reason)
         return EXIT_INVALID
     log.info("result %s of %s valid", result, unit)
     return EXIT_OK
@@ -607,30 +628,45 @@ def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequenc
 
 
 def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: ScriptCall) -> int:
-    from server.validator.checks import identify_files
+    from server.common.spec import spec_from_json
+    from server.validator.checks import identify_files, unit_for_workunit
 
+    idents = {_identity(ScriptCall(), g) for g in groups}
+    job, wu = idents.pop() if len(idents) == 1 else ("", "")
+    if not job:
+        log.info("compare: the results are not replicas of one boinc-dl workunit: no match")
+        return EXIT_INVALID
+    store = _store_for(project, job, project.settings.validator_redis_wait_s)
+    try:
+        spec = spec_from_json(store.spec_json())
+    except UnknownJob:
+        return EXIT_INVALID
+    unit = unit_for_workunit(store, wu)
+    info = store.unit_info(unit) if unit else None
+    if info is None:
+        return EXIT_INVALID
+    fp = store.fingerprint(str(info.get("model", "0")))
+    bound = spec.units.max_upload_bytes
     flats = []
-    ids = []
     for k, g in enumerate(groups):
         if check_files(g):
             log.warning("compare: files of result %d missing", k + 1)
             return EXIT_INVALID
         try:
-            copies = copy_result(g, tmp / str(k))
-            w = identify_files(copies).weights
-            wf = read_weights(w)
+            copies = copy_result(g, tmp / str(k), bound)
+            wf = read_weights(identify_files(copies).weights, fp, bound)
         except (ResultRejected, WeightsFormatError) as e:
             log.warning("compare: result %d unreadable: %s", k + 1, e)
             return EXIT_INVALID
-        ids.append((wf.job, wf.unit))
+        if (wf.job, wf.unit) != (job, unit):
+            log.info("compare: result %d embeds %s/%s, issued for %s/%s: no match", k + 1, wf.job[:80],
+                     wf.unit[:80], job, unit)
+            return EXIT_INVALID
         flats.append(wf.flat)
-    if ids[0] != ids[1] or flats[0].shape != flats[1].shape:
-        log.info("compare: results are for %s and %s: no match", ids[0], ids[1])
-        return EXIT_INVALID
     w1, w2 = flats
     if not (np.isfinite(w1).all() and np.isfinite(w2).all()):
         return EXIT_INVALID
-    ref = _input_weights(project, *ids[0], size=w1.size)
+    ref = _input_weights(store, unit, fp)
     diff = float(np.linalg.norm(w1 - w2))
     if ref is not None:
         scale = max(float(np.linalg.norm(w1 - ref)), float(np.linalg.norm(w2 - ref)))
@@ -638,21 +674,20 @@ def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: Sc
         scale = max(float(np.linalg.norm(w1)), float(np.linalg.norm(w2)))
     rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
     tol = project.settings.compare_tolerance
-    log.info("compare %s: relative difference %.4g (tolerance %.4g)", ids[0][1], rel, tol)
+    log.info("compare %s: relative difference %.4g (tolerance %.4g)", unit, rel, tol)
     return EXIT_OK if rel <= tol else EXIT_INVALID
 
 
-def _input_weights(project: BoincProject, job: str, unit: str, size: int) -> np.ndarray | None:
-    store = _store_for(project, job, project.settings.validator_redis_wait_s)
+def _input_weights(store: JobStore, unit: str, fp: Any) -> np.ndarray | None:
+    """The unit's input weights (the server's own file, recorded in Redis), or None."""
     info = store.unit_info(unit) or {}
     path = (info.get("files") or {}).get(WEIGHTS_IN)
     if not path or not Path(path).is_file():
         return None
     try:
-        wf = read_weights(path)
+        return read_weights(path, fp).flat
     except WeightsFormatError:
         return None
-    return wf.flat if wf.flat.size == size else None
 
 
 def setup_logging(name: str) -> None:

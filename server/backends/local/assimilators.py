@@ -48,7 +48,8 @@ def assimilate_guarded(store: Any, spec: Any, kind: str, result: str, unit: str,
         if unit and store.is_assimilated(unit):
             # A re-sent or late result of a merged unit: a duplicate, without re-reading it.
             return AssimilationOutcome("duplicate", unit)
-        return assimilate_files(store, payload, spec, result)
+        # The unit is the backend's own record of what the slot ran, never the file's.
+        return assimilate_files(store, payload, spec, result, unit=unit)
     except StoreUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - no input may kill the parameter server

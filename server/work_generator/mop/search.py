@@ -55,7 +55,7 @@ DEFAULT_METRIC = "val_acc"
 # ---------------------------------------------------------------------------- configurations
 def config_id(params: Mapping[str, Any], lineage: str = "") -> str:
     """A stable id: ``c`` + 12 hex digits of the SHA-1 of the canonical JSON of ``params``."""
-    h = hashlib.sha1((canonical_json(dict(params)) + "|" + lineage).encode()).hexdigest()
+    h = hashlib.sha1((canonical_json(dict(params)) + "|" + lineage).encode(), usedforsecurity=False).hexdigest()
     return "c" + h[:12]
 
 

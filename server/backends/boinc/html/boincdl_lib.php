@@ -320,7 +320,8 @@ function bdl_load_job($r, $job) {
     }
     ksort($versions);
     return array('name' => $job, 'meta' => $meta, 'epochs' => $epochs, 'states' => $states,
-                 'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions);
+                 'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions,
+                 'cost' => $r->hgetall("$ns:cost_summary"));
 }
 
 /** Names of all jobs (the bdl:jobs set), sorted. */
@@ -515,6 +516,7 @@ function bdl_job_detail($j) {
         $o .= implode(', ', $parts) . "</p>\n";
     }
 
+    $o .= bdl_cost_table($j['cost']);
     $o .= "<h4>Learning curve</h4>\n" . bdl_learning_curve_svg($j['epochs']);
 
     $o .= "<h4>Epochs</h4>\n<table id=\"bdl-epochs\"><tr><th>epoch</th><th>units created</th><th>assimilated</th>"
@@ -549,6 +551,18 @@ function bdl_job_detail($j) {
             . '<td class=l>' . bdl_h(isset($rj['reason']) ? $rj['reason'] : '') . "</td></tr>\n";
     }
     return $o . "</table>\n";
+}
+
+/** Cloud cost of the job (written by the fleet controller, server/fleet/cost.py). */
+function bdl_cost_table($c) {
+    if (!$c) return '';
+    $g = function ($k) use ($c) { return isset($c[$k]) ? bdl_h($c[$k]) : '&ndash;'; };
+    return "<h4>Cloud cost</h4>\n<table id=\"bdl-cost\"><tr><th>instance-hours</th><th>cost $</th>"
+        . "<th>on-demand equivalent $</th><th>saved $</th><th>saved %</th><th>reclaims</th><th>lost hours</th>"
+        . "<th>lost $</th></tr><tr><td>" . $g('instance_hours') . '</td><td>' . $g('total_usd') . '</td><td>'
+        . $g('on_demand_usd') . '</td><td class=ok>' . $g('saving_usd') . '</td><td>' . $g('saving_pct')
+        . '</td><td>' . $g('reclaims') . '</td><td>' . $g('lost_hours') . '</td><td>' . $g('lost_usd')
+        . "</td></tr></table>\n";
 }
 
 /** The page body (without head/tail): jobs table and the selected job's details. */

@@ -1,0 +1,27 @@
+"""Wiring: the one place that picks a cloud provider for a fleet.yaml."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from server.fleet.boinchosts import BoincHosts
+from server.fleet.config import FleetConfig
+from server.fleet.controller import FleetController
+
+
+def build_controller(cfg: FleetConfig) -> FleetController:
+    """Provider, BOINC database, Redis and controller for a validated config."""
+    from server.backends.boinc.project import BoincProject
+    from server.common.store import connect
+
+    project = BoincProject(cfg.project).require()
+    provider: Any
+    if cfg.provider == "aws":
+        from server.fleet.aws import AwsProvider
+
+        provider = AwsProvider(cfg.aws)
+    else:
+        from server.fleet.gcp import GcpProvider
+
+        provider = GcpProvider(cfg.gcp)
+    return FleetController(cfg, provider, BoincHosts.from_project(project), connect(project.redis_url()))

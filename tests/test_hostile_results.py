@@ -1,0 +1,455 @@
+"""Hostile results, class by class: each attack of tests/hostile_corpus.py is rejected
+with its reason, before any data is read, and nothing of it reaches the server weights
+or the file system.
+
+* the weights reader: external storage/links, soft links, aliases, virtual datasets,
+  filters, declared sizes, dtypes, truncation, user blocks, drivers, extra objects;
+* identity: a result is merged only into the unit the job system issued it for;
+* paths: no untrusted string builds a path (the ``../`` unit id hole, reproduced);
+* bounded parsing: metrics JSON (size, nesting), gzip bombs;
+* values: the adaptive update-distance bound (poisoning rejected, honest updates kept);
+* accounting: a unit is never both given up and merged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from server.assimilator.core import assimilate_error, assimilate_files
+from server.backends.local import assimilate_guarded
+from server.common import bounded
+from server.common.errors import ResultRejected, WeightsFormatError
+from server.common.paths import check_name, confined, is_safe_name
+from server.common.weights import WeightsFile, read_header, read_weights, write_weights
+from server.faults.audit import audit_job
+from server.validator import norms
+from server.validator.checks import read_metrics, validate_result
+
+from .conftest import REPO, tiny_fingerprint
+from .hostile_corpus import (
+    ATTACKS,
+    HUGE,
+    METRICS_ATTACKS,
+    SECRET,
+    TRAVERSAL_UNITS,
+    gzip_bomb,
+    secret_files,
+    valid,
+)
+
+FP = tiny_fingerprint()
+BY_NAME = {a.name: a for a in ATTACKS}
+
+
+def _secret_floats() -> np.ndarray:
+    return np.frombuffer((SECRET * 4)[: 4 * FP.n_params], "<f4")
+
+
+# ---- the weights reader ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=[a.name for a in ATTACKS])
+def test_reader_rejects_each_attack(tmp_path: Path, attack) -> None:
+    path = tmp_path / "weights_out.h5"
+    attack.build(path, FP, "tiny", "u0", tmp_path / "server")
+    with pytest.raises(WeightsFormatError, match=attack.reason):
+        read_weights(path, FP, max_bytes=10 << 20)
+    # Without the expected fingerprint (the file's own one) it is refused too.
+    with pytest.raises(WeightsFormatError):
+        read_weights(path, max_bytes=10 << 20)
+
+
+@pytest.mark.parametrize("name", ["external-storage", "external-link", "virtual-dataset", "external-link-group"])
+def test_server_file_never_reaches_the_weights(tiny_job, tmp_path: Path, name: str) -> None:
+    """The critical hole: a tensor stored in (or linked to) a server file was merged."""
+    store, spec, fp = tiny_job
+    d = tmp_path / "r"
+    d.mkdir()
+    BY_NAME[name].build(d / "weights_out.h5", fp, "tiny", "u0", tmp_path / "server")
+    (d / "metrics.json").write_text("{}")
+    out = assimilate_files(store, [str(d / "weights_out.h5"), str(d / "metrics.json")], spec, "u0_0", unit="u0")
+    assert out.status == "rejected", out
+    w, v = store.get_weights("0")
+    assert v == 0 and not np.isin(_secret_floats(), w).any()
+
+
+def test_valid_file_with_optimizer_state_reads(tmp_path: Path) -> None:
+    valid(tmp_path / "w.h5", FP, "j", "u", optimizer=True)
+    wf = read_weights(tmp_path / "w.h5", FP, max_bytes=1 << 20)
+    assert wf.optimizer is not None and [a.shape for a in wf.optimizer.arrays] == [(FP.n_params,), ()]
+    assert read_header(tmp_path / "w.h5").unit == "u"
+
+
+def test_optimizer_state_is_bounded_by_the_model(tmp_path: Path) -> None:
+    from server.common.weights import OptimizerState
+
+    flat = np.zeros(FP.n_params, np.float32)
+    big = OptimizerState("adam", [np.zeros(4 * FP.n_params + 17, np.float32)])
+    write_weights(tmp_path / "w.h5", WeightsFile(flat, FP, job="j", unit="u", optimizer=big))
+    with pytest.raises(WeightsFormatError, match="optimizer state has"):
+        read_weights(tmp_path / "w.h5", FP)
+    many = OptimizerState("adam", [np.zeros(1, np.float32)] * (4 * len(FP.tensors) + 17))
+    write_weights(tmp_path / "w.h5", WeightsFile(flat, FP, job="j", unit="u", optimizer=many))
+    with pytest.raises(WeightsFormatError, match="arrays for"):
+        read_weights(tmp_path / "w.h5", FP)
+
+
+def test_file_size_bound_checked_before_opening(tmp_path: Path) -> None:
+    valid(tmp_path / "w.h5", FP, "j", "u")
+    with pytest.raises(WeightsFormatError, match="over the 100-byte bound"):
+        read_weights(tmp_path / "w.h5", FP, max_bytes=100)
+    with pytest.raises(WeightsFormatError, match="not a regular file"):
+        read_weights("/dev/zero", FP)
+
+
+@pytest.mark.parametrize("name", ["huge-tensor", "huge-optimizer", "huge-fingerprint"])
+def test_declared_2e9_values_rejected_fast_and_small(tmp_path: Path, name: str) -> None:
+    """A few-KB file declaring 2e9 float32 (8 GB): rejected in well under a second,
+    allocating a few MB at most (tracemalloc sees numpy's allocations)."""
+    path = tmp_path / "w.h5"
+    BY_NAME[name].build(path, FP, "j", "u", tmp_path)
+    assert path.stat().st_size < 64 << 10
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    for expected in (FP, None):
+        with pytest.raises(WeightsFormatError):
+            read_weights(path, expected, max_bytes=10 << 20)
+    took = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert took < 0.5 and peak < 4 << 20, (took, peak)
+
+
+def test_declared_size_peak_rss_in_a_subprocess(tmp_path: Path) -> None:
+    """The same in a fresh process, by its peak resident set (HDF5's own C allocations
+    included; the high-water mark reset just before the call): a few MB at most."""
+    path = tmp_path / "w.h5"
+    BY_NAME["huge-optimizer"].build(path, FP, "j", "u", tmp_path)
+    code = (
+        "import sys\n"
+        "from server.common.weights import read_weights\n"
+        "from tests.conftest import tiny_fingerprint\n"
+        "def kib(k):\n"
+        "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(k + ':'))\n"
+        "open('/proc/self/clear_refs', 'w').write('5')\n"
+        "before = kib('VmRSS')\n"
+        "try:\n    read_weights(sys.argv[1], tiny_fingerprint())\nexcept Exception as e:\n    print(type(e).__name__)\n"
+        "print(kib('VmHWM') - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.split()
+    assert out[0] == "WeightsFormatError"
+    assert int(out[1]) < 8 << 10, f"peak RSS grew by {out[1]} KiB"
+
+
+# ---- identity ------------------------------------------------------------------------------
+
+def _result(d: Path, *, job: str = "tiny", unit: str = "u0", flat: np.ndarray | None = None,
+            metrics: bytes = b"{}") -> list[str]:
+    d.mkdir(parents=True, exist_ok=True)
+    flat = np.full(FP.n_params, 0.5, np.float32) if flat is None else flat
+    write_weights(d / "weights_out.h5", WeightsFile(flat, FP, job=job, model="0", unit=unit))
+    (d / "metrics.json").write_bytes(metrics)
+    return [str(d / "weights_out.h5"), str(d / "metrics.json")]
+
+
+@pytest.mark.parametrize(("job", "unit", "reason"), [
+    ("tiny", "u1", "embeds unit 'u1', but was uploaded for 'u0'"),  # another known unit
+    ("tiny", "nosuch", "embeds unit"),
+    ("other", "u0", "embeds job 'other'"),
+    ("", "", "embeds job"),
+])
+def test_result_merges_only_into_its_issued_unit(tiny_job, tmp_path: Path, job, unit, reason) -> None:
+    store, spec, _fp = tiny_job
+    paths = _result(tmp_path / "r", job=job, unit=unit)
+    with pytest.raises(ResultRejected, match=reason):
+        validate_result(paths, store, 10**9, "u0")
+    out = assimilate_guarded(store, spec, "result", "r_0", "u0", paths)  # the local backend's entry
+    assert out.status == "rejected" and reason.split(",")[0] in out.reason and out.unit == "u0"
+    assert store.version("0") == 0 and not store.assimilated()
+    assert store.rejections(1)[0]["unit"] == "u0"  # recorded against the issued unit
+
+
+def test_unit_comes_from_the_result_name_not_the_file(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    paths = _result(tmp_path / "r", unit="u2")
+    out = assimilate_files(store, paths, spec, "u1_0")  # BOINC: result u1_0 of workunit u1
+    assert out.status == "rejected" and "uploaded for 'u1'" in out.reason
+    out = assimilate_files(store, paths, spec, "nosuch_0")
+    assert out.status == "rejected" and "not a result of a known unit" in out.reason
+    assert assimilate_files(store, paths, spec, "u2_3").status == "merged"
+    assert list(store.assimilated()) == ["u2"]
+
+
+def test_unsafe_issued_unit_is_refused(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    paths = _result(tmp_path / "r", unit="../../x")
+    for unit in ("../../x", "", "a/b"):
+        with pytest.raises(ResultRejected, match="not a safe name"):
+            validate_result(paths, store, 10**9, unit)
+
+
+def test_symlinked_result_file_is_refused(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    paths = _result(tmp_path / "r")
+    link = tmp_path / "r" / "link.h5"
+    link.symlink_to(paths[0])
+    with pytest.raises(ResultRejected, match="symbolic link"):
+        validate_result([str(link), paths[1]], store, 10**9, "u0")
+
+
+# ---- paths -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TRAVERSAL_UNITS)
+def test_unsafe_names_never_build_a_path(tmp_path: Path, name: str) -> None:
+    assert not is_safe_name(name)
+    with pytest.raises(ResultRejected):
+        check_name(name)
+    with pytest.raises(ResultRejected):
+        confined(tmp_path, name)
+
+
+def test_confined_follows_symlinks_out(tmp_path: Path) -> None:
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "out").symlink_to(tmp_path)
+    assert confined(tmp_path / "base", "ok") == (tmp_path / "base" / "ok").resolve()
+    with pytest.raises(ResultRejected, match="escapes"):
+        confined(tmp_path / "base", "out")
+
+
+# ---- bounded parsing -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(METRICS_ATTACKS))
+def test_hostile_metrics_rejected(tmp_path: Path, name: str) -> None:
+    data, reason = METRICS_ATTACKS[name]
+    (tmp_path / "m.json").write_bytes(data)
+    t0 = time.perf_counter()
+    with pytest.raises(ResultRejected, match=reason):
+        read_metrics(tmp_path / "m.json")
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_bounded_json_never_recurses() -> None:
+    for text in ("[" * 1_000_000, '{"a":' * 300_000, "[" * 33 + "]" * 33):
+        with pytest.raises(bounded.BoundExceeded):
+            bounded.loads(text, max_bytes=10 << 20)
+    assert bounded.loads('{"a": [1, {"b": "]]]["}]}') == {"a": [1, {"b": "]]]["}]}
+
+
+def test_gzip_bomb_stops_at_the_bound(tmp_path: Path) -> None:
+    bomb = gzip_bomb(tmp_path / "bomb.gz", 256 << 20)  # 256 MB of zeros, ~250 KB on disk
+    assert bomb.stat().st_size < 1 << 20
+    t0 = time.perf_counter()
+    with pytest.raises(bounded.BoundExceeded):
+        bounded.gunzip_bounded(bomb, tmp_path / "out", 4 << 20)
+    assert time.perf_counter() - t0 < 1.0
+    assert (tmp_path / "out").stat().st_size <= 4 << 20
+    assert bounded.gunzip_bounded(bomb, tmp_path / "out", 256 << 20) == 256 << 20
+
+
+# ---- values ----------------------------------------------------------------------------------
+
+def test_adaptive_bound_statistic() -> None:
+    assert norms.adaptive_bound([1.0] * 5, 10.0, 10) is None  # warm-up
+    assert norms.adaptive_bound([1.0] * 20, None, 10) is None  # disabled
+    b = norms.adaptive_bound([1.0] * 20, 10.0, 10)
+    assert b == pytest.approx(4.0)  # MAD 0: the median-ratio floor
+    rng = np.random.default_rng(0)
+    honest = list(rng.normal(1.0, 0.1, 50))
+    b = norms.adaptive_bound(honest, 10.0, 10)
+    assert 1.5 < b < 5.0
+    # A few poisoned values accepted in the warm-up barely move it (robust statistic).
+    assert norms.adaptive_bound(honest + [1e6] * 5, 10.0, 10) < 1.2 * b
+
+
+def test_poisoned_update_rejected_honest_ones_kept(tiny_job, tmp_path: Path) -> None:
+    store, spec, fp = tiny_job
+    store.register_unit("p", {"epoch": 1, "shard": 9, "model": "0"}, 1)
+    spec = spec.model_copy(update={"validation": spec.validation.model_copy(
+        update={"update_norm_k": 10.0, "update_norm_warmup": 3})})
+    rng = np.random.default_rng(1)
+    for i in range(4):  # honest: small steps around the current server weights
+        ws, _ = store.get_weights("0")
+        flat = (ws + rng.normal(0, 0.2, fp.n_params)).astype(np.float32)
+        out = assimilate_files(store, _result(tmp_path / f"h{i}", unit=f"u{i}", flat=flat), spec, unit=f"u{i}")
+        assert out.status == "merged", out
+    assert len(norms.accepted_norms(store, "0")) == 4
+    ws, v = store.get_weights("0")
+    poison = (ws + 1000.0).astype(np.float32)
+    out = assimilate_files(store, _result(tmp_path / "p", unit="p", flat=poison), spec, unit="p")
+    assert out.status == "rejected" and "median + 10 MAD" in out.reason
+    assert store.version("0") == v
+    # The fixed bound still applies alone when it is tighter.
+    spec2 = spec.model_copy(update={"validation": spec.validation.model_copy(update={"max_update_norm": 1e-3})})
+    ws, _ = store.get_weights("0")
+    out = assimilate_files(store, _result(tmp_path / "q", unit="u5", flat=(ws + 0.1).astype(np.float32)), spec2,
+                           unit="u5")
+    assert out.status == "rejected" and "max_update_norm" in out.reason
+
+
+# ---- accounting ------------------------------------------------------------------------------
+
+def test_given_up_unit_is_never_merged_and_vice_versa(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    assert assimilate_error(store, "u0", "too many errors").status == "failed"
+    out = assimilate_files(store, _result(tmp_path / "late"), spec, unit="u0")  # a late good result
+    assert out.status == "duplicate" and "given up" in out.reason
+    assert store.version("0") == 0 and "u0" not in store.assimilated() and "u0" in store.failed()
+    assert assimilate_files(store, _result(tmp_path / "ok", unit="u1"), spec, unit="u1").status == "merged"
+    assimilate_error(store, "u1", "late error call")
+    assert "u1" not in store.failed()
+    counts = store.epoch_counts(1)
+    assert (counts["assimilated"], counts["failed"]) == (1, 1)
+    a = audit_job(store, n_subsets=4)
+    assert not [p for p in a.problems if "both" in p], a.problems
+
+
+def test_metrics_json_in_the_result_is_bounded(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    paths = _result(tmp_path / "r", metrics=b"[" * 200_000)
+    out = assimilate_files(store, paths, spec, unit="u0")
+    assert out.status == "rejected" and "nested" in out.reason
+
+
+def test_huge_declaration_through_the_validator(tiny_job, tmp_path: Path) -> None:
+    store, spec, fp = tiny_job
+    d = tmp_path / "r"
+    d.mkdir()
+    BY_NAME["huge-optimizer"].build(d / "weights_out.h5", fp, "tiny", "u0", tmp_path)
+    t0 = time.perf_counter()
+    with pytest.raises(ResultRejected, match=str(4 * HUGE)):
+        validate_result([str(d / "weights_out.h5")], store, spec.units.max_upload_bytes, "u0")
+    assert time.perf_counter() - t0 < 1.0
+
+
+# ---- structure-aware fuzzing of the reader ---------------------------------------------------
+
+_REPLACEMENTS = ["chunked", "external-storage", "external-link", "soft-link", "hard-alias", "virtual",
+                 "gzip", "shuffle", "fletcher32", "unallocated", "shape", "float64", "big-endian", "huge",
+                 "scalar"]
+_BENIGN = {"chunked"}
+_EXTRAS = ["root-attr", "root-dataset", "tensor-attr", "optimizer-ok", "optimizer-huge", "optimizer-text",
+           "metrics-deep", "unit-array"]
+_BENIGN_EXTRAS = {"optimizer-ok"}
+READER_FUZZ = settings(max_examples=int(os.environ.get("BDL_FUZZ_EXAMPLES", "60")), deadline=None,
+                       derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _mutate_tensor(f: h5py.File, i: int, how: str, secret: Path, secret_h5: Path) -> None:
+    t = FP.tensors[i]
+    g, k = f["tensors"], f"{i:06d}"
+    data = g[k][()]
+    del g[k]
+    if how == "chunked":
+        g.create_dataset(k, data=data, chunks=True)
+    elif how == "external-storage":
+        g.create_dataset(k, shape=t.shape, dtype="<f4", external=[(str(secret), 0, 4 * t.size)])
+    elif how == "external-link":
+        g[k] = h5py.ExternalLink(str(secret_h5), "/data")
+    elif how == "soft-link":
+        g[k] = h5py.SoftLink(f"/tensors/{(i + 1) % len(FP.tensors):06d}")
+    elif how == "hard-alias":
+        g.create_dataset(k, data=data)
+        f[f"alias{i}"] = g[k]
+    elif how == "virtual":
+        lay = h5py.VirtualLayout(shape=(t.size,), dtype="<f4")
+        lay[:] = h5py.VirtualSource(str(secret_h5), "data", shape=(4 * FP.n_params,))[: t.size]
+        g.create_virtual_dataset(k, lay)
+    elif how in ("gzip", "shuffle", "fletcher32"):
+        g.create_dataset(k, data=data, chunks=True, **{"gzip": {"compression": "gzip"}, "shuffle": {"shuffle": True},
+                                                        "fletcher32": {"fletcher32": True}}[how])
+    elif how == "unallocated":
+        g.create_dataset(k, shape=t.shape, dtype="<f4")
+    elif how == "shape":
+        g.create_dataset(k, data=np.zeros(t.size + 1, np.float32))
+    elif how in ("float64", "big-endian"):
+        g.create_dataset(k, data=data.astype("<f8" if how == "float64" else ">f4"))
+    elif how == "huge":
+        g.create_dataset(k, shape=(HUGE,), dtype="<f4", chunks=(1 << 16,))
+    elif how == "scalar":
+        g.create_dataset(k, data=np.float32(1.0))
+
+
+def _extra(f: h5py.File, how: str) -> None:
+    if how == "root-attr":
+        f.attrs["extra"] = 1
+    elif how == "root-dataset":
+        f.create_dataset("extra", data=np.zeros(2))
+    elif how == "tensor-attr":
+        f["tensors"]["000000"].attrs["more"] = "x"
+    elif how.startswith("optimizer") and "optimizer" not in f:
+        og = f.create_group("optimizer")
+        og.attrs["kind"] = "adam"
+        if how == "optimizer-ok":
+            og.create_dataset("000000", data=np.zeros(FP.n_params, np.float32))
+        elif how == "optimizer-huge":
+            og.create_dataset("000000", shape=(HUGE,), dtype="<f4", chunks=(1 << 16,))
+        else:
+            og.create_dataset("000000", data="text")
+    elif how == "metrics-deep":
+        f.attrs["metrics"] = "[" * 5000 + "]" * 5000
+    elif how == "unit-array":
+        f.attrs["unit"] = np.arange(3)
+
+
+@READER_FUZZ
+@given(data=st.data())
+def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> None:
+    """Valid files mutated structurally (storage, links, filters, sizes, dtypes, extra
+    objects, superblock/user block): the reader accepts exactly the benign mutations,
+    rejects every other with WeightsFormatError, fast, and never returns server bytes."""
+    d = tmp_path_factory.mktemp("rf")
+    secret, secret_h5 = secret_files(d / "server", 4 * FP.n_params)
+    path = d / "w.h5"
+    valid(path, FP, "j", "u")
+    tensor_muts = data.draw(st.dictionaries(st.integers(0, len(FP.tensors) - 1), st.sampled_from(_REPLACEMENTS),
+                                            max_size=2))
+    extras = data.draw(st.lists(st.sampled_from(_EXTRAS), max_size=2, unique=True))
+    with h5py.File(path, "a") as f:
+        for i, how in tensor_muts.items():
+            _mutate_tensor(f, i, how, secret, secret_h5)
+        for how in extras:
+            try:
+                _extra(f, how)
+            except (RuntimeError, KeyError):  # e.g. an attribute on a tensor now a link loop
+                extras = [x for x in extras if x != how]
+    file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip"]))
+    raw = bytearray(path.read_bytes())
+    if file_level == "userblock":
+        raw = bytearray(512) + raw
+    elif file_level == "truncate":
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
+    elif file_level == "flip":
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+    path.write_bytes(bytes(raw))
+    benign = (set(tensor_muts.values()) <= _BENIGN and set(extras) <= _BENIGN_EXTRAS
+              and file_level in ("none",))
+    t0 = time.perf_counter()
+    try:
+        wf = read_weights(path, FP, max_bytes=1 << 20)
+    except WeightsFormatError:
+        assert not benign, (tensor_muts, extras, file_level)
+    else:
+        assert benign or file_level == "flip", (tensor_muts, extras, file_level)
+        assert wf.flat.size == FP.n_params and not np.isin(_secret_floats(), wf.flat).any()
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_host_metrics_are_typed_in_the_merge_record(tiny_job, tmp_path: Path) -> None:
+    store, spec, _fp = tiny_job
+    metrics = b'{"val_acc": "NaN please", "val_loss": [1, 2], "train_loss": 1e999, "train_acc": ' + b"9" * 400 + \
+        b', "wall_s": 3.5, "host": {"x": 1}}'
+    assert assimilate_files(store, _result(tmp_path / "r", metrics=metrics), spec, unit="u0").status == "merged"
+    rec = store.assimilated()["u0"]
+    assert [rec[k] for k in ("val_acc", "val_loss", "train_loss", "train_acc", "wall_s", "host")] == \
+        [None, None, None, None, 3.5, None]
