@@ -260,3 +260,23 @@ def test_local_backend_runs_per_host_synthetic_unit_times(redis_server, tmp_path
 
     with pytest.raises(ValueError, match="one time per host"):
         LocalJobSystem(tmp_path / "x", redis_server.url, "j", workers=2, synthetic_unit_s=[0.1])
+
+
+def test_fleet_controllers_price_book_plugs_in():
+    """The fleet controller's book (spot history by zone) stands in through ExternalPriceBook,
+    and its PricePoints feed the table's spot column."""
+    from decimal import Decimal
+
+    from server.fleet.prices import StepPriceBook
+    from server.fleet.provider import PricePoint
+    from server.planner.prices import ExternalPriceBook
+
+    pts = [PricePoint("g4dn.xlarge", "us-east-1a", 100.0, Decimal("0.19")),
+           PricePoint("g4dn.xlarge", "us-east-1a", 200.0, Decimal("0.23"))]
+    fleet_book = StepPriceBook()
+    fleet_book.add_spot(pts)
+    table = TablePriceBook.load()
+    ext = ExternalPriceBook(fleet_book, "us-east-1a", table, at=150.0)
+    assert ext.hourly("g4dn.xlarge", "spot") == pytest.approx(0.19)
+    assert ext.hourly("n2-standard-4", "spot") == table.hourly("n2-standard-4", "spot")  # unknown there
+    assert table.with_spot_history(pts, now=200.0).hourly("g4dn.xlarge", "spot") == pytest.approx(0.21)
