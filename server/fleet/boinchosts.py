@@ -86,7 +86,8 @@ class BoincHosts:
             marks = ",".join("?" * len(ips))
             conds.append(f"last_ip_addr IN ({marks}) OR external_ip_addr IN ({marks})")
             args += sorted(ips) * 2
-        rows = self._rows(f"SELECT id, domain_name, last_ip_addr, external_ip_addr FROM host WHERE {' OR '.join(conds)}",
+        # Only placeholders are formatted in; every value is a bound parameter.
+        rows = self._rows(f"SELECT id, domain_name, last_ip_addr, external_ip_addr FROM host WHERE {' OR '.join(conds)}",  # nosec B608
                           args)
         out: dict[str, list[int]] = {}
         for inst in instances:
@@ -105,7 +106,7 @@ class BoincHosts:
         rows = self._rows(
             "SELECT r.name, w.name, r.hostid, r.sent_time FROM result r JOIN workunit w ON r.workunitid = w.id "
             f"JOIN app a ON r.appid = a.id WHERE a.name = ? AND r.server_state = ? "
-            f"AND r.hostid IN ({','.join('?' * len(host_ids))})",
+            f"AND r.hostid IN ({','.join('?' * len(host_ids))})",  # nosec B608 - placeholders only, values bound
             [self.app, IN_PROGRESS, *host_ids])
         return [InFlight(str(r[0]), str(r[1]), int(r[2]), float(r[3] or 0)) for r in rows]
 
