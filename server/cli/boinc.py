@@ -54,6 +54,9 @@ def install(
     next_rpc_delay: Annotated[float, typer.Option(
         help="config.xml <next_rpc_delay>: hosts ask again this many seconds after their last "
              "scheduler RPC, despite a work-fetch backoff (0 removes it)")] = 60.0,
+    maintenance_delay: Annotated[float, typer.Option(
+        help="config.xml <maintenance_delay>: how long a host that asks during a restart stays "
+             "away (0 removes it: BOINC's 3600 s)")] = 120.0,
 ) -> None:
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
@@ -64,7 +67,7 @@ def install(
     opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
                           command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db,
-                          next_rpc_delay_s=next_rpc_delay)
+                          next_rpc_delay_s=next_rpc_delay, maintenance_delay_s=maintenance_delay)
     try:
         report = do_install(project, opts)
     except BoincDLError as e:

@@ -11,6 +11,7 @@ import pytest
 from server.backends.boinc.host_contact import (
     DEFAULT_NEXT_RPC_DELAY_S,
     requests_per_host_hour,
+    set_maintenance_delay,
     set_next_rpc_delay,
 )
 from server.backends.boinc.install import InstallOptions, install
@@ -28,7 +29,8 @@ def test_install_sets_next_rpc_delay_once(project) -> None:
     rep = install(root, InstallOptions(run_db_tools=False))
     after = _config(root)
     assert after["next_rpc_delay"] == "60" == f"{DEFAULT_NEXT_RPC_DELAY_S:g}"
-    assert {k: v for k, v in after.items() if k != "next_rpc_delay"} == before
+    assert after["maintenance_delay"] == "120"
+    assert {k: v for k, v in after.items() if k not in ("next_rpc_delay", "maintenance_delay")} == before
     assert any("next_rpc_delay" in c for c in rep.changes)
     assert any("60 times an hour" in n for n in rep.notes)
     text = (root / "config.xml").read_text()
@@ -63,3 +65,18 @@ def test_bad_values(project, tmp_path: Path) -> None:
 def test_cost() -> None:
     assert requests_per_host_hour(60) == 60 and requests_per_host_hour(300) == 12
     assert requests_per_host_hour(0) == 0
+
+
+def test_maintenance_delay_short_by_default_and_settable(project) -> None:
+    """A host that asks during ``bin/stop``..``bin/start`` is told to come back after
+    ``<maintenance_delay>`` (BOINC's default: an hour): install shortens it."""
+    root = project.root
+    install(root, InstallOptions(run_db_tools=False))
+    assert _config(root)["maintenance_delay"] == "120"
+    rep = install(root, InstallOptions(run_db_tools=False, maintenance_delay_s=300))
+    assert rep.changes == ["config.xml: changed <maintenance_delay> from 120 to 300 s"]
+    rep = install(root, InstallOptions(run_db_tools=False, maintenance_delay_s=0))
+    assert rep.changes == ["config.xml: removed <maintenance_delay>"]
+    assert "maintenance_delay" not in _config(root)
+    with pytest.raises(BoincProjectError, match="--maintenance-delay"):
+        set_maintenance_delay(project.config_xml, float("nan"))

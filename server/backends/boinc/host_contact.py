@@ -30,6 +30,15 @@ Cost: at most ``3600 / next_rpc_delay`` scheduler requests per host per hour (ev
 restarts the timer, so a host already talking to the project more often adds nothing);
 each one a short scheduler CGI run with a few database reads of the host, its results and
 the shared-memory job cache.
+
+``<maintenance_delay>``: while the project is stopped (``bin/stop`` writes ``stop_sched``
+and ``bin/start`` removes it only after its daemons are up), or while the feeder is not
+running, every scheduler request is answered "project down" with a ``request_delay`` of
+``maintenance_delay`` seconds, 3600 by default (``sched/sched_main.cpp``,
+``sched/sched_config.cpp``). The client then defers *every* RPC to that project, the
+``next_rpc_delay`` ones included (they honour ``min_rpc_time``), so a restart window of W
+seconds sends about W / next_rpc_delay of all hosts away for an hour. boinc-dl sets it to
+two minutes: a host that hits a restart comes back soon after the daemons are up.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ from server.backends.boinc.xmlmerge import XmlDoc, append_child, child_text, rem
 #: Default ``<next_rpc_delay>`` set by ``boinc-dl boinc install`` (seconds).
 DEFAULT_NEXT_RPC_DELAY_S = 60.0
 TAG = "next_rpc_delay"
+#: Default ``<maintenance_delay>`` set by ``boinc-dl boinc install`` (seconds; BOINC's is 3600).
+DEFAULT_MAINTENANCE_DELAY_S = 120.0
+MAINTENANCE_TAG = "maintenance_delay"
 
 
 def requests_per_host_hour(next_rpc_delay_s: float) -> float:
@@ -60,30 +72,47 @@ def set_next_rpc_delay(config_xml: Path, seconds: float) -> list[str]:
     Idempotent: the same value a second time changes nothing. Every other setting,
     comment and daemon is kept.
     """
-    if seconds < 0:
-        raise BoincProjectError(f"--next-rpc-delay must be >= 0 seconds, got {seconds}")
+    return set_config_seconds(config_xml, TAG, seconds, "--next-rpc-delay")
+
+
+def set_maintenance_delay(config_xml: Path, seconds: float) -> list[str]:
+    """Set ``<config><maintenance_delay>`` in config.xml (0 removes it: BOINC's 3600 s)."""
+    return set_config_seconds(config_xml, MAINTENANCE_TAG, seconds, "--maintenance-delay")
+
+
+def set_config_seconds(config_xml: Path, tag: str, seconds: float, option: str) -> list[str]:
+    """Set a seconds-valued ``<config><tag>`` in config.xml (0 removes it); what changed."""
+    if not (seconds >= 0 and seconds < 1e7):
+        raise BoincProjectError(f"{option} must be >= 0 seconds, got {seconds}")
     doc = XmlDoc.load(config_xml, "boinc")
     cfg = doc.root.find("config")
     if cfg is None:
         raise BoincProjectError(f"{config_xml}: no <config> section (not a BOINC project config?)")
-    cur = cfg.find(TAG)
+    cur = cfg.find(tag)
     if seconds == 0:
         if cur is not None:
             remove_child(cfg, cur)
-            doc.changes.append(f"removed <{TAG}>")
+            doc.changes.append(f"removed <{tag}>")
     else:
         want = _fmt(seconds)
         if cur is None:
-            el = ET.Element(TAG)
+            el = ET.Element(tag)
             el.text = want
             append_child(cfg, el, 1)
-            doc.changes.append(f"set <{TAG}> to {want} s")
-        elif child_text(cfg, TAG) != want:
-            old = child_text(cfg, TAG)
+            doc.changes.append(f"set <{tag}> to {want} s")
+        elif child_text(cfg, tag) != want:
+            old = child_text(cfg, tag)
             cur.text = want
-            doc.changes.append(f"changed <{TAG}> from {old} to {want} s")
+            doc.changes.append(f"changed <{tag}> from {old} to {want} s")
     doc.save()
     return list(doc.changes)
 
 
-__all__ = ["DEFAULT_NEXT_RPC_DELAY_S", "requests_per_host_hour", "set_next_rpc_delay"]
+__all__ = [
+    "DEFAULT_MAINTENANCE_DELAY_S",
+    "DEFAULT_NEXT_RPC_DELAY_S",
+    "requests_per_host_hour",
+    "set_config_seconds",
+    "set_maintenance_delay",
+    "set_next_rpc_delay",
+]

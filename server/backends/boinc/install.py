@@ -39,8 +39,10 @@ import yaml
 
 from server.backends.boinc import artifacts
 from server.backends.boinc.host_contact import (
+    DEFAULT_MAINTENANCE_DELAY_S,
     DEFAULT_NEXT_RPC_DELAY_S,
     requests_per_host_hour,
+    set_maintenance_delay,
     set_next_rpc_delay,
 )
 from server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
@@ -83,6 +85,9 @@ class InstallOptions:
     force_db: bool = False
     #: ``<next_rpc_delay>`` seconds in config.xml (0 removes it).
     next_rpc_delay_s: float = DEFAULT_NEXT_RPC_DELAY_S
+    #: ``<maintenance_delay>`` seconds in config.xml: how long a host that asks while the
+    #: project is stopped stays away (BOINC's default, 3600, when 0).
+    maintenance_delay_s: float = DEFAULT_MAINTENANCE_DELAY_S
 
 
 @dataclass
@@ -358,6 +363,9 @@ class Installer:
             self.note(f"next_rpc_delay {self.o.next_rpc_delay_s:g} s: every host contacts the scheduler at "
                       f"least {requests_per_host_hour(self.o.next_rpc_delay_s):g} times an hour "
                       "(for every app of the project)")
+        # A host that asks while the project is stopped (a restart) stays away this long.
+        for c in set_maintenance_delay(self.p.config_xml, self.o.maintenance_delay_s):
+            self.change(f"config.xml: {c}")
 
     def admin_page(self) -> None:
         try:
