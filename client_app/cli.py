@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         from server.common.errors import BoincDLError
 
         try:
-            result = run_unit(slot, threads=threads, should_stop=flag.is_set)
+            result = run_unit(slot, threads=threads, should_stop=flag.is_set, lean_import=True)
         except BoincDLError as e:
             print(f"client_app: error: {e}", file=sys.stderr)
             return EXIT_INPUT

@@ -48,7 +48,7 @@ class _Trainer:
                 hit = tf.equal(tf.cast(tf.argmax(pred, -1), tf.int32), tf.cast(tf.reshape(y, [-1]), tf.int32))
             return tf.reduce_sum(tf.cast(hit, tf.float64))
 
-        @tf.function(input_signature=[x_spec, y_spec])
+        @tf.function(input_signature=[x_spec, y_spec], autograph=False)
         def train_step(x: Any, y: Any) -> tuple[Any, Any]:
             with tf.GradientTape() as tape:
                 pred = model(x, training=True)
@@ -60,7 +60,7 @@ class _Trainer:
             opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return tf.reduce_sum(tf.cast(per_example, tf.float64)), n_correct(y, pred)
 
-        @tf.function(input_signature=[x_spec, y_spec])
+        @tf.function(input_signature=[x_spec, y_spec], autograph=False)
         def eval_step(x: Any, y: Any) -> tuple[Any, Any]:
             pred = model(x, training=False)
             return tf.reduce_sum(tf.cast(loss_fn(y, pred), tf.float64)), n_correct(y, pred)

@@ -1,0 +1,82 @@
+"""Client start-up: ``python -m client_app`` skips the packages Keras imports optionally.
+
+Each BOINC task is a fresh process, so every module imported at start-up is paid per
+task. scikit-learn, matplotlib and IPython (about a quarter of ``import tensorflow``
+where they are installed) must not load in a client task, yet must stay importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client_app.lean_imports import KERAS_OPTIONAL, hidden
+from tests.test_client_app import make_unit
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs the client's entry point on a slot, then reports what the process imported.
+PROBE = """
+import json, sys
+from client_app.cli import main
+rc = main(["--slot", sys.argv[1], "--threads", "1", "-q"])
+loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {names!r})
+import sklearn  # still importable once the task's TensorFlow is loaded
+print(json.dumps({{"rc": rc, "loaded": loaded, "sklearn_after": "sklearn.base" in sys.modules or bool(sklearn)}}))
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "TF_CPP_MIN_LOG_LEVEL": "2", "BDL_PREEMPT_PROVIDER": "none"}
+
+
+def _installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.skipif(not _installed("sklearn"), reason="scikit-learn not installed: nothing to skip")
+def test_client_task_does_not_import_kerass_optional_packages(tmp_path: Path) -> None:
+    make_unit(tmp_path / "slot")
+    out = subprocess.run([sys.executable, "-c", PROBE.format(names=set(KERAS_OPTIONAL)), str(tmp_path / "slot")],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0
+    assert (tmp_path / "slot" / "weights_out.h5").is_file()
+    assert got["loaded"] == []
+    assert got["sklearn_after"]
+
+
+@pytest.mark.skipif(not _installed("sklearn"), reason="scikit-learn not installed: nothing to skip")
+def test_a_plain_tensorflow_import_does_load_them() -> None:
+    """The baseline the test above guards against: Keras really imports scikit-learn."""
+    code = "import sys, tensorflow, keras; print('sklearn.base' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_hidden_packages_fail_to_import_inside_the_block_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    pkg = tmp_path / "bdl_probe_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with hidden(["bdl_probe_pkg"]):
+        with pytest.raises(ImportError):
+            importlib.import_module("bdl_probe_pkg")
+        with pytest.raises(ImportError):
+            importlib.import_module("bdl_probe_pkg.sub")
+    assert importlib.import_module("bdl_probe_pkg.sub").X == 1
+    with hidden(["bdl_probe_pkg"]):  # an already imported package is left alone
+        assert importlib.import_module("bdl_probe_pkg.sub").X == 1
+    for name in ("bdl_probe_pkg.sub", "bdl_probe_pkg"):
+        sys.modules.pop(name, None)
