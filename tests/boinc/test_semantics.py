@@ -322,21 +322,44 @@ def test_fpops_estimate_follows_measured_task_times(job) -> None:
     project, store, spec, r = job
     be, units = create_units(project, r, spec, 4)
     assert be.task_fpops(spec.name) == (be.settings.rsc_fpops_est, be.settings.rsc_fpops_bound)  # no host yet
-    # calibration: a quarter of the deadline (90 s) on the median active host (3 GFLOPS)
+    # calibration: half the deadline (90 s) on the median active host (3 GFLOPS)
     for speed in (1e9, 3e9, 8e9):
         fake_server._exec(project, "INSERT INTO host (create_time, rpc_time, p_fpops) VALUES (0, %s, %s)",
                           (int(time.time()), speed))
     est, bound = BoincJobSystem(project, r).task_fpops(spec.name)
-    assert est == pytest.approx(3e9 * 90 * 0.25) and bound >= est * 20
+    assert est == pytest.approx(3e9 * 90 * 0.5) and bound >= est * 20
     for u, elapsed in zip(units, (4.0, 5.0, 6.0, 60.0), strict=True):
         (res,) = fake_server.send(project, [u], flops=2e9)
         fake_server.report(project, res, elapsed_s=elapsed)
     be2 = BoincJobSystem(project, r)
     est, bound = be2.task_fpops(spec.name)
-    assert est == pytest.approx(6.0 * 2e9)  # the median task: 6 s on a 2 GFLOPS host
+    # the slow end of the measured tasks (here the 60 s one) with a 20% margin, so BOINC's
+    # deadline check never lets a host queue more tasks than really fit in the deadline
+    assert est == pytest.approx(60.0 * 2e9 * 1.2)
     assert bound >= 60.0 * 2e9 * 4  # never aborts a task as slow as the slowest seen
     args = be2.create_work_args(spec.name, LIMITS, "templates/x", 1e9)
-    assert args[args.index("--rsc_fpops_est") + 1] == "1.2e+10"
+    assert args[args.index("--rsc_fpops_est") + 1] == "1.44e+11"
+
+
+def test_fpops_estimate_keeps_queued_tasks_within_the_deadline(job) -> None:
+    """BOINC's deadline check (sched_check.cpp) admits queued tasks while the sum of their
+    *predicted* runtimes fits in delay_bound. With the estimate taken from the measured
+    tasks, a 1-CPU host never queues more real work than fits in the deadline."""
+    project, store, spec, r = job
+    be, units = create_units(project, r, spec, 4)
+    timeout = spec.units.timeout_s
+    # real runs of 20-38 s (start-up included), measured on the hosts' speed: a median
+    # estimate (25 s) would let a 1-CPU host hold three tasks against the 90 s deadline,
+    # and the third, queued behind two slow runs, would pass it
+    elapsed = [20.0, 22.0, 25.0, 38.0]
+    for u, e in zip(units, elapsed, strict=True):
+        (res,) = fake_server.send(project, [u], flops=1e9)
+        fake_server.report(project, res, elapsed_s=e)
+    est, _ = BoincJobSystem(project, r).task_fpops(spec.name)
+    predicted = est / 1e9
+    admitted = int(timeout // predicted)  # tasks the deadline check lets one CPU hold
+    assert admitted >= 1
+    assert admitted * max(elapsed) <= timeout  # even the slowest run seen meets its deadline
 
 
 def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
