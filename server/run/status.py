@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections import Counter
@@ -11,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from server.common.procs import pid_alive
 from server.common.store import JobStore
 
 #: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
@@ -18,16 +18,6 @@ from server.common.store import JobStore
 #: killed, its machine lost).
 HEARTBEAT_STALE_S = 30.0
 FINISHED = ("done", "failed", "cancelled")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def effective_status(meta: dict[str, str], now: float | None = None) -> tuple[str, str]:
@@ -41,7 +31,7 @@ def effective_status(meta: dict[str, str], now: float | None = None) -> tuple[st
         beat, pid = float(meta["heartbeat_at"]), int(meta.get("owner_pid", 0))
     except ValueError:
         return status, reason
-    if meta.get("owner_host") == socket.gethostname() and pid and not _pid_alive(pid):
+    if meta.get("owner_host") == socket.gethostname() and pid and not pid_alive(pid):
         return "crashed", f"its process {pid} is gone (last heartbeat {now - beat:.0f} s ago); continue with --resume"
     if now - beat > HEARTBEAT_STALE_S:
         return "crashed", f"no heartbeat for {now - beat:.0f} s; continue with --resume"

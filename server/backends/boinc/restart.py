@@ -22,6 +22,7 @@ from pathlib import Path
 from server.backends.boinc.install import is_our_daemon
 from server.backends.boinc.project import BoincProject
 from server.backends.boinc.xmlmerge import child_text
+from server.common.procs import pid_alive
 
 
 @dataclass
@@ -41,20 +42,6 @@ def _pids(project: BoincProject) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return True
 
 
 def lock_held(path: Path) -> bool:
@@ -103,9 +90,9 @@ def restart(project: BoincProject, wait_s: float = 120.0, start_wait_s: float = 
     before = _pids(project)
     subprocess.run(project.tool_command("stop", []), cwd=project.root, check=True, timeout=120)
     deadline = time.monotonic() + wait_s
-    while any(_alive(p) for p in before) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in before) and time.monotonic() < deadline:
         time.sleep(0.2)
-    rep.stragglers = [p for p in before if _alive(p)]
+    rep.stragglers = [p for p in before if pid_alive(p)]
     subprocess.run(project.tool_command("start", []), cwd=project.root, check=True, timeout=120)
     daemons = our_daemons(project)
     deadline = time.monotonic() + start_wait_s
