@@ -11,7 +11,7 @@ checked against MOP's invariants.
 Then: replica-aware scheduling and worker failures (sections 5.5-5.6), the exact MILP
 (eq. 2, HiGHS) on instances small enough to solve, and the decision time at |S|=256, p=16.
 
-Goals (issue 3): the randomized scheduler within 5% of the lower bound on average; a
+Goals: the randomized scheduler within 5% of the lower bound on average; a
 scheduling decision under 1 ms at |S|=256, p=16. The paper reports the randomized scheduler
 near-optimal in every setting and its MILP (Gurobi, 5 min cap) sometimes worse for not
 converging; its figures are normalised by the randomized makespan, which the ``vs_random``
