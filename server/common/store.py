@@ -397,10 +397,16 @@ class JobStore:
         """
         # Names this call's merge: a retry after a lost reply finds its own marks.
         token = os.urandom(8).hex()
-        prev = self.call(lambda: self.r.hget(self.k("assimilated"), unit))
+        def marks() -> list[Any]:
+            # One round trip: both hashes are job bookkeeping keys (one slot in a cluster).
+            p = self.r.pipeline(transaction=False)
+            p.hget(self.k("assimilated"), unit)
+            p.hexists(self.k("failed"), unit)
+            return p.execute()
+        prev, failed = self.call(marks)
         if prev is not None:
             return self._outcome_of_mark(model, prev, token, 0)
-        if self.call(lambda: self.r.hexists(self.k("failed"), unit)):
+        if failed:
             # Given up for good (its epoch counted it failed): a late result may not also
             # count as merged. (A give-up landing while the shards are applied is not seen.)
             return MergeOutcome(False, self.version(model), 0, given_up=True)
