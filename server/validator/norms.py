@@ -50,7 +50,9 @@ def bound_for(store: JobStore, spec: JobSpec, model: str) -> tuple[float | None,
     """The distance bound in force for ``model`` now, and where it comes from."""
     v = spec.validation
     fixed = v.max_update_norm
-    adaptive = adaptive_bound(accepted_norms(store, model), v.update_norm_k, v.update_norm_warmup)
+    # No adaptive bound configured: no read of the window (one round trip per merge saved).
+    adaptive = None if v.update_norm_k is None else \
+        adaptive_bound(accepted_norms(store, model), v.update_norm_k, v.update_norm_warmup)
     if adaptive is not None and (fixed is None or adaptive < fixed):
         return adaptive, f"median + {v.update_norm_k:g} MAD of accepted updates"
     return fixed, "max_update_norm"
