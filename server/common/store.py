@@ -344,12 +344,21 @@ class JobStore:
         script = self._script("read_shard", sh.READ_SHARD)
         flat = np.empty(lay.n, np.float32)
         versions: list[int] = []
-        for i in range(lay.shards):
+        cache = [self._cache.get((model, i)) for i in range(lay.shards)]
+
+        def read_all() -> list[Any]:
+            # On one Redis every shard's read rides one pipelined round trip (each read
+            # still atomic on its own); a cluster reads shard by shard.
+            args = [(self._shard_keys(model, i), ["tag", c[0] if c else b""]) for i, c in enumerate(cache)]
+            if self.cluster:
+                return [script(keys=k, args=a) for k, a in args]
+            p = self.r.pipeline(transaction=False)
+            for k, a in args:
+                script(keys=k, args=a, client=p)
+            return p.execute()
+        replies = self.call(read_all)
+        for i, (cached, (tag, v, _mark, w)) in enumerate(zip(cache, replies, strict=True)):
             sl = lay.bounds(i)
-            cached = self._cache.get((model, i))
-            keys = self._shard_keys(model, i)
-            tag, v, _mark, w = self.call(
-                lambda keys=keys, c=cached: script(keys=keys, args=["tag", c[0] if c else b""]))
             if w is None:
                 if tag is None or cached is None or cached[0] != tag:
                     raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
