@@ -332,8 +332,11 @@ class MOPWorkGenerator:
 
     def _close_ready(self) -> None:
         """Pipelining: close every epoch whose models all have their end-of-epoch result."""
-        while self.store.meta().get("status") not in FINISHED:
-            epoch = int(self.store.meta().get("closed_epoch", 0)) + 1
+        while True:
+            meta = self.store.meta()
+            if meta.get("status") in FINISHED:
+                return
+            epoch = int(meta.get("closed_epoch", 0)) + 1
             models = self.sched.models
             raw = self.store.r.hmget(self.store.k("mop_model_results"), [f"{epoch}:{m}" for m in models])
             if not models or any(r is None for r in raw):

@@ -311,15 +311,23 @@ class BoincJobSystem(JobSystem):
     def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
         """BOINC's view of these workunits (None, logged, when its database is unreadable)."""
         try:
-            if self._db is None:
-                self._db = BoincDB.connect(self.project)
-            return self._db.workunits(names)
+            return self._database().workunits(names)
         except BoincDBError as e:
             log.error("%s (no regeneration this pass)", e)
-            if self._db is not None:
-                self._db.close()
-            self._db = None
+            self._drop_db()
             return None
+
+    def _database(self) -> BoincDB:
+        """The read-only session on BOINC's database, opened on first use and kept."""
+        if self._db is None:
+            self._db = BoincDB.connect(self.project)
+        return self._db
+
+    def _drop_db(self) -> None:
+        """Close the session after a failure; the next call opens a fresh one."""
+        if self._db is not None:
+            self._db.close()
+        self._db = None
 
     # ---- task size (rsc_fpops_est / rsc_fpops_bound) ---------------------------------------
     def task_fpops(self, job: str) -> tuple[float, float]:
@@ -343,12 +351,10 @@ class BoincJobSystem(JobSystem):
         value = default
         costs = None
         try:
-            if self._db is None:
-                self._db = BoincDB.connect(self.project)
-            costs = self._db.job_task_costs(f"{job}__")
+            costs = self._database().job_task_costs(f"{job}__")
         except BoincDBError as e:
             log.warning("task size of job %s from the settings: %s", job, e)
-            self._db = None
+            self._drop_db()
         if (not costs or len(costs) < FPOPS_MIN_SAMPLES) and self._db is not None:
             value = self._calibration_fpops(job, default)
         if costs and len(costs) >= FPOPS_MIN_SAMPLES:
