@@ -53,16 +53,12 @@ class BoincHosts:
 
     @classmethod
     def from_project(cls, project: Any) -> BoincHosts:
-        """Connect with the credentials of the project's ``config.xml`` (PyMySQL)."""
-        import pymysql
-
+        """A read-only session with the credentials of the project's ``config.xml``
+        (:class:`~server.backends.boinc.boincdb.BoincDB`: db_host/db_port/db_socket as BOINC reads them)."""
+        from server.backends.boinc.boincdb import BoincDB
         from server.backends.boinc.project import APP_NAME
 
-        cfg = project.config
-        conn = pymysql.connect(host=cfg.get("db_host") or "localhost", user=cfg.get("db_user") or "",
-                               password=cfg.get("db_passwd") or "", database=cfg.get("db_name") or "",
-                               autocommit=True, connect_timeout=10, read_timeout=30)
-        return cls(conn, APP_NAME, "format")
+        return cls(BoincDB.connect(project, timeout_s=30).conn, APP_NAME, "format")
 
     def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
         cur = self.conn.cursor()

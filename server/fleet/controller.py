@@ -181,15 +181,14 @@ class FleetController:
                             inst.id, inst.id)
         # compute lost: per job, the earliest send time of a result the instance held
         jobs = known_jobs(self.r)
+        lost_of: dict[str, dict[str, float]] = {}
+        for f in flights:  # one pass over the flights, not one per doomed instance
+            parsed = parse_unit_name(f.workunit)
+            if f.host_id in by_host and parsed and parsed["job"] in jobs:
+                lost = lost_of.setdefault(by_host[f.host_id], {})
+                lost[parsed["job"]] = min(lost.get(parsed["job"], f.sent_time), f.sent_time)
         for inst in doomed:
-            lost: dict[str, float] = {}
-            for f in flights:
-                if by_host.get(f.host_id) != inst.id:
-                    continue
-                parsed = parse_unit_name(f.workunit)
-                if parsed and parsed["job"] in jobs:
-                    lost[parsed["job"]] = min(lost.get(parsed["job"], f.sent_time), f.sent_time)
-            self.ledger.reclaimed(inst, self.ends.get(inst.id, now), lost)
+            self.ledger.reclaimed(inst, self.ends.get(inst.id, now), lost_of.get(inst.id, {}))
         self.ledger.publish()
         if filed:
             log.info("re-issuing %d unit(s) of %d reclaimed instance(s) now: %s", len(filed), len(doomed),
