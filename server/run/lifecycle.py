@@ -7,10 +7,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 from server.backends.local import LocalJobSystem
@@ -130,6 +133,26 @@ class RunWatch:
         if verdict and self.store.meta().get("status") == "running":
             fail_job(self.store, self.gen, verdict)
         return True
+
+
+def drive(gen: Any, watch: RunWatch, render: Callable[[], Table], console: Console, live: bool,
+          refresh_per_second: float) -> None:
+    """Step the work generator until the job finishes: tick ``watch`` as it goes and,
+    when ``live``, redraw ``render()`` whenever the watch did its work (and once at the end)."""
+    view = Live(render(), console=console, refresh_per_second=refresh_per_second) if live else None
+    if view:
+        view.start()
+    try:
+        while gen.step():
+            time.sleep(0.05)
+            if watch.tick() and view:
+                view.update(render())
+        watch.tick(force=True)
+        if view:
+            view.update(render())
+    finally:
+        if view:
+            view.stop()
 
 
 def setup_logging(run_dir: Path) -> None:
