@@ -18,7 +18,7 @@ from rich.table import Table
 
 from server.backends.local import LocalJobSystem
 from server.common.redis_server import EmbeddedRedis
-from server.common.spec import JobSpec
+from server.common.spec import JobSpec, local_options
 from server.common.store import JobStore, connect
 from server.run.failfast import FailFastWatch
 from server.run.signals import RunStopped
@@ -61,7 +61,7 @@ def open_store(run_dir: Path, redis_url: str | None, job: str) -> tuple[Embedded
 def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
                         backend_opts: dict[str, Any] | None) -> LocalJobSystem:
     """The local job system the spec asks for (options overridden by ``backend_opts``), started."""
-    opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
+    opts = local_options(spec, backend_opts)
     backend = LocalJobSystem(run_dir, redis_url, spec.name, workers=opts["workers"], slots=opts["slots"],
                              assimilators=opts["assimilators"], threads_per_slot=opts["threads_per_slot"],
                              preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed,

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from server.backends.local import LocalJobSystem
-from server.common.spec import JobSpec
+from server.common.spec import JobSpec, local_options
 from server.common.store import JobStore
 from server.run.lifecycle import RunResult, RunWatch, drive, start_local_backend, stop_reason
 from server.work_generator.mop.assignment import round_robin_availability
@@ -139,7 +139,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     try:
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}")
         prepare_job(spec, store, run_dir, resume=resume, search_path=search_path)
-        opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
+        opts = local_options(spec, backend_opts)
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
         if store.meta().get("status") not in ("done", "failed", "cancelled"):
             store.set_meta(status="running", reason="")
