@@ -413,6 +413,11 @@ def load_spec(path: str | Path) -> JobSpec:
     return parse_spec(data, str(p), p.parent.resolve())
 
 
+def local_options(spec: JobSpec, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The local backend's options: ``spec.backend.local`` with ``overrides`` (``--workers`` ...) on top."""
+    return {**spec.backend.local.model_dump(), **(overrides or {})}
+
+
 def spec_to_json(spec: JobSpec) -> str:
     """Canonical JSON of a spec, as stored in Redis."""
     return spec.model_dump_json()

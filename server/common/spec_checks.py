@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from server.common.errors import SpecError
-from server.common.spec import JobSpec
+from server.common.spec import JobSpec, local_options
 
 #: Resident memory of one slot or assimilator process with TensorFlow loaded (measured:
 #: 350-450 MB on CPU builds): the unit of the memory estimate.
@@ -39,7 +39,7 @@ def check_resources(spec: JobSpec, opts: dict[str, Any] | None = None,
     processes than its memory can hold."""
     if spec.backend.kind != "local":
         return
-    o = {**spec.backend.local.model_dump(), **(opts or {})}
+    o = local_options(spec, opts)
     have_cores, have_mb = machine()
     cores = cores or have_cores
     memory_mb = memory_mb if memory_mb is not None else have_mb

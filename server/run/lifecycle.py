@@ -7,15 +7,18 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.live import Live
 from rich.table import Table
 
 from server.backends.local import LocalJobSystem
 from server.common.redis_server import EmbeddedRedis
-from server.common.spec import JobSpec
+from server.common.spec import JobSpec, local_options
 from server.common.store import JobStore, connect
 from server.run.failfast import FailFastWatch
 from server.run.signals import RunStopped
@@ -58,7 +61,7 @@ def open_store(run_dir: Path, redis_url: str | None, job: str) -> tuple[Embedded
 def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
                         backend_opts: dict[str, Any] | None) -> LocalJobSystem:
     """The local job system the spec asks for (options overridden by ``backend_opts``), started."""
-    opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
+    opts = local_options(spec, backend_opts)
     backend = LocalJobSystem(run_dir, redis_url, spec.name, workers=opts["workers"], slots=opts["slots"],
                              assimilators=opts["assimilators"], threads_per_slot=opts["threads_per_slot"],
                              preempt_prob=opts["preempt_prob"], notice=opts.get("notice", False), seed=spec.seed,
@@ -130,6 +133,26 @@ class RunWatch:
         if verdict and self.store.meta().get("status") == "running":
             fail_job(self.store, self.gen, verdict)
         return True
+
+
+def drive(gen: Any, watch: RunWatch, render: Callable[[], Table], console: Console, live: bool,
+          refresh_per_second: float) -> None:
+    """Step the work generator until the job finishes: tick ``watch`` as it goes and,
+    when ``live``, redraw ``render()`` whenever the watch did its work (and once at the end)."""
+    view = Live(render(), console=console, refresh_per_second=refresh_per_second) if live else None
+    if view:
+        view.start()
+    try:
+        while gen.step():
+            time.sleep(0.05)
+            if watch.tick() and view:
+                view.update(render())
+        watch.tick(force=True)
+        if view:
+            view.update(render())
+    finally:
+        if view:
+            view.stop()
 
 
 def setup_logging(run_dir: Path) -> None:

@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 
 from server.backends.local import LocalJobSystem
-from server.common.spec import JobSpec
+from server.common.spec import JobSpec, local_options
 from server.common.store import JobStore
-from server.run.lifecycle import RunResult, RunWatch, start_local_backend, stop_reason
+from server.run.lifecycle import RunResult, RunWatch, drive, start_local_backend, stop_reason
 from server.work_generator.mop.assignment import round_robin_availability
 from server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from server.work_generator.prepare import prepare_job
@@ -140,7 +139,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     try:
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}")
         prepare_job(spec, store, run_dir, resume=resume, search_path=search_path)
-        opts = {**spec.backend.local.model_dump(), **(backend_opts or {})}
+        opts = local_options(spec, backend_opts)
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
         if store.meta().get("status") not in ("done", "failed", "cancelled"):
             store.set_meta(status="running", reason="")
@@ -148,18 +147,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
             gen.recover(resubmit_in_progress=True)
             watch = RunWatch(spec, store, backend, gen)
-            view = Live(_table(store, spec, backend, t0), console=console, refresh_per_second=2) if live else None
-            if view:
-                view.start()
-            try:
-                while gen.step():
-                    time.sleep(0.05)
-                    if watch.tick() and view:
-                        view.update(_table(store, spec, backend, t0))
-                watch.tick(force=True)
-            finally:
-                if view:
-                    view.stop()
+            drive(gen, watch, lambda: _table(store, spec, backend, t0), console, live, refresh_per_second=2)
         status = store.meta().get("status", "running")
     except KeyboardInterrupt as e:
         stopped, exit_code = stop_reason(e)

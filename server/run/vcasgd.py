@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 
 from server.backends.local import LocalJobSystem
@@ -24,7 +23,7 @@ from server.common.spec import JobSpec
 from server.common.store import JobStore
 from server.planner.runcheck import predict_epoch
 from server.run.eta import EtaEstimator, format_eta
-from server.run.lifecycle import RunResult, RunWatch, start_local_backend, stop_reason
+from server.run.lifecycle import RunResult, RunWatch, drive, start_local_backend, stop_reason
 from server.run.outputs import collect_history, plot_learning_curve, save_final_model, write_history
 from server.work_generator.prepare import n_shards, prepare_job
 from server.work_generator.vcasgd import VCASGDWorkGenerator
@@ -120,18 +119,4 @@ def _drive(gen: VCASGDWorkGenerator, spec: JobSpec, store: JobStore, backend: Lo
     """Step the work generator until the job finishes, refreshing the progress view."""
     watch = RunWatch(spec, store, backend, gen, every_s=0.25 if live else 0.5)
     eta = EtaEstimator(n_shards(spec) * spec.training.epochs)
-    view = Live(_progress_table(spec, store, backend, t0, eta), console=console, refresh_per_second=4) \
-        if live else None
-    if view:
-        view.start()
-    try:
-        while gen.step():
-            time.sleep(0.05)
-            if watch.tick() and view:
-                view.update(_progress_table(spec, store, backend, t0, eta))
-        if view:
-            view.update(_progress_table(spec, store, backend, t0, eta))
-    finally:
-        if view:
-            view.stop()
-    watch.tick(force=True)
+    drive(gen, watch, lambda: _progress_table(spec, store, backend, t0, eta), console, live, refresh_per_second=4)
