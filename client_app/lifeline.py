@@ -87,12 +87,14 @@ def resume_after_notice(code: int, preempted: bool, argv: list[str],
                         env: MutableMapping[str, str] | None = None) -> int:
     """After exit 75 on a spot notice, wait for the VM to vanish, then re-exec ``argv``.
 
-    Returns ``code`` unchanged when there is nothing to resume (another status, a
-    signal-caused stop, resumes used up, a signal during the wait); otherwise it does
-    not return (``os.execv`` replaces this process, keeping its pid for the wrapper).
+    Only under the launcher (``BDL_PARENT_PID`` set): run directly (the local backend),
+    exit 75 goes to the caller, which re-issues or restarts the unit itself. Returns
+    ``code`` unchanged when there is nothing to resume (another status, a signal-caused
+    stop, resumes used up, a signal during the wait); otherwise it does not return
+    (``os.execv`` replaces this process, keeping its pid for the wrapper).
     """
     env = os.environ if env is None else env
-    if code != 75 or not preempted:
+    if code != 75 or not preempted or not env.get(PARENT_ENV, "").strip():
         return code
     done = _env_int(env, RESUMES_ENV, 0)
     if done >= _env_int(env, "BDL_MAX_RESUMES", 3):
