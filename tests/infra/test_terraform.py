@@ -344,4 +344,5 @@ def test_host_client_reports_finished_tasks_at_once(tmp_path: Path) -> None:
     root = ET.parse(tmp_path / "cc_config.xml").getroot()
     assert root.tag == "cc_config"
     assert root.findtext("options/report_results_immediately") == "1"
+    assert root.findtext("options/max_file_xfers_per_project") == "4"  # BOINC's default: 2
     assert root.findtext("log_flags/sched_ops") == "1"
