@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from client_app.boinc_io import InitData, read_init_data
+from client_app.lifeline import tie_to_parent
 
 EXIT_OK = 0
 EXIT_INPUT = 1
@@ -187,13 +188,19 @@ def report_lost_if_boinc(slot: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one unit; returns the process exit code (see the module docstring)."""
+    return run_cli(argv)[0]
+
+
+def run_cli(argv: list[str] | None = None) -> tuple[int, bool]:
+    """Run one unit; returns the exit code and whether a preemption notice stopped it."""
     args = build_parser().parse_args(argv)  # exits 2 on a usage error
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s client_app: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    tie_to_parent()
     slot = Path(args.slot)
     if not slot.is_dir():
         print(f"client_app: error: slot directory not found: {slot}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_USAGE, False
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     init = read_init_data(slot)
     device = select_device(args.device, init)
@@ -211,15 +218,16 @@ def main(argv: list[str] | None = None) -> int:
             result = run_unit(slot, threads=threads, should_stop=flag.is_set, lean_import=True)
         except BoincDLError as e:
             print(f"client_app: error: {e}", file=sys.stderr)
-            return EXIT_INPUT
+            return EXIT_INPUT, False
         except Exception as e:  # noqa: BLE001 - not an input problem: keep the trace for the logs
             traceback.print_exc(file=sys.stderr)
             print(f"client_app: error: unexpected {type(e).__name__}: {e}", file=sys.stderr)
-            return EXIT_INPUT
+            return EXIT_INPUT, False
     finally:
         _stop_watcher(watcher)
     if not result.interrupted:
-        return EXIT_OK
-    if flag.reason.startswith(PREEMPTION_REASON):
+        return EXIT_OK, False
+    preempted = flag.reason.startswith(PREEMPTION_REASON)
+    if preempted:
         report_lost_if_boinc(slot)
-    return EXIT_INTERRUPTED
+    return EXIT_INTERRUPTED, preempted

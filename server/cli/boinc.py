@@ -57,6 +57,9 @@ def install(
     maintenance_delay: Annotated[float, typer.Option(
         help="config.xml <maintenance_delay>: how long a host that asks during a restart stays "
              "away (0 removes it: BOINC's 3600 s)")] = 120.0,
+    min_sendwork_interval: Annotated[int, typer.Option(
+        min=0, help="config.xml <min_sendwork_interval>: every scheduler reply defers the host's next "
+                    "request, a finished task's report included, by max(1.01 x N, N + 1) s (0: none)")] = 0,
 ) -> None:
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
@@ -67,7 +70,8 @@ def install(
     opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
                           command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db,
-                          next_rpc_delay_s=next_rpc_delay, maintenance_delay_s=maintenance_delay)
+                          next_rpc_delay_s=next_rpc_delay, maintenance_delay_s=maintenance_delay,
+                          min_sendwork_interval_s=min_sendwork_interval)
     try:
         report = do_install(project, opts)
     except BoincDLError as e:

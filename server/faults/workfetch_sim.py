@@ -14,7 +14,10 @@ The client follows BOINC 7.20's rules (``client/cs_scheduler.cpp``, ``client/wor
   work fetch (``RPC_REASON_NEED_WORK``) when a slot is idle and the project's work fetch
   is not backed off;
 * every RPC waits for ``min_rpc_time``: the reply's ``request_delay``, 7 s with
-  make_project's ``min_sendwork_interval`` of 6 s;
+  ``make_project --production``'s ``min_sendwork_interval`` of 6 s, none with the 0 that
+  ``boinc-dl boinc install`` sets (:func:`server.backends.boinc.host_contact.request_delay_s`);
+  a finished task waits for it too, ``report_immediately`` or not
+  (``find_project_with_overdue_results`` skips a project inside ``min_rpc_time``);
 * a task's upload finishing clears the work-fetch backoff (``clear_backoffs`` in
   ``CLIENT_STATE::update_results``); uploads take no time here;
 * every RPC reports the finished tasks and piggybacks a work request for the idle slots,
@@ -208,6 +211,7 @@ class Client:
     idle_s: float = 0.0
     busy_s: float = 0.0
     backoffs: int = 0
+    report_delays: list = field(default_factory=list)  # completion -> report, seconds
 
     def _backoff(self, now: float) -> None:
         """``RSC_PROJECT_WORK_FETCH::resource_backoff``."""
@@ -221,6 +225,7 @@ class Client:
     def _rpc(self, p: SimProject, now: float, reason: str) -> None:
         idle = self.slots - len(self.running)
         reported = [u for _, u in self.ready]
+        self.report_delays.extend(now - c for c, _ in self.ready)
         self.ready = []
         got = p.rpc(self.id, self.slots, now, reported, idle)
         for u in got:
@@ -269,6 +274,8 @@ class SimResult:
     rpcs_per_host_hour: float
     backoffs: int
     finished: bool
+    report_delay_median_s: float = 0.0  # a task's completion -> its report (scheduler RPC)
+    report_delay_max_s: float = 0.0
 
 
 def simulate(gen: Generator, hosts: int, slots: int, next_rpc_delay: float = 0.0, unit_s: float = 60.0,
@@ -296,6 +303,9 @@ def simulate(gen: Generator, hosts: int, slots: int, next_rpc_delay: float = 0.0
             c.tick(p, now, dt, counting)
     idle = sum(c.idle_s for c in clients)
     total = idle + sum(c.busy_s for c in clients)
+    delays = sorted(d for c in clients for d in c.report_delays)
     return SimResult(idle_share=idle / total if total else 0.0, makespan_s=now,
                      rpcs_per_host_hour=p.rpcs / hosts / (now / 3600.0),
-                     backoffs=sum(c.backoffs for c in clients), finished=gen.finished())
+                     backoffs=sum(c.backoffs for c in clients), finished=gen.finished(),
+                     report_delay_median_s=delays[len(delays) // 2] if delays else 0.0,
+                     report_delay_max_s=delays[-1] if delays else 0.0)

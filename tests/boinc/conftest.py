@@ -49,6 +49,7 @@ CONFIG_XML = """<?xml version="1.0" ?>
     <disable_account_creation>0</disable_account_creation>
     <show_results/>
     <one_result_per_user_per_wu/>
+    <min_sendwork_interval>6</min_sendwork_interval>
   </config>
   <tasks>
     <task>

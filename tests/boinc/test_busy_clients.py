@@ -126,3 +126,21 @@ def test_cost_of_next_rpc_delay_in_requests_per_host_hour() -> None:
     r = simulate(gen, 2, 2, next_rpc_delay=60, unit_s=300, seed=0)
     units_per_host_hour = 8 * 4 * 3 / 2 / (r.makespan_s / 3600)
     assert r.rpcs_per_host_hour <= 60 + units_per_host_hour + 1
+
+
+def test_request_delay_holds_back_reports_and_install_removes_it() -> None:
+    """A reply's ``request_delay`` defers the host's next RPC, the report of a task that
+    finished meanwhile included. With make_project --production's 6 s (7 s delay) a
+    4-slot host reports some tasks 5-10 s late; with the 0 that install sets every task
+    is reported at the next 5 s poll, for about the same number of scheduler requests."""
+    from server.backends.boinc.host_contact import DEFAULT_MIN_SENDWORK_INTERVAL_S, request_delay_s
+
+    def run(msi: float):  # noqa: ANN202
+        return simulate(VCASGDGenerator(40, 3, None), hosts=2, slots=4, next_rpc_delay=60, unit_s=25,
+                        request_delay=request_delay_s(msi), assimilate_s=7)
+
+    prod, ours = run(6), run(DEFAULT_MIN_SENDWORK_INTERVAL_S)
+    assert prod.finished and ours.finished
+    assert prod.report_delay_max_s > 5.0 and prod.report_delay_median_s > ours.report_delay_median_s
+    assert ours.report_delay_max_s < 5.0  # SCHEDULER_RPC_POLL_PERIOD
+    assert ours.rpcs_per_host_hour <= 1.1 * prod.rpcs_per_host_hour

@@ -10,8 +10,10 @@ import pytest
 
 from server.backends.boinc.host_contact import (
     DEFAULT_NEXT_RPC_DELAY_S,
+    request_delay_s,
     requests_per_host_hour,
     set_maintenance_delay,
+    set_min_sendwork_interval,
     set_next_rpc_delay,
 )
 from server.backends.boinc.install import InstallOptions, install
@@ -30,7 +32,9 @@ def test_install_sets_next_rpc_delay_once(project) -> None:
     after = _config(root)
     assert after["next_rpc_delay"] == "60" == f"{DEFAULT_NEXT_RPC_DELAY_S:g}"
     assert after["maintenance_delay"] == "120"
-    assert {k: v for k, v in after.items() if k not in ("next_rpc_delay", "maintenance_delay")} == before
+    assert after["min_sendwork_interval"] == "0" and before["min_sendwork_interval"] == "6"
+    changed = ("next_rpc_delay", "maintenance_delay", "min_sendwork_interval")
+    assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
     assert any("next_rpc_delay" in c for c in rep.changes)
     assert any("60 times an hour" in n for n in rep.notes)
     text = (root / "config.xml").read_text()
@@ -80,3 +84,33 @@ def test_maintenance_delay_short_by_default_and_settable(project) -> None:
     assert "maintenance_delay" not in _config(root)
     with pytest.raises(BoincProjectError, match="--maintenance-delay"):
         set_maintenance_delay(project.config_xml, float("nan"))
+
+
+def test_request_delay_is_the_schedulers() -> None:
+    """``SCHEDULER_REPLY::write`` (sched/sched_types.cpp): max(1.01 x msi, msi + 1), none at 0."""
+    assert request_delay_s(6) == 7.0  # make_project --production
+    assert request_delay_s(0) == 0.0
+    assert request_delay_s(200) == 202.0
+    assert request_delay_s(1) == 2.0
+
+
+def test_min_sendwork_interval_zero_by_default_and_settable(project) -> None:
+    """make_project --production writes 6 s: every reply then defers the host's next
+    request, the report of a task that just finished included, by 7 s. Install sets 0
+    (written, so the admin sees it), keeps it, and takes another value on request."""
+    root = project.root
+    assert _config(root)["min_sendwork_interval"] == "6"
+    rep = install(root, InstallOptions(run_db_tools=False))
+    assert "config.xml: changed <min_sendwork_interval> from 6 to 0 s" in rep.changes
+    assert _config(root)["min_sendwork_interval"] == "0"
+    assert install(root, InstallOptions(run_db_tools=False)).changes == []
+    rep = install(root, InstallOptions(run_db_tools=False, min_sendwork_interval_s=3))
+    assert rep.changes == ["config.xml: changed <min_sendwork_interval> from 0 to 3 s"]
+    assert any("by 4 s" in n for n in rep.notes)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(BoincProjectError, match="min-sendwork-interval"):
+            set_min_sendwork_interval(project.config_xml, bad)  # type: ignore[arg-type]
+    # a project without the element gets it, written as 0
+    text = project.config_xml.read_text().replace("    <min_sendwork_interval>3</min_sendwork_interval>\n", "")
+    project.config_xml.write_text(text)
+    assert set_min_sendwork_interval(project.config_xml, 0) == ["set <min_sendwork_interval> to 0 s"]

@@ -64,9 +64,11 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     # PHP's parse_bool() searches for the literal "<tag/>"
     assert "<show_results/>" in text and "<one_result_per_user_per_wu/>" in text
     # untouched parts byte for byte: everything before <daemons> is unchanged but for the
-    # the lines of <next_rpc_delay> and <maintenance_delay> (test_host_contact.py)
+    # the lines of <next_rpc_delay>, <maintenance_delay> and <min_sendwork_interval>
+    # (test_host_contact.py)
     head = (text.split("<daemons>")[0].replace("    <next_rpc_delay>60</next_rpc_delay>\n", "")
-            .replace("    <maintenance_delay>120</maintenance_delay>\n", ""))
+            .replace("    <maintenance_delay>120</maintenance_delay>\n", "")
+            .replace("<min_sendwork_interval>0<", "<min_sendwork_interval>6<"))
     assert head == original_config.split("<daemons>")[0]
     # new entries indented like their siblings
     assert "\n    <daemon>\n      <cmd>bdl_work_generator</cmd>\n" in text

@@ -326,3 +326,23 @@ def test_terraform_validate_offline(tmp_path: Path, mod: str) -> None:
         assert res.returncode == 0, res.stdout + res.stderr
     fmt = subprocess.run(["terraform", "fmt", "-check", "-recursive", str(tree)], capture_output=True, text=True)
     assert fmt.returncode == 0, fmt.stdout
+
+
+def test_host_client_reports_finished_tasks_at_once(tmp_path: Path) -> None:
+    """Our hosts' cc_config.xml asks the client to report every finished task at its next
+    scheduler poll (client/cs_scheduler.cpp, find_project_with_overdue_results), written
+    by the setup script (run for real here) before the client is started."""
+    import xml.etree.ElementTree as ET
+
+    script = host_file("/usr/local/sbin/bdl-host-setup")
+    start = script.index('cat >"$dir/cc_config.xml"')
+    end = script.index("\nCC\n", start) + len("\nCC\n")
+    assert end < script.index("systemctl enable --now boinc-client")
+    res = subprocess.run(["sh", "-c", script[start:end]], env={"dir": str(tmp_path), "PATH": os.environ["PATH"]},
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    root = ET.parse(tmp_path / "cc_config.xml").getroot()
+    assert root.tag == "cc_config"
+    assert root.findtext("options/report_results_immediately") == "1"
+    assert root.findtext("options/max_file_xfers_per_project") == "4"  # BOINC's default: 2
+    assert root.findtext("log_flags/sched_ops") == "1"

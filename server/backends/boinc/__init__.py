@@ -19,11 +19,26 @@ project <- xmlmerge <- artifacts <- install / jobsystem <- daemon <- submit; scr
 uses project and jobsystem.
 """
 
-from server.backends.boinc.daemon import WorkGeneratorDaemon
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
-from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings, find_project
-from server.backends.boinc.submit import cancel_job, submit_job
+import importlib
+from typing import Any
+
+# Loaded on first use (PEP 562): BOINC's daemons start a fresh interpreter for every
+# validator and assimilator call, and those need none of these (the daemon alone pulls
+# in the work generators).
+_EXPORTS = {
+    "APP_NAME": "project", "BoincProject": "project", "BoincSettings": "project",
+    "find_project": "project", "BoincJobSystem": "jobsystem", "BoincToolError": "jobsystem",
+    "InstallOptions": "install", "install": "install", "WorkGeneratorDaemon": "daemon",
+    "cancel_job": "submit", "submit_job": "submit",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 __all__ = [
     "APP_NAME",

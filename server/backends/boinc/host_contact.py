@@ -39,6 +39,20 @@ running, every scheduler request is answered "project down" with a ``request_del
 ``next_rpc_delay`` ones included (they honour ``min_rpc_time``), so a restart window of W
 seconds sends about W / next_rpc_delay of all hosts away for an hour. boinc-dl sets it to
 two minutes: a host that hits a restart comes back soon after the daemons are up.
+
+``<min_sendwork_interval>``: every scheduler reply then carries a ``request_delay`` of at
+least ``max(1.01 x msi, msi + 1)`` seconds (``SCHEDULER_REPLY::write``,
+``sched/sched_types.cpp``): 7 s for the 6 s that ``make_project --production`` writes
+(``py/Boinc/setup_project.py``). The client defers every RPC to the project until then
+(``min_rpc_time``), ``report_immediately`` ones included: a task that finishes a few
+seconds after the previous RPC (the one that reported the task before it, or fetched
+work) waits out the rest of the delay before it is reported, then up to one more
+5 s scheduler poll (``SCHEDULER_RPC_POLL_PERIOD``, ``client/cs_scheduler.cpp``). For
+VC-ASGD that wait is staleness, so boinc-dl sets it to 0: the scheduler adds no delay
+and refuses no work request for coming too soon. Cost: a host may then contact the
+scheduler at most once per 5 s poll when it has a reason to (a finished task, an idle
+slot), at most 720 requests per host per hour; in practice about one per finished task,
+since reports and work requests travel together.
 """
 
 from __future__ import annotations
@@ -55,6 +69,17 @@ TAG = "next_rpc_delay"
 #: Default ``<maintenance_delay>`` set by ``boinc-dl boinc install`` (seconds; BOINC's is 3600).
 DEFAULT_MAINTENANCE_DELAY_S = 120.0
 MAINTENANCE_TAG = "maintenance_delay"
+#: Default ``<min_sendwork_interval>`` set by ``boinc-dl boinc install`` (seconds).
+DEFAULT_MIN_SENDWORK_INTERVAL_S = 0
+MIN_SENDWORK_TAG = "min_sendwork_interval"
+
+
+def request_delay_s(min_sendwork_interval_s: float) -> float:
+    """The least ``request_delay`` every scheduler reply carries (``sched/sched_types.cpp``)."""
+    msi = float(min_sendwork_interval_s)
+    if msi <= 0:
+        return 0.0
+    return max(1.01 * msi, msi + 1)
 
 
 def requests_per_host_hour(next_rpc_delay_s: float) -> float:
@@ -80,8 +105,18 @@ def set_maintenance_delay(config_xml: Path, seconds: float) -> list[str]:
     return set_config_seconds(config_xml, MAINTENANCE_TAG, seconds, "--maintenance-delay")
 
 
-def set_config_seconds(config_xml: Path, tag: str, seconds: float, option: str) -> list[str]:
-    """Set a seconds-valued ``<config><tag>`` in config.xml (0 removes it); what changed."""
+def set_min_sendwork_interval(config_xml: Path, seconds: int) -> list[str]:
+    """Set ``<config><min_sendwork_interval>`` (whole seconds, 0 written as 0: no delay)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        raise BoincProjectError(f"--min-sendwork-interval must be whole seconds, got {seconds!r}")
+    return set_config_seconds(config_xml, MIN_SENDWORK_TAG, seconds, "--min-sendwork-interval", keep_zero=True)
+
+
+def set_config_seconds(config_xml: Path, tag: str, seconds: float, option: str,
+                       keep_zero: bool = False) -> list[str]:
+    """Set a seconds-valued ``<config><tag>`` in config.xml; what changed. 0 removes the
+    element unless ``keep_zero`` (then 0 is written: BOINC reads it as "off" either way,
+    but an admin reading config.xml sees the choice)."""
     if not (seconds >= 0 and seconds < 1e7):
         raise BoincProjectError(f"{option} must be >= 0 seconds, got {seconds}")
     doc = XmlDoc.load(config_xml, "boinc")
@@ -89,7 +124,7 @@ def set_config_seconds(config_xml: Path, tag: str, seconds: float, option: str) 
     if cfg is None:
         raise BoincProjectError(f"{config_xml}: no <config> section (not a BOINC project config?)")
     cur = cfg.find(tag)
-    if seconds == 0:
+    if seconds == 0 and not keep_zero:
         if cur is not None:
             remove_child(cfg, cur)
             doc.changes.append(f"removed <{tag}>")
@@ -110,9 +145,12 @@ def set_config_seconds(config_xml: Path, tag: str, seconds: float, option: str) 
 
 __all__ = [
     "DEFAULT_MAINTENANCE_DELAY_S",
+    "DEFAULT_MIN_SENDWORK_INTERVAL_S",
     "DEFAULT_NEXT_RPC_DELAY_S",
+    "request_delay_s",
     "requests_per_host_hour",
     "set_config_seconds",
     "set_maintenance_delay",
+    "set_min_sendwork_interval",
     "set_next_rpc_delay",
 ]

@@ -17,7 +17,10 @@ What it does (each step reports what it changed; a second run changes nothing):
    would lock each other out);
 8. the admin page into ``html/ops/`` when the package ships it;
 9. ``config.xml``: ``<next_rpc_delay>`` in ``<config>`` (hosts come back and ask for
-   work despite BOINC's work-fetch backoff; see :mod:`server.backends.boinc.host_contact`);
+   work despite BOINC's work-fetch backoff), ``<maintenance_delay>`` and
+   ``<min_sendwork_interval>`` (0: no ``request_delay`` between a host's scheduler
+   requests, so finished tasks are reported promptly); see
+   :mod:`server.backends.boinc.host_contact`;
 10. ``bin/xadd`` and ``bin/update_versions`` when project.xml or the app versions
    changed (they need the database; ``--no-db`` skips them).
 
@@ -40,9 +43,12 @@ import yaml
 from server.backends.boinc import artifacts
 from server.backends.boinc.host_contact import (
     DEFAULT_MAINTENANCE_DELAY_S,
+    DEFAULT_MIN_SENDWORK_INTERVAL_S,
     DEFAULT_NEXT_RPC_DELAY_S,
+    request_delay_s,
     requests_per_host_hour,
     set_maintenance_delay,
+    set_min_sendwork_interval,
     set_next_rpc_delay,
 )
 from server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
@@ -88,6 +94,9 @@ class InstallOptions:
     #: ``<maintenance_delay>`` seconds in config.xml: how long a host that asks while the
     #: project is stopped stays away (BOINC's default, 3600, when 0).
     maintenance_delay_s: float = DEFAULT_MAINTENANCE_DELAY_S
+    #: ``<min_sendwork_interval>`` whole seconds in config.xml (0: replies carry no
+    #: ``request_delay``, so a finished task is reported at the client's next poll).
+    min_sendwork_interval_s: int = DEFAULT_MIN_SENDWORK_INTERVAL_S
 
 
 @dataclass
@@ -366,6 +375,14 @@ class Installer:
         # A host that asks while the project is stopped (a restart) stays away this long.
         for c in set_maintenance_delay(self.p.config_xml, self.o.maintenance_delay_s):
             self.change(f"config.xml: {c}")
+        # Every reply's request_delay holds back the next report (docs/boinc.md, latency).
+        changes = set_min_sendwork_interval(self.p.config_xml, self.o.min_sendwork_interval_s)
+        for c in changes:
+            self.change(f"config.xml: {c}")
+        if changes and self.o.min_sendwork_interval_s > 0:
+            self.note(f"min_sendwork_interval {self.o.min_sendwork_interval_s} s: every scheduler reply defers "
+                      f"the host's next request (a finished task's report included) by "
+                      f"{request_delay_s(self.o.min_sendwork_interval_s):g} s")
 
     def admin_page(self) -> None:
         try:

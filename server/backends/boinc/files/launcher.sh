@@ -8,10 +8,13 @@
 # else python3 on PATH. The client app reads init_data.xml itself (GPU assigned by
 # BOINC, CPU count) and writes fraction_done and checkpoint.json for the wrapper.
 #
-# Exit status 75 means "interrupted, checkpoint written" (a spot-interruption
-# notice): the VM is about to go away. Any non-zero status would make the wrapper
-# report a compute error, so wait for the VM to vanish instead; if it survives
-# (a false alarm), resume from the checkpoint, at most BDL_MAX_RESUMES times.
+# BOINC's wrapper signals only its direct child (SIGSTOP/SIGCONT to suspend and
+# resume, SIGTERM on quit or abort), so this shell execs Python: a shell left in
+# between would be the only process stopped, Python would train on while "suspended",
+# and a stopped shell cannot reap it (defunct children after a client quit). Python
+# dies with the wrapper (BDL_PARENT_PID: see client_app/lifeline.py) and, after a
+# spot-interruption notice on a VM that lives on, resumes itself from its checkpoint
+# (BDL_RESUME_DELAY_S, BDL_MAX_RESUMES) without a shell loop.
 set -u
 PY="${BDL_PYTHON:-}"
 if [ -z "$PY" ]; then
@@ -22,14 +25,6 @@ if [ -z "$PY" ]; then
     fi
 fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-resumes=0
-while :; do
-    "$PY" -m client_app --slot "$PWD" "$@"
-    status=$?
-    if [ "$status" -ne 75 ] || [ "$resumes" -ge "${BDL_MAX_RESUMES:-3}" ]; then
-        exit "$status"
-    fi
-    resumes=$((resumes + 1))
-    echo "bdl_launcher: interrupted (checkpoint written); resuming in ${BDL_RESUME_DELAY_S:-180}s" >&2
-    sleep "${BDL_RESUME_DELAY_S:-180}"
-done
+BDL_PARENT_PID=$PPID
+export BDL_PARENT_PID
+exec "$PY" -m client_app --slot "$PWD" "$@"
