@@ -16,7 +16,7 @@ import pytest
 
 from server.planner.calibrate import read_history
 from server.planner.model import Config, HostType, ServerCosts, Workload, closed_form, waves
-from server.planner.prices import DEFAULT_TABLE, TablePriceBook
+from server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
 from server.planner.search import Goal, Planner, Space, exact, genetic, greedy, pareto, regret
 from server.planner.sim import simulate, simulate_once
 
@@ -341,3 +341,65 @@ def test_fleet_controllers_price_book_plugs_in():
     assert ext.hourly("g4dn.xlarge", "spot") == pytest.approx(0.19)
     assert ext.hourly("n2-standard-4", "spot") == table.hourly("n2-standard-4", "spot")  # unknown there
     assert table.with_spot_history(pts, now=200.0).hourly("g4dn.xlarge", "spot") == pytest.approx(0.21)
+
+
+# ---- one fleet file for the planner and the controller ---------------------------------------
+
+def test_planner_reads_the_controllers_fleet_file():
+    from server.fleet.config import load_planner_fleet
+
+    # The AWS example carries a planner section: its types and choices, and the
+    # controller's on-demand prices on top of the shipped table.
+    ff = load_planner_fleet(ROOT / "examples" / "fleet-aws.yaml")
+    assert set(ff.types) == {"g4dn.xlarge", "g5.xlarge"}
+    assert ff.types["g4dn.xlarge"]["unit_s"] == 4.0 and ff.slots == (1, 2, 4)
+    assert ff.on_demand_prices == {"g4dn.xlarge": 0.526, "g5.xlarge": 1.006}
+    # The GCP example has no planner section: the controller's own fields are the fleet
+    # (its machine type, up to max_hosts, T = slots_per_host, its published SPOT price).
+    ff = load_planner_fleet(ROOT / "examples" / "fleet-gcp.yaml")
+    assert ff.types == {"g2-standard-4": {"max_count": 32}}
+    assert ff.slots == (1,)
+    assert ff.spot_prices == {"g2-standard-4": 0.2827}
+    book = TablePriceBook.load().with_prices(ff.on_demand_prices, ff.spot_prices)
+    assert book.hourly("g2-standard-4", "spot") == 0.2827
+    assert book.hourly("g2-standard-4", "on-demand") == 0.70683  # the table's, not overridden
+    with pytest.raises(ValueError, match="give unit_s, or calibrate"):
+        ff.host_types(None)  # no unit time anywhere: calibrate first
+    assert ff.host_types(10.0)[0][0].unit_s == 10.0
+
+
+def test_a_bad_planner_section_fails_the_controller_too(tmp_path):
+    from server.fleet.config import FleetConfigError, load_config, load_planner_fleet
+    from server.planner.fleetfile import FleetFileError, load_fleet
+
+    good = (ROOT / "examples" / "fleet-aws.yaml").read_text()
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text(good.replace("preempt_p: 0.05}   #", "preempt_p: 1.5}   #"))
+    for load in (load_config, load_planner_fleet):
+        with pytest.raises(FleetConfigError, match=r"planner.*types\.g4dn\.xlarge\.preempt_p"):
+            load(bad)
+    # The planner-only loader refuses a controller file rather than misreading it.
+    with pytest.raises(FleetFileError, match="fleet controller file"):
+        load_fleet(ROOT / "examples" / "fleet-aws.yaml")
+    # Oversized and non-mapping files are refused before parsing.
+    big = tmp_path / "big.yaml"
+    big.write_text("types: {}\n" + "#" * (1 << 20))
+    with pytest.raises(FleetFileError, match="larger than 1 MiB"):
+        load_planner_fleet(big)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(FleetFileError, match="mapping expected"):
+        load_planner_fleet(lst)
+    with pytest.raises(PriceError, match="positive"):
+        TablePriceBook.load().with_prices({"x": -1.0}, {})
+
+
+def test_cli_plan_with_the_example_controller_file():
+    """A fresh user's command line: the shipped spec and the shipped fleet file."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+                          "--fleet", str(ROOT / "examples" / "fleet-aws.yaml"), "--deadline", "8h"],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "recommended (*)" in out.stdout
+    assert "on-demand from the fleet file for g4dn.xlarge, g5.xlarge" in out.stdout

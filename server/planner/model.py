@@ -39,6 +39,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+#: One merge's CPU time with P > 1 over P = 1 (no cached copy: the shards are read back
+#: from Redis), measured by ``bench/bench_planner.py``'s calibration at 4,972,735
+#: parameters: 0.173 s / 0.127 s.
+SHARED_MERGE_RATIO = 1.36
+
+
+def merge_estimate_s(model_bytes: int) -> float:
+    """One merge by a lone assimilator when nothing was calibrated: 10 ms plus the model
+    at ~155 MB/s (reading the result, the Redis write; 0.127 s at the paper's model size
+    in the planner bench's calibration)."""
+    return 0.01 + model_bytes / 170e6
+
 
 @dataclass(frozen=True)
 class HostType:

@@ -9,11 +9,19 @@ behaves differently than the model assumes.
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any
 
 from server.common.spec import JobSpec
-from server.planner.model import Config, HostType, ServerCosts, Workload
+from server.planner.model import (
+    SHARED_MERGE_RATIO,
+    Config,
+    HostType,
+    ServerCosts,
+    Workload,
+    merge_estimate_s,
+)
 from server.planner.sim import simulate
 
 
@@ -25,9 +33,13 @@ def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elaps
         return None
     loc = spec.backend.local
     model_bytes = 4 * params
-    # The merge estimate of the planner's defaults: reading the result and the Redis
-    # read + write of the weights at ~250 MB/s each (see server.planner.fleetfile).
-    costs = ServerCosts(merge_s=0.01 + 3 * model_bytes / 250e6, merge_speedup={1: 1.0}, dispatch_s=0.05)
+    # The planner's merge estimate for the model size, and the resource-sharing model:
+    # the local backend's slots, assimilators and Redis share this host's cores. The
+    # slots' staging is already inside their measured wall time, so only the merges are
+    # CPU work on the shared cores here.
+    m = merge_estimate_s(model_bytes)
+    costs = ServerCosts(merge_s=m, dispatch_s=0.05, cpu_cores=os.cpu_count() or 1,
+                        merge_shared_s=m * SHARED_MERGE_RATIO)
     host = HostType("this host", unit_s=statistics.median(walls), cores=loc.slots, bandwidth_mbps=1e9,
                     preempt_p=loc.preempt_prob)
     cfg = Config(((host, loc.workers),), loc.slots, loc.assimilators, window=spec.vcasgd.window,
