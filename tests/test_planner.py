@@ -403,3 +403,24 @@ def test_cli_plan_with_the_example_controller_file():
     assert out.returncode == 0, out.stderr + out.stdout
     assert "recommended (*)" in out.stdout
     assert "on-demand from the fleet file for g4dn.xlarge, g5.xlarge" in out.stdout
+
+
+def test_run_check_compares_the_pipeline_not_the_start_up():
+    """``boinc-dl run``'s check: the actual epoch time runs from the first unit's start
+    to the last merge; the start-up before it is reported apart, not blamed on the model."""
+    from server.common.spec import parse_spec
+    from server.planner.runcheck import predict_epoch
+
+    spec = parse_spec({"name": "c", "mode": "vcasgd", "model": "models:mlp", "dataset": {"name": "digits"},
+                       "training": {"epochs": 2}, "vcasgd": {"n_subsets": 4},
+                       "backend": {"kind": "local", "local": {"workers": 2, "slots": 1, "assimilators": 1}}})
+    # 8 units of 1 s on 2 slots, merged at 101, 101, 102, 102, ... 104 (t = 100 + ...).
+    units = [{"t": 101.0 + i // 2, "wall_s": 1.0} for i in range(8)]
+    out = predict_epoch(spec, units, params=1000, elapsed_s=30.0, epochs_done=2)
+    assert out["actual_epoch_s"] == pytest.approx(2.0)  # (104 - 100) / 2 epochs
+    assert out["startup_s"] == pytest.approx(26.0)
+    assert out["predicted_epoch_s"] == pytest.approx(2.0, rel=0.15)  # 2 waves of 1 s + merges
+    # Without timestamps the run's elapsed time is all there is.
+    bare = predict_epoch(spec, [{"wall_s": 1.0}], params=1000, elapsed_s=30.0, epochs_done=2)
+    assert bare["actual_epoch_s"] == pytest.approx(15.0) and bare["startup_s"] == 0
+    assert predict_epoch(spec, [], params=1000, elapsed_s=30.0, epochs_done=2) is None
