@@ -15,16 +15,19 @@ calibration and the validation runs see the same noise.
 
 Reported per configuration: predicted (simulation, the planner's answer where queues
 form; closed form beside it), measured, error. Over all: MAPE, Spearman's rank
-correlation, and the regret of the planner's recommendation — the cheapest predicted
+correlation, the pairs of configurations ordered as measured among those whose measured
+times differ by more than their run-to-run spread (``--repeats``), and the regret of the
+planner's recommendation — the cheapest predicted
 configuration meeting a deadline (the median predicted time, fixed before measuring),
 priced as simulated instance types — against the cheapest measured one that met it.
 
-    python bench/bench_planner.py [--epochs 2] [--units 8] [--only fig3]
+    python bench/bench_planner.py [--epochs 2] [--units 8] [--repeats 3] [--only fig3]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -54,6 +57,7 @@ FAST = HostType("fast", unit_s=1.0, cores=4)
 SLOW = HostType("slow", unit_s=2.0, cores=2)
 PRICE = {"fast": 0.21, "slow": 0.065}
 TIMEOUT_S = 6.0
+NOISE_FLOOR = 0.05  # with one run per configuration: gaps under 5% count as ties
 CORES = os.cpu_count() or 1  # the host every slot, assimilator and Redis shares
 
 
@@ -206,6 +210,8 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=8, help="units per epoch")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--only", default="", help="run only cases whose label contains this")
+    ap.add_argument("--repeats", type=int, default=1, help="measured runs per validation configuration "
+                    "(median; their spread is the noise the ranks are judged against)")
     args = ap.parse_args()
     t_bench = time.time()
     todo = [c for c in cases() if args.only in c.label]
@@ -223,17 +229,22 @@ def main() -> None:
             plain = simulate(cfg, w, cs["plain"], reps=20, seed=args.seed).job_s
             plain_cf = closed_form(cfg, w, cs["plain"]).job_s
             times = [h.unit_s * max(1.0, c.slots / h.cores) for h in cfg.host_list()]
-            r = measure(work, c.label, c.size, c.p_servers, times, c.slots, args.units, args.epochs,
-                        c.preempt, args.seed)
+            reps = [measure(work, f"{c.label}-r{k}", c.size, c.p_servers, times, c.slots, args.units, args.epochs,
+                            c.preempt, args.seed + k) for k in range(args.repeats)]
+            r = reps[0]
             hourly = sum(PRICE[h.name] * n for h, n in c.hosts)
-            meas = r["T_s"]
+            ts = [x["T_s"] for x in reps]
+            meas = statistics.median(ts)
+            spread = (max(ts) - min(ts)) / meas  # run-to-run noise of this configuration
             row = {"config": c.label, "role": "validation", "size": c.size, "P": c.p_servers, "C": cfg.n_hosts,
                    "T": c.slots, "CxT": cfg.total_slots, "p": c.preempt, "predicted_s": round(sim, 3),
                    "closed_form_s": round(cf, 3), "plain_s": round(plain, 3), "plain_closed_form_s": round(plain_cf, 3),
                    "measured_s": round(meas, 3), "error": round(sim / meas - 1, 4),
                    "closed_form_error": round(cf / meas - 1, 4), "plain_error": round(plain / meas - 1, 4),
                    "plain_closed_form_error": round(plain_cf / meas - 1, 4),
-                   "kills": r["kills"], "status": r["status"], "hourly": hourly, "load": os.getloadavg()[0]}
+                   "measured_runs_s": [round(t, 3) for t in ts], "spread": round(spread, 4),
+                   "kills": sum(x["kills"] for x in reps), "status": r["status"], "hourly": hourly,
+                   "load": os.getloadavg()[0]}
             rows.append(row)
             emit("planner_case", **row)
 
@@ -242,6 +253,19 @@ def main() -> None:
 
     def rho(key: str) -> float | None:
         return round(spearman([r[key] for r in rows], [r["measured_s"] for r in rows]), 4) if len(rows) > 2 else None
+
+    def pairs(key: str) -> dict[str, int]:
+        """Pairs of configurations ordered as measured, among those whose measured times
+        differ by more than both configurations' run-to-run spread (the rest are ties
+        within noise: no model can be held to their order)."""
+        ok = n = 0
+        for a, b in itertools.combinations(rows, 2):
+            gap = abs(a["measured_s"] - b["measured_s"]) / min(a["measured_s"], b["measured_s"])
+            if gap <= max(a["spread"], b["spread"], NOISE_FLOOR):
+                continue
+            n += 1
+            ok += (a[key] < b[key]) == (a["measured_s"] < b["measured_s"])
+        return {"ordered": ok, "of": n}
 
     # The recommendation: cheapest predicted within a deadline fixed before measuring.
     deadline = statistics.median(r["predicted_s"] for r in rows)
@@ -264,6 +288,7 @@ def main() -> None:
          mape=mape("error"), closed_form_mape=mape("closed_form_error"), plain_mape=mape("plain_error"),
          plain_closed_form_mape=mape("plain_closed_form_error"),
          spearman=rho("predicted_s"), closed_form_spearman=rho("closed_form_s"), plain_spearman=rho("plain_s"),
+         pairs_beyond_noise=pairs("predicted_s"), plain_pairs_beyond_noise=pairs("plain_s"), repeats=args.repeats,
          deadline_s=round(deadline, 2), recommended=pick["config"], best_measured=best["config"] if best else None,
          recommended_met_deadline=pick["measured_s"] <= deadline,
          regret=round(regret, 4) if regret is not None else None, fig3=fig3_out,
