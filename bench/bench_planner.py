@@ -42,6 +42,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
+
 from bench._common import emit, machine  # noqa: E402
 from server.common.redis_server import EmbeddedRedis  # noqa: E402
 from server.common.store import JobStore, connect  # noqa: E402
@@ -150,7 +152,7 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
     P = 2, 4 from the rate ratios, as before. The resource-sharing model instead knows the
     host's cores and finds the per-merge CPU demand (alone at P = 1, shared at P = 2) and
     the dispatch latency for which its own simulation reproduces the calibration runs
-    (a few rounds of one-dimensional fits); P = 4 is left as a check of the fit.
+    (a few rounds of one-dimensional fits, then a joint least-squares fit over all four).
     """
     runs, rate = {}, {}
     for p in (1, 2, 4):
@@ -185,6 +187,19 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
             lambda x, c=shared: sim(replace(c, merge_shared_s=x), cal_cfg(2, 0.02, 4), 16), runs[2]["T_s"], 1e-4, 20.0))
         shared = replace(shared, dispatch_s=fit(lambda x, c=shared: sim(replace(c, dispatch_s=x), cal_cfg(4, sleep, 2), 8),
                                                 rc["T_s"], 1e-5, 5.0))
+    # Then all four runs at once (least squares of the log errors, Nelder-Mead from the
+    # one-at-a-time answer): one noisy run cannot push a parameter to its bound alone.
+    from scipy.optimize import minimize
+
+    def loss(x: np.ndarray) -> float:
+        c = replace(shared, merge_s=math.exp(x[0]), merge_shared_s=math.exp(x[1]), dispatch_s=math.exp(x[2]))
+        err = [math.log(sim(c, cal_cfg(p, 0.02, 4), 16) / runs[p]["T_s"]) for p in (1, 2, 4)]
+        err.append(math.log(sim(c, cal_cfg(4, sleep, 2), 8) / rc["T_s"]))
+        return sum(e * e for e in err)
+
+    x0 = np.log([shared.merge_s, shared.merge_shared_s or shared.merge_s, max(shared.dispatch_s, 1e-3)])
+    best = minimize(loss, x0, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-6, "maxiter": 300}).x
+    shared = replace(shared, merge_s=math.exp(best[0]), merge_shared_s=math.exp(best[1]), dispatch_s=math.exp(best[2]))
     check = {f"cal-{size}-P{p}": {"measured_s": round(runs[p]["T_s"], 3),
                                   "sharing_s": round(sim(shared, cal_cfg(p, 0.02, 4), 16), 3)} for p in (1, 2, 4)}
     check[f"cal-{size}-client"] = {"measured_s": round(rc["T_s"], 3),
