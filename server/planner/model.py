@@ -25,7 +25,9 @@ Closed form (this module) — the throughput bound, valid when nothing queues fo
     R_c = sum_h T_h / u_h                 (client units per second)
     R_s = speedup(P) / merge_s            (parameter-server units per second)
     T_job = n_s / min(R_c, R_s) + n_s * p * t_o / S + fill
-    fill  = max_h u_h + merge_s           (the first unit's way through an empty pipeline)
+    fill  = u_typ + merge_s               (the first unit's way through an empty pipeline;
+                                           u_typ: u_h averaged by each type's share of R_c)
+    T_job >= max_h u_h + merge_s          (one unit of the slowest type)
 
 with n_s units in the job and S = sum_h T_h slots (the paper's ``n*t_e + n*p*t_o`` with
 ``n = n_s / S`` when R_c binds; HeterPS's throughput-limited provisioning when R_s
@@ -249,8 +251,14 @@ def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
     p = mean_preempt_p(cfg)
     lost = n_s * p * cfg.loss_cost_s() / max(1, window)
     merge_one = costs.merge_cpu_s(cfg.assimilators) * stretch if costs.sharing else merge_service_s(cfg, costs)
-    fill = max(client_hold(h, cfg, w, costs, stretch) for h, _ in cfg.hosts) + merge_one
+    # The first unit's way through the empty pipeline: on a mixed fleet most units go to
+    # the fast hosts, so the typical unit's hold (weighted by each type's share of the
+    # rate), not the slowest's — though no job ends before one unit of its slowest type.
+    holds = [(c * cfg.slots / client_hold(h, cfg, w, costs, stretch), client_hold(h, cfg, w, costs, stretch))
+             for h, c in cfg.hosts]
+    fill = sum(r * t for r, t in holds) / sum(r for r, _ in holds) + merge_one
     job = n_s / rate + lost + fill - 1.0 / rate  # n_s units need n_s - 1 inter-completion gaps after fill
+    job = max(job, max(t for _, t in holds) + merge_one)
     return Prediction(job, job / w.epochs, rc_w, rs, "clients" if rc_w <= rs else "servers", "closed-form")
 
 
