@@ -34,15 +34,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
 
 from bench._common import emit, machine  # noqa: E402
 from server.common.redis_server import EmbeddedRedis  # noqa: E402
@@ -132,15 +129,6 @@ def measure(work: Path, label: str, size: str, p_servers: int, host_times: list[
                 "slot_downtime_median_s")}
 
 
-def fit(pred: Callable[[float], float], target: float, lo: float, hi: float) -> float:
-    """The x in [lo, hi] where the increasing ``pred(x)`` meets ``target`` (bisection in
-    log space; clamped to the ends)."""
-    for _ in range(40):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if pred(mid) < target else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
 def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, ServerCosts]:
     """Calibrate both models at this model size on four runs that are never validated.
 
@@ -149,10 +137,12 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
     * ``cal-*-P1``, ``-P2``, ``-P4`` (4 hosts x 1 slot of 0.02 s units: server-bound).
 
     The plain model takes one merge's time from the P = 1 merge rate and the speed-up of
-    P = 2, 4 from the rate ratios, as before. The resource-sharing model instead knows the
-    host's cores and finds the per-merge CPU demand (alone at P = 1, shared at P = 2) and
-    the dispatch latency for which its own simulation reproduces the calibration runs
-    (a few rounds of one-dimensional fits, then a joint least-squares fit over all four).
+    P = 2, 4 from the rate ratios, and a dispatch latency from the client-bound run's
+    residual, as before. The resource-sharing model instead knows the host's cores and
+    finds the CPU seconds of a merge (alone at P = 1: ``cal-*-P1``; shared at P = 2:
+    ``cal-*-P2``) and of the generator's creation of a unit (``cal-*-client``) for which
+    its own simulation reproduces those runs (a joint least-squares fit); ``cal-*-P4`` is
+    left out of the fit as its check.
     """
     runs, rate = {}, {}
     for p in (1, 2, 4):
@@ -178,28 +168,22 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
     dispatch = max(0.0, (rc["T_s"] - sim(base, cal_cfg(4, sleep, 2), 8)) / 4)  # 4 dispatches per slot
     plain = replace(base, dispatch_s=dispatch)
     # The resource-sharing model: fit its own parameters to the same runs.
-    shared = ServerCosts(merge_s, {}, stage_s=stage, dispatch_s=dispatch, cpu_cores=CORES,
-                         merge_shared_s=merge_s / max(speedup[2], 0.05) * min(2, CORES), colocated=True)
-    for _ in range(3):
-        shared = replace(shared, merge_s=fit(lambda x, c=shared: sim(replace(c, merge_s=x), cal_cfg(1, 0.02, 4), 16),
-                                             runs[1]["T_s"], 1e-4, 20.0))
-        shared = replace(shared, merge_shared_s=fit(
-            lambda x, c=shared: sim(replace(c, merge_shared_s=x), cal_cfg(2, 0.02, 4), 16), runs[2]["T_s"], 1e-4, 20.0))
-        shared = replace(shared, dispatch_s=fit(lambda x, c=shared: sim(replace(c, dispatch_s=x), cal_cfg(4, sleep, 2), 8),
-                                                rc["T_s"], 1e-5, 5.0))
-    # Then all four runs at once (least squares of the log errors, Nelder-Mead from the
-    # one-at-a-time answer): one noisy run cannot push a parameter to its bound alone.
+    shared = ServerCosts(merge_s, {}, stage_s=stage, dispatch_s=0.0, cpu_cores=CORES,
+                         merge_shared_s=merge_s / max(speedup[2], 0.05) * min(2, CORES), colocated=True,
+                         create_s=0.5 * merge_s)
+    # Least squares of the log errors over the three runs, all three parameters at once
+    # (Nelder-Mead in log space): each run mixes them (creation is in every unit's path).
     from scipy.optimize import minimize
 
-    def loss(x: np.ndarray) -> float:
-        c = replace(shared, merge_s=math.exp(x[0]), merge_shared_s=math.exp(x[1]), dispatch_s=math.exp(x[2]))
-        err = [math.log(sim(c, cal_cfg(p, 0.02, 4), 16) / runs[p]["T_s"]) for p in (1, 2, 4)]
+    def loss(x: list[float]) -> float:
+        c = replace(shared, merge_s=math.exp(x[0]), merge_shared_s=math.exp(x[1]), create_s=math.exp(x[2]))
+        err = [math.log(sim(c, cal_cfg(p, 0.02, 4), 16) / runs[p]["T_s"]) for p in (1, 2)]
         err.append(math.log(sim(c, cal_cfg(4, sleep, 2), 8) / rc["T_s"]))
         return sum(e * e for e in err)
 
-    x0 = np.log([shared.merge_s, shared.merge_shared_s or shared.merge_s, max(shared.dispatch_s, 1e-3)])
-    best = minimize(loss, x0, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-6, "maxiter": 300}).x
-    shared = replace(shared, merge_s=math.exp(best[0]), merge_shared_s=math.exp(best[1]), dispatch_s=math.exp(best[2]))
+    x0 = [math.log(0.6 * merge_s), math.log(0.8 * merge_s), math.log(0.4 * merge_s)]
+    x = minimize(loss, x0, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-7, "maxiter": 400}).x
+    shared = replace(shared, merge_s=math.exp(x[0]), merge_shared_s=math.exp(x[1]), create_s=math.exp(x[2]))
     check = {f"cal-{size}-P{p}": {"measured_s": round(runs[p]["T_s"], 3),
                                   "sharing_s": round(sim(shared, cal_cfg(p, 0.02, 4), 16), 3)} for p in (1, 2, 4)}
     check[f"cal-{size}-client"] = {"measured_s": round(rc["T_s"], 3),
@@ -208,7 +192,7 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
          plain={"merge_s": round(merge_s, 4), "speedup": {str(k): round(v, 3) for k, v in speedup.items()},
                 "stage_s": round(stage, 4), "dispatch_s": round(dispatch, 4)},
          sharing={"merge_cpu_s": round(shared.merge_s, 4), "merge_shared_cpu_s": round(shared.merge_shared_s or 0, 4),
-                  "stage_cpu_s": round(stage, 4), "dispatch_s": round(shared.dispatch_s, 4)},
+                  "stage_cpu_s": round(stage, 4), "create_cpu_s": round(shared.create_s, 4)},
          calibration_runs=check, load=os.getloadavg()[0])
     return {"plain": plain, "sharing": shared}
 

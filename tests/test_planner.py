@@ -133,6 +133,21 @@ def test_merges_share_the_cores_with_staging():
     assert c.speedup(2) == pytest.approx(1.0 / 1.5)
 
 
+def test_one_generator_creates_units_one_at_a_time():
+    # 4 slots, units of no time, creation 1 s of CPU each by the one generator: 4 s,
+    # however many cores; and the closed form's generator bound says the same.
+    h = HostType("h", unit_s=0.0, cores=4, bandwidth_mbps=1e12)
+    w = Workload(units_per_epoch=4, epochs=1, params=1)
+    cfg = Config(((h, 1),), slots=4, assimilators=4)
+    for cores in (1, 8):
+        c = _shared(stage_s=0.0, cpu_cores=cores, create_s=1.0)
+        assert simulate_once(cfg, w, c).job_s == pytest.approx(4.0, rel=1e-6)
+    many = Workload(units_per_epoch=400, epochs=1, params=1)
+    c = _shared(stage_s=0.0, cpu_cores=8, create_s=0.1)
+    assert closed_form(cfg, many, c).job_s == pytest.approx(40.0, rel=0.05)
+    assert simulate(cfg, many, c, reps=1).job_s == pytest.approx(40.0, rel=0.01)
+
+
 def test_sharing_with_ample_cores_is_the_plain_model():
     c_plain = ServerCosts(merge_s=0.2, merge_speedup={3: 3.0}, stage_s=0.05, dispatch_s=0.03)
     c_ps = replace(c_plain, merge_speedup={}, cpu_cores=64, colocated=True)

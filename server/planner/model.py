@@ -117,7 +117,9 @@ class ServerCosts:
     all CPU work on the server host — the P assimilators' merges with their Redis
     commands, plus each unit's staging when the slots run on the same host
     (``colocated``: the local backend) — is served by processor sharing over
-    ``cpu_cores`` cores: k busy activities each progress at min(1, cores / k).
+    ``cpu_cores`` cores: k busy activities each progress at min(1, cores / k). The one
+    work generator creates units one at a time, ``create_s`` CPU seconds each (it reads
+    the current weights from Redis and writes them to the unit's input file).
     """
 
     merge_s: float  # one merge at this model size, one assimilator alone
@@ -128,6 +130,7 @@ class ServerCosts:
     cpu_cores: float | None = None  # resource sharing on the server host (None: off)
     merge_shared_s: float | None = None  # CPU seconds of one merge when P > 1
     colocated: bool = False  # slots stage on the server host's cores (local backend)
+    create_s: float = 0.0  # CPU seconds the one work generator spends creating a unit
 
     def speedup(self, p: int) -> float:
         if self.sharing:
@@ -152,9 +155,9 @@ class ServerCosts:
         return self.merge_s
 
     def server_cpu_s(self, p: int) -> float:
-        """CPU seconds one unit costs the server host: its merge, plus its staging when
-        the slots are colocated with the server."""
-        return self.merge_cpu_s(p) + (self.stage_s if self.colocated else 0.0)
+        """CPU seconds one unit costs the server host: its creation and merge, plus its
+        staging when the slots are colocated with the server."""
+        return self.create_s + self.merge_cpu_s(p) + (self.stage_s if self.colocated else 0.0)
 
 
 @dataclass(frozen=True)
@@ -245,7 +248,8 @@ def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
         for _ in range(60):  # fixed point: rate -> utilisation -> stretch -> rate (damped)
             stretch = sharing_stretch(rate * demand / cores, cores)
             rc, rs = client_rate(cfg, w, costs, stretch), server_rate(cfg, costs, stretch)
-            rate = 0.5 * rate + 0.5 * min(rc * window / cfg.total_slots, rs, cores / demand)
+            gen = 1.0 / (costs.create_s * stretch) if costs.create_s > 0 else math.inf  # one generator
+            rate = 0.5 * rate + 0.5 * min(rc * window / cfg.total_slots, rs, cores / demand, gen)
     rc_w = rc * window / cfg.total_slots  # a window below the slot count idles the rest
     n_s = w.units
     p = mean_preempt_p(cfg)
@@ -256,7 +260,8 @@ def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
     # rate), not the slowest's — though no job ends before one unit of its slowest type.
     holds = [(c * cfg.slots / client_hold(h, cfg, w, costs, stretch), client_hold(h, cfg, w, costs, stretch))
              for h, c in cfg.hosts]
-    fill = sum(r * t for r, t in holds) / sum(r for r, _ in holds) + merge_one
+    fill = sum(r * t for r, t in holds) / sum(r for r, _ in holds) + merge_one \
+        + (costs.create_s * stretch if costs.sharing else 0.0)
     job = n_s / rate + lost + fill - 1.0 / rate  # n_s units need n_s - 1 inter-completion gaps after fill
     job = max(job, max(t for _, t in holds) + merge_one)
     return Prediction(job, job / w.epochs, rc_w, rs, "clients" if rc_w <= rs else "servers", "closed-form")

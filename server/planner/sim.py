@@ -14,7 +14,8 @@ backend and BOINC alike):
   ``merge_cpu_s(P)`` seconds of CPU work, and so is each unit's staging on slots
   colocated with the server; all of it is served by processor sharing over the server
   host's cores (k busy activities each advance at min(1, cores / k)), so many slots
-  staging at once slow the merges down and vice versa;
+  staging at once slow the merges down and vice versa; the one work generator's
+  creation of each unit (``create_s``) is CPU work there too, one unit at a time;
 * preemption: a unit's first instance is lost with its host type's probability, at a
   uniform 10-90% of its run; the slot is out for ``respawn_s`` and the unit is re-issued
   at its deadline (dispatch + t_o), or ``notice_s`` after the loss with notices.
@@ -72,6 +73,9 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     server_queue: list[deque[int]] = [deque() for _ in range(cfg.assimilators)]  # with sharing
     server_busy = [False] * cfg.assimilators
     cpu: list[list] = []  # with sharing: [remaining CPU seconds, kind, unit, slot or server]
+    gen_cpu = costs.create_s if sharing else 0.0
+    gen_queue: deque[int] = deque()
+    gen_busy = False
     server_of = [rng.randrange(cfg.assimilators) if assign == "hash" else u % cfg.assimilators
                  for u in range(n_s)]
     attempts = [0] * n_s
@@ -89,8 +93,18 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     def create() -> None:
         nonlocal created
         while created < n_s and created - merged < window:
-            unsent.append(created)
+            if gen_cpu > 0:
+                gen_queue.append(created)  # the one generator writes its input file first
+            else:
+                unsent.append(created)
             created += 1
+        start_create()
+
+    def start_create() -> None:
+        nonlocal gen_busy
+        if gen_queue and not gen_busy:
+            gen_busy = True
+            cpu.append([gen_cpu, "create", gen_queue.popleft(), -1])
 
     def dispatch(t: float) -> None:
         for s, ok in enumerate(free):
@@ -132,8 +146,13 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
             push(start + m, "merged", unit)
 
     def cpu_done(job: list) -> None:
+        nonlocal gen_busy
         _, kind, unit, where = job
-        if kind == "stage":
+        if kind == "create":
+            gen_busy = False
+            unsent.append(unit)
+            start_create()
+        elif kind == "stage":
             free[where] = True
             result_in(now, unit)
         else:
