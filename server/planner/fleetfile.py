@@ -79,8 +79,9 @@ class FleetFile:
         With a ``speedup`` table the plain model is used (P merges ``speedup[P]`` times
         as fast); without one, the resource-sharing model: P merges share the server's
         ``server_cores`` cores (default 2), each of ``merge_shared_s`` CPU seconds when
-        P > 1 (default: ``merge_s`` times the ratio measured by the planner bench). The
-        clients are other machines, so their staging is theirs, not the server's."""
+        P > 1 (default: ``merge_s`` times the ratio measured by the planner bench), and
+        the generator's ``create_s`` per unit (default 0). The clients are other
+        machines, so their staging is theirs, not the server's."""
         c = self.costs
         m = float(c["merge_s"]) if "merge_s" in c else merge_s if merge_s is not None else \
             merge_estimate_s(model_bytes)
@@ -91,7 +92,8 @@ class FleetFile:
             speed.setdefault(1, 1.0)
             return ServerCosts(m, speed, stage, dispatch, cores)
         shared = float(c.get("merge_shared_s", m * SHARED_MERGE_RATIO))
-        return ServerCosts(m, {}, stage, dispatch, cores, cpu_cores=cores, merge_shared_s=shared)
+        return ServerCosts(m, {}, stage, dispatch, cores, cpu_cores=cores, merge_shared_s=shared,
+                           create_s=float(c.get("create_s", 0.0)))
 
 
 def _ints(raw: Any, key: str) -> tuple[int, ...]:
