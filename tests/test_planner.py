@@ -407,6 +407,10 @@ def test_a_bad_planner_section_fails_the_controller_too(tmp_path):
         load_planner_fleet(lst)
     with pytest.raises(PriceError, match="positive"):
         TablePriceBook.load().with_prices({"x": -1.0}, {})
+    for costs in ("{merge_s: fast}", "{merge_shared_s: -1}", "{nonsense: 1}", "{speedup: {2: 0}}"):
+        bad.write_text(good.replace("  server: {type: c6i.xlarge}", f"  server: {{type: c6i.xlarge}}\n  costs: {costs}"))
+        with pytest.raises(FleetConfigError, match="costs"):
+            load_planner_fleet(bad)
 
 
 def test_cli_plan_with_the_example_controller_file():

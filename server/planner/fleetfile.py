@@ -102,6 +102,7 @@ def _ints(raw: Any, key: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
+COST_KEYS = {"merge_s", "merge_shared_s", "create_s", "stage_s", "dispatch_s", "server_cores"}
 MAX_FILE_BYTES = 1 << 20  # a fleet file is small; refuse to parse anything bigger
 
 
@@ -170,6 +171,13 @@ def parse_fleet(raw: Any, base_dir: Path | None, where: str = "fleet.yaml",
     if not isinstance(raw.get("costs") or {}, dict):
         raise FleetFileError("costs: a mapping expected")
     ff.costs = dict(raw.get("costs") or {})
+    for k, v in ff.costs.items():
+        if k == "speedup":
+            ok = isinstance(v, dict) and all(isinstance(x, (int, float)) and x > 0 for x in v.values())
+        else:
+            ok = k in COST_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6
+        if not ok:
+            raise FleetFileError(f"costs.{k}: unknown, or not a non-negative number")
     if "params" in raw:
         if not isinstance(raw["params"], int) or raw["params"] <= 0:
             raise FleetFileError("params: a positive integer expected")

@@ -135,7 +135,7 @@ class ServerCosts:
     def speedup(self, p: int) -> float:
         if self.sharing:
             # Throughput of P merges on the shared cores with nothing else running.
-            return min(p, self.cpu_cores or 1) * self.merge_s / self.merge_cpu_s(p)
+            return min(p, self.cpu_cores or 1) * self.merge_s / max(self.merge_cpu_s(p), 1e-12)
         if p in self.merge_speedup:
             return self.merge_speedup[p]
         known = sorted(self.merge_speedup)
@@ -210,7 +210,7 @@ def server_rate(cfg: Config, costs: ServerCosts, stretch: float = 1.0) -> float:
     """R_s: units per second P parameter servers merge."""
     if costs.sharing:
         # P merges, each stretched by the sharing, and never more CPU than the cores.
-        one = costs.merge_cpu_s(cfg.assimilators)
+        one = max(costs.merge_cpu_s(cfg.assimilators), 1e-12)
         return min(cfg.assimilators / (one * stretch), (costs.cpu_cores or 1) / one)
     return costs.speedup(cfg.assimilators) / costs.merge_s
 
@@ -244,7 +244,7 @@ def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
     rate = min(rc * window / cfg.total_slots, rs)
     if costs.sharing:
         cores = costs.cpu_cores or 1.0
-        demand = costs.server_cpu_s(cfg.assimilators)  # CPU seconds per unit on the server host
+        demand = max(costs.server_cpu_s(cfg.assimilators), 1e-12)  # CPU seconds per unit on the server host
         for _ in range(60):  # fixed point: rate -> utilisation -> stretch -> rate (damped)
             stretch = sharing_stretch(rate * demand / cores, cores)
             rc, rs = client_rate(cfg, w, costs, stretch), server_rate(cfg, costs, stretch)
