@@ -15,16 +15,20 @@ calibration and the validation runs see the same noise.
 
 Reported per configuration: predicted (simulation, the planner's answer where queues
 form; closed form beside it), measured, error. Over all: MAPE, Spearman's rank
-correlation, and the regret of the planner's recommendation — the cheapest predicted
+correlation, the pairs of configurations ordered as measured among those whose measured
+times differ by more than their run-to-run spread (``--repeats``), and the regret of the
+planner's recommendation — the cheapest predicted
 configuration meeting a deadline (the median predicted time, fixed before measuring),
 priced as simulated instance types — against the cheapest measured one that met it.
 
-    python bench/bench_planner.py [--epochs 2] [--units 8] [--only fig3]
+    python bench/bench_planner.py [--epochs 2] [--units 8] [--repeats 3] [--only fig3]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import statistics
 import sys
@@ -52,6 +56,8 @@ FAST = HostType("fast", unit_s=1.0, cores=4)
 SLOW = HostType("slow", unit_s=2.0, cores=2)
 PRICE = {"fast": 0.21, "slow": 0.065}
 TIMEOUT_S = 6.0
+NOISE_FLOOR = 0.05  # with one run per configuration: gaps under 5% count as ties
+CORES = os.cpu_count() or 1  # the host every slot, assimilator and Redis shares
 
 
 @dataclass(frozen=True)
@@ -123,32 +129,72 @@ def measure(work: Path, label: str, size: str, p_servers: int, host_times: list[
                 "slot_downtime_median_s")}
 
 
-def calibrate(work: Path, size: str, args: argparse.Namespace) -> ServerCosts:
-    """Merge time, P speed-up, staging and dispatch latency at this model size."""
-    rate = {}
-    n = 16
+def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, ServerCosts]:
+    """Calibrate both models at this model size on four runs that are never validated.
+
+    * ``cal-*-client`` (2 hosts x 1 slot of 0.5 s units, P = 4: client-bound): staging is
+      the slots' wall time beyond the sleep; dispatch latency the job's residual;
+    * ``cal-*-P1``, ``-P2``, ``-P4`` (4 hosts x 1 slot of 0.02 s units: server-bound).
+
+    The plain model takes one merge's time from the P = 1 merge rate and the speed-up of
+    P = 2, 4 from the rate ratios, and a dispatch latency from the client-bound run's
+    residual, as before. The resource-sharing model instead knows the host's cores and
+    finds the CPU seconds of a merge (alone at P = 1: ``cal-*-P1``; shared at P = 2:
+    ``cal-*-P2``) and of the generator's creation of a unit (``cal-*-client``) for which
+    its own simulation reproduces those runs (a joint least-squares fit); ``cal-*-P4`` is
+    left out of the fit as its check.
+    """
+    runs, rate = {}, {}
     for p in (1, 2, 4):
         # Server-bound: 4 hosts x 1 slot of 0.02 s units keep P assimilators busy.
-        r = measure(work, f"cal-{size}-P{p}", size, p, [0.02] * 4, 1, n, 1, 0.0, args.seed)
+        r = measure(work, f"cal-{size}-P{p}", size, p, [0.02] * 4, 1, 16, 1, 0.0, args.seed)
+        runs[p] = r
         ts = r["merges"]
         rate[p] = (len(ts) - 1) / (ts[-1] - ts[0])
     merge_s = 1 / rate[1]
     speedup = {p: rate[p] / rate[1] for p in rate}
-    # Client-bound: 2 hosts x 1 slot, P = 4: the slots' own time beyond the sleep is the
-    # staging (read the inputs, write the result); the rest of the residual is dispatch.
     sleep = 0.5
-    r = measure(work, f"cal-{size}-client", size, 4, [sleep, sleep], 1, 8, 1, 0.0, args.seed)
-    stage = max(0.0, statistics.median(r["unit_wall_s"]) - sleep)
+    rc = measure(work, f"cal-{size}-client", size, 4, [sleep, sleep], 1, 8, 1, 0.0, args.seed)
+    stage = max(0.0, statistics.median(rc["unit_wall_s"]) - sleep)
+
+    def cal_cfg(p: int, unit_s: float, hosts: int) -> Config:
+        return Config(((HostType("cal", unit_s, cores=1, bandwidth_mbps=1e9), hosts),), 1, p)
+
+    def sim(costs: ServerCosts, cfg: Config, units: int) -> float:
+        return simulate(cfg, Workload(units, 1, PARAMS[size]), costs, reps=20, seed=args.seed).job_s
+
+    # The plain model, as before: dispatch from the client-bound run's residual.
     base = ServerCosts(merge_s, speedup, stage_s=stage, dispatch_s=0.0)
-    w = Workload(8, 1, PARAMS[size])
-    cfg = Config(((HostType("cal", sleep, cores=1, bandwidth_mbps=1e9), 2),), 1, 4)
-    pred0 = simulate(cfg, w, base).job_s
-    dispatch = max(0.0, (r["T_s"] - pred0) / 4)  # 8 units on 2 slots: 4 dispatches per slot
-    costs = replace(base, dispatch_s=dispatch)
-    emit("planner_calibration", size=size, params=PARAMS[size], merge_s=round(merge_s, 4),
-         speedup={str(k): round(v, 3) for k, v in speedup.items()}, stage_s=round(stage, 4),
-         dispatch_s=round(dispatch, 4))
-    return costs
+    dispatch = max(0.0, (rc["T_s"] - sim(base, cal_cfg(4, sleep, 2), 8)) / 4)  # 4 dispatches per slot
+    plain = replace(base, dispatch_s=dispatch)
+    # The resource-sharing model: fit its own parameters to the same runs.
+    shared = ServerCosts(merge_s, {}, stage_s=stage, dispatch_s=0.0, cpu_cores=CORES,
+                         merge_shared_s=merge_s / max(speedup[2], 0.05) * min(2, CORES), colocated=True,
+                         create_s=0.5 * merge_s)
+    # Least squares of the log errors over the three runs, all three parameters at once
+    # (Nelder-Mead in log space): each run mixes them (creation is in every unit's path).
+    from scipy.optimize import minimize
+
+    def loss(x: list[float]) -> float:
+        c = replace(shared, merge_s=math.exp(x[0]), merge_shared_s=math.exp(x[1]), create_s=math.exp(x[2]))
+        err = [math.log(sim(c, cal_cfg(p, 0.02, 4), 16) / runs[p]["T_s"]) for p in (1, 2)]
+        err.append(math.log(sim(c, cal_cfg(4, sleep, 2), 8) / rc["T_s"]))
+        return sum(e * e for e in err)
+
+    x0 = [math.log(0.6 * merge_s), math.log(0.8 * merge_s), math.log(0.4 * merge_s)]
+    x = minimize(loss, x0, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-7, "maxiter": 400}).x
+    shared = replace(shared, merge_s=math.exp(x[0]), merge_shared_s=math.exp(x[1]), create_s=math.exp(x[2]))
+    check = {f"cal-{size}-P{p}": {"measured_s": round(runs[p]["T_s"], 3),
+                                  "sharing_s": round(sim(shared, cal_cfg(p, 0.02, 4), 16), 3)} for p in (1, 2, 4)}
+    check[f"cal-{size}-client"] = {"measured_s": round(rc["T_s"], 3),
+                                   "sharing_s": round(sim(shared, cal_cfg(4, sleep, 2), 8), 3)}
+    emit("planner_calibration", size=size, params=PARAMS[size], cores=CORES,
+         plain={"merge_s": round(merge_s, 4), "speedup": {str(k): round(v, 3) for k, v in speedup.items()},
+                "stage_s": round(stage, 4), "dispatch_s": round(dispatch, 4)},
+         sharing={"merge_cpu_s": round(shared.merge_s, 4), "merge_shared_cpu_s": round(shared.merge_shared_s or 0, 4),
+                  "stage_cpu_s": round(stage, 4), "create_cpu_s": round(shared.create_s, 4)},
+         calibration_runs=check, load=os.getloadavg()[0])
+    return {"plain": plain, "sharing": shared}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -163,6 +209,8 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=8, help="units per epoch")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--only", default="", help="run only cases whose label contains this")
+    ap.add_argument("--repeats", type=int, default=1, help="measured runs per validation configuration "
+                    "(median; their spread is the noise the ranks are judged against)")
     args = ap.parse_args()
     t_bench = time.time()
     todo = [c for c in cases() if args.only in c.label]
@@ -174,23 +222,50 @@ def main() -> None:
             cfg = Config(tuple((replace(h, bandwidth_mbps=1e9, preempt_p=c.preempt), n) for h, n in c.hosts),
                          c.slots, c.p_servers, timeout_s=TIMEOUT_S)
             w = Workload(args.units, args.epochs, PARAMS[c.size])
-            sim = simulate(cfg, w, costs[c.size], reps=20, seed=args.seed).job_s
-            cf = closed_form(cfg, w, costs[c.size]).job_s
+            cs = costs[c.size]
+            sim = simulate(cfg, w, cs["sharing"], reps=20, seed=args.seed).job_s
+            cf = closed_form(cfg, w, cs["sharing"]).job_s
+            plain = simulate(cfg, w, cs["plain"], reps=20, seed=args.seed).job_s
+            plain_cf = closed_form(cfg, w, cs["plain"]).job_s
             times = [h.unit_s * max(1.0, c.slots / h.cores) for h in cfg.host_list()]
-            r = measure(work, c.label, c.size, c.p_servers, times, c.slots, args.units, args.epochs,
-                        c.preempt, args.seed)
+            reps = [measure(work, f"{c.label}-r{k}", c.size, c.p_servers, times, c.slots, args.units, args.epochs,
+                            c.preempt, args.seed + k) for k in range(args.repeats)]
+            r = reps[0]
             hourly = sum(PRICE[h.name] * n for h, n in c.hosts)
-            row = {"config": c.label, "size": c.size, "P": c.p_servers, "C": cfg.n_hosts, "T": c.slots,
-                   "CxT": cfg.total_slots, "p": c.preempt, "predicted_s": round(sim, 3),
-                   "closed_form_s": round(cf, 3), "measured_s": round(r["T_s"], 3),
-                   "error": round(sim / r["T_s"] - 1, 4), "closed_form_error": round(cf / r["T_s"] - 1, 4),
-                   "kills": r["kills"], "status": r["status"], "hourly": hourly}
+            ts = [x["T_s"] for x in reps]
+            meas = statistics.median(ts)
+            spread = (max(ts) - min(ts)) / meas  # run-to-run noise of this configuration
+            row = {"config": c.label, "role": "validation", "size": c.size, "P": c.p_servers, "C": cfg.n_hosts,
+                   "T": c.slots, "CxT": cfg.total_slots, "p": c.preempt, "predicted_s": round(sim, 3),
+                   "closed_form_s": round(cf, 3), "plain_s": round(plain, 3), "plain_closed_form_s": round(plain_cf, 3),
+                   "measured_s": round(meas, 3), "error": round(sim / meas - 1, 4),
+                   "closed_form_error": round(cf / meas - 1, 4), "plain_error": round(plain / meas - 1, 4),
+                   "plain_closed_form_error": round(plain_cf / meas - 1, 4),
+                   "measured_runs_s": [round(t, 3) for t in ts], "spread": round(spread, 4),
+                   "kills": sum(x["kills"] for x in reps), "status": r["status"], "hourly": hourly,
+                   "load": os.getloadavg()[0]}
             rows.append(row)
             emit("planner_case", **row)
-    errs = [abs(r["error"]) for r in rows]
-    mape = statistics.fmean(errs)
-    cf_mape = statistics.fmean(abs(r["closed_form_error"]) for r in rows)
-    rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 2 else None
+
+    def mape(key: str) -> float:
+        return round(statistics.fmean(abs(r[key]) for r in rows), 4)
+
+    def rho(key: str) -> float | None:
+        return round(spearman([r[key] for r in rows], [r["measured_s"] for r in rows]), 4) if len(rows) > 2 else None
+
+    def pairs(key: str) -> dict[str, int]:
+        """Pairs of configurations ordered as measured, among those whose measured times
+        differ by more than both configurations' run-to-run spread (the rest are ties
+        within noise: no model can be held to their order)."""
+        ok = n = 0
+        for a, b in itertools.combinations(rows, 2):
+            gap = abs(a["measured_s"] - b["measured_s"]) / min(a["measured_s"], b["measured_s"])
+            if gap <= max(a["spread"], b["spread"], NOISE_FLOOR):
+                continue
+            n += 1
+            ok += (a[key] < b[key]) == (a["measured_s"] < b["measured_s"])
+        return {"ordered": ok, "of": n}
+
     # The recommendation: cheapest predicted within a deadline fixed before measuring.
     deadline = statistics.median(r["predicted_s"] for r in rows)
     cost = {r["config"]: (r["hourly"] * r["predicted_s"], r["hourly"] * r["measured_s"]) for r in rows}
@@ -203,16 +278,20 @@ def main() -> None:
     fig3_out = {}
     if len(fig3) == 4:
         t2, t4, t8, p3 = (fig3[f"fig3-{k}"] for k in ("P1C3T2", "P1C3T4", "P1C3T8", "P3C3T8"))
-        for key in ("predicted_s", "measured_s"):
-            fig3_out[key.split("_")[0]] = {"T4_faster_than_T2": t4[key] < t2[key],
-                                           "T8_slower_than_T4": t8[key] > t4[key],
-                                           "P3_fixes_T8": p3[key] < t8[key]}
-    emit("planner_validation", configs=len(rows), mape=round(mape, 4), closed_form_mape=round(cf_mape, 4),
-         spearman=round(rho, 4) if rho is not None else None, deadline_s=round(deadline, 2),
-         recommended=pick["config"], best_measured=best["config"] if best else None,
+        for key in ("predicted_s", "plain_s", "measured_s"):
+            fig3_out[key.rsplit("_", 1)[0]] = {"T4_faster_than_T2": t4[key] < t2[key],
+                                               "T8_slower_than_T4": t8[key] > t4[key],
+                                               "P3_fixes_T8": p3[key] < t8[key]}
+    emit("planner_validation", configs=len(rows), calibration_configs=sorted(f"cal-{z}-{k}" for z in costs
+                                                                       for k in ("P1", "P2", "P4", "client")),
+         mape=mape("error"), closed_form_mape=mape("closed_form_error"), plain_mape=mape("plain_error"),
+         plain_closed_form_mape=mape("plain_closed_form_error"),
+         spearman=rho("predicted_s"), closed_form_spearman=rho("closed_form_s"), plain_spearman=rho("plain_s"),
+         pairs_beyond_noise=pairs("predicted_s"), plain_pairs_beyond_noise=pairs("plain_s"), repeats=args.repeats,
+         deadline_s=round(deadline, 2), recommended=pick["config"], best_measured=best["config"] if best else None,
          recommended_met_deadline=pick["measured_s"] <= deadline,
          regret=round(regret, 4) if regret is not None else None, fig3=fig3_out,
-         bench_wall_s=round(time.time() - t_bench, 1), **machine())
+         bench_wall_s=round(time.time() - t_bench, 1), load=os.getloadavg(), **machine())
 
 
 if __name__ == "__main__":

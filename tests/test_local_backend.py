@@ -48,6 +48,9 @@ def test_tiny_job_runs_to_completion(tmp_path: Path) -> None:
     plan = json.loads((tmp_path / "run" / "summary.json").read_text())["planner"]
     assert plan["actual_epoch_s"] > 0 and plan["predicted_epoch_s"] > 0
     assert plan["error"] == pytest.approx(plan["predicted_epoch_s"] / plan["actual_epoch_s"] - 1, abs=1e-3)
+    # The pipeline's time plus the start-up before it is the run's elapsed time.
+    assert plan["startup_s"] >= 0
+    assert plan["actual_epoch_s"] * 2 + plan["startup_s"] == pytest.approx(res.elapsed_s, abs=0.01)
     assert res.planner == plan
 
 

@@ -8,6 +8,7 @@ import itertools
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ import pytest
 
 from server.planner.calibrate import read_history
 from server.planner.model import Config, HostType, ServerCosts, Workload, closed_form, waves
-from server.planner.prices import DEFAULT_TABLE, TablePriceBook
+from server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
 from server.planner.search import Goal, Planner, Space, exact, genetic, greedy, pareto, regret
 from server.planner.sim import simulate, simulate_once
 
@@ -94,6 +95,81 @@ def test_simulation_preemption_costs_about_the_papers_term():
     # n*p*t_o = 200 * 0.2 * 4 / 4 slots = 40 s (the simulation also wastes the killed work
     # and overlaps some waits: within 25%).
     assert lost - base == pytest.approx(40.0, rel=0.25)
+
+
+# ---- resource sharing -------------------------------------------------------------------------
+
+def _shared(**kw: float) -> ServerCosts:
+    base = {"merge_s": 1e-9, "stage_s": 1.0, "cpu_cores": 2, "colocated": True}
+    return ServerCosts(**{**base, **kw})
+
+
+def test_processor_sharing_by_hand():
+    # 4 slots of one host, no compute, staging 1 s of CPU each on 2 shared cores: all
+    # four stage together at half speed and finish at 2 s; without sharing, at 1 s.
+    h = HostType("h", unit_s=0.0, cores=4, bandwidth_mbps=1e12)
+    w = Workload(units_per_epoch=4, epochs=1, params=1)
+    cfg = Config(((h, 1),), slots=4, assimilators=1)
+    assert simulate_once(cfg, w, _shared()).job_s == pytest.approx(2.0, rel=1e-6)
+    assert simulate_once(cfg, w, _shared(cpu_cores=None)).job_s == pytest.approx(1.0, rel=1e-6)
+    # Slots on their own machines (not colocated): staging is theirs, not the server's.
+    assert simulate_once(cfg, w, _shared(colocated=False)).job_s == pytest.approx(1.0, rel=1e-6)
+
+
+def test_merges_share_the_cores_with_staging():
+    # One assimilator, 1 s merges, 1 core: two units staging (0.5 s CPU each) and the
+    # first merge overlap. Unit 0 and 1 stage together 0..1 s (rate 0.5), both merges
+    # then queue on the single server: 1 + 1 + 1 = 3 s; with 2 cores staging ends at
+    # 0.5 s, merges at 1.5 and 2.5 s.
+    h = HostType("h", unit_s=0.0, cores=4, bandwidth_mbps=1e12)
+    w = Workload(units_per_epoch=2, epochs=1, params=1)
+    cfg = Config(((h, 1),), slots=2, assimilators=1)
+    assert simulate_once(cfg, w, _shared(merge_s=1.0, stage_s=0.5, cpu_cores=1)).job_s == pytest.approx(3.0)
+    assert simulate_once(cfg, w, _shared(merge_s=1.0, stage_s=0.5, cpu_cores=2)).job_s == pytest.approx(2.5)
+    # P = 2 at 1 core: two 1.5 s shared merges at half speed after 1 s of staging: 4 s.
+    two = Config(((h, 1),), slots=2, assimilators=2)
+    c = _shared(merge_s=1.0, merge_shared_s=1.5, stage_s=0.5, cpu_cores=1)
+    assert simulate_once(two, w, c, assign="round_robin").job_s == pytest.approx(4.0)
+    assert c.speedup(2) == pytest.approx(1.0 / 1.5)
+
+
+def test_one_generator_creates_units_one_at_a_time():
+    # 4 slots, units of no time, creation 1 s of CPU each by the one generator: 4 s,
+    # however many cores; and the closed form's generator bound says the same.
+    h = HostType("h", unit_s=0.0, cores=4, bandwidth_mbps=1e12)
+    w = Workload(units_per_epoch=4, epochs=1, params=1)
+    cfg = Config(((h, 1),), slots=4, assimilators=4)
+    for cores in (1, 8):
+        c = _shared(stage_s=0.0, cpu_cores=cores, create_s=1.0)
+        assert simulate_once(cfg, w, c).job_s == pytest.approx(4.0, rel=1e-6)
+    many = Workload(units_per_epoch=400, epochs=1, params=1)
+    c = _shared(stage_s=0.0, cpu_cores=8, create_s=0.1)
+    assert closed_form(cfg, many, c).job_s == pytest.approx(40.0, rel=0.05)
+    assert simulate(cfg, many, c, reps=1).job_s == pytest.approx(40.0, rel=0.01)
+
+
+def test_sharing_with_ample_cores_is_the_plain_model():
+    c_plain = ServerCosts(merge_s=0.2, merge_speedup={3: 3.0}, stage_s=0.05, dispatch_s=0.03)
+    c_ps = replace(c_plain, merge_speedup={}, cpu_cores=64, colocated=True)
+    w = Workload(units_per_epoch=24, epochs=2, params=10)
+    cfg = Config(((FAST, 3),), slots=2, assimilators=3)
+    assert simulate(cfg, w, c_ps, reps=4).job_s == pytest.approx(simulate(cfg, w, c_plain, reps=4).job_s)
+
+
+def test_sharing_closed_form_tracks_the_simulation_and_saturates():
+    # Client-bound with CPU to spare: the closed form is the simulation's within 5%.
+    w = Workload(units_per_epoch=400, epochs=1, params=10)
+    cfg = Config(((FAST, 4),), slots=2, assimilators=2)
+    c = _shared(merge_s=0.02, stage_s=0.05)
+    assert closed_form(cfg, w, c).job_s == pytest.approx(simulate(cfg, w, c, reps=2).job_s, rel=0.05)
+    # CPU-bound: 400 units x (0.2 + 0.3) s of CPU on 2 cores cannot beat 100 s, and
+    # both forms say so. The closed form's open-queue stretch overshoots near saturation
+    # (a closed system of 32 units in flight cannot queue without bound): within 20%.
+    heavy = _shared(merge_s=0.3, merge_shared_s=0.3, stage_s=0.2)
+    many = Config(((FAST, 8),), slots=4, assimilators=4)
+    assert closed_form(many, w, heavy).job_s >= 100.0
+    assert simulate(many, w, heavy, reps=2).job_s >= 100.0
+    assert closed_form(many, w, heavy).job_s == pytest.approx(simulate(many, w, heavy, reps=2).job_s, rel=0.2)
 
 
 def test_fig3_effect_comes_out_of_the_model():
@@ -280,3 +356,90 @@ def test_fleet_controllers_price_book_plugs_in():
     assert ext.hourly("g4dn.xlarge", "spot") == pytest.approx(0.19)
     assert ext.hourly("n2-standard-4", "spot") == table.hourly("n2-standard-4", "spot")  # unknown there
     assert table.with_spot_history(pts, now=200.0).hourly("g4dn.xlarge", "spot") == pytest.approx(0.21)
+
+
+# ---- one fleet file for the planner and the controller ---------------------------------------
+
+def test_planner_reads_the_controllers_fleet_file():
+    from server.fleet.config import load_planner_fleet
+
+    # The AWS example carries a planner section: its types and choices, and the
+    # controller's on-demand prices on top of the shipped table.
+    ff = load_planner_fleet(ROOT / "examples" / "fleet-aws.yaml")
+    assert set(ff.types) == {"g4dn.xlarge", "g5.xlarge"}
+    assert ff.types["g4dn.xlarge"]["unit_s"] == 4.0 and ff.slots == (1, 2, 4)
+    assert ff.on_demand_prices == {"g4dn.xlarge": 0.526, "g5.xlarge": 1.006}
+    # The GCP example has no planner section: the controller's own fields are the fleet
+    # (its machine type, up to max_hosts, T = slots_per_host, its published SPOT price).
+    ff = load_planner_fleet(ROOT / "examples" / "fleet-gcp.yaml")
+    assert ff.types == {"g2-standard-4": {"max_count": 32}}
+    assert ff.slots == (1,)
+    assert ff.spot_prices == {"g2-standard-4": 0.2827}
+    book = TablePriceBook.load().with_prices(ff.on_demand_prices, ff.spot_prices)
+    assert book.hourly("g2-standard-4", "spot") == 0.2827
+    assert book.hourly("g2-standard-4", "on-demand") == 0.70683  # the table's, not overridden
+    with pytest.raises(ValueError, match="give unit_s, or calibrate"):
+        ff.host_types(None)  # no unit time anywhere: calibrate first
+    assert ff.host_types(10.0)[0][0].unit_s == 10.0
+
+
+def test_a_bad_planner_section_fails_the_controller_too(tmp_path):
+    from server.fleet.config import FleetConfigError, load_config, load_planner_fleet
+    from server.planner.fleetfile import FleetFileError, load_fleet
+
+    good = (ROOT / "examples" / "fleet-aws.yaml").read_text()
+    bad = tmp_path / "fleet.yaml"
+    bad.write_text(good.replace("preempt_p: 0.05}   #", "preempt_p: 1.5}   #"))
+    for load in (load_config, load_planner_fleet):
+        with pytest.raises(FleetConfigError, match=r"planner.*types\.g4dn\.xlarge\.preempt_p"):
+            load(bad)
+    # The planner-only loader refuses a controller file rather than misreading it.
+    with pytest.raises(FleetFileError, match="fleet controller file"):
+        load_fleet(ROOT / "examples" / "fleet-aws.yaml")
+    # Oversized and non-mapping files are refused before parsing.
+    big = tmp_path / "big.yaml"
+    big.write_text("types: {}\n" + "#" * (1 << 20))
+    with pytest.raises(FleetFileError, match="larger than 1 MiB"):
+        load_planner_fleet(big)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(FleetFileError, match="mapping expected"):
+        load_planner_fleet(lst)
+    with pytest.raises(PriceError, match="positive"):
+        TablePriceBook.load().with_prices({"x": -1.0}, {})
+    for costs in ("{merge_s: fast}", "{merge_shared_s: -1}", "{nonsense: 1}", "{speedup: {2: 0}}"):
+        bad.write_text(good.replace("  server: {type: c6i.xlarge}", f"  server: {{type: c6i.xlarge}}\n  costs: {costs}"))
+        with pytest.raises(FleetConfigError, match="costs"):
+            load_planner_fleet(bad)
+
+
+def test_cli_plan_with_the_example_controller_file():
+    """A fresh user's command line: the shipped spec and the shipped fleet file."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    out = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+                          "--fleet", str(ROOT / "examples" / "fleet-aws.yaml"), "--deadline", "8h"],
+                         capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "recommended (*)" in out.stdout
+    assert "on-demand from the fleet file for g4dn.xlarge, g5.xlarge" in out.stdout
+
+
+def test_run_check_compares_the_pipeline_not_the_start_up():
+    """``boinc-dl run``'s check: the actual epoch time runs from the first unit's start
+    to the last merge; the start-up before it is reported apart, not blamed on the model."""
+    from server.common.spec import parse_spec
+    from server.planner.runcheck import predict_epoch
+
+    spec = parse_spec({"name": "c", "mode": "vcasgd", "model": "models:mlp", "dataset": {"name": "digits"},
+                       "training": {"epochs": 2}, "vcasgd": {"n_subsets": 4},
+                       "backend": {"kind": "local", "local": {"workers": 2, "slots": 1, "assimilators": 1}}})
+    # 8 units of 1 s on 2 slots, merged at 101, 101, 102, 102, ... 104 (t = 100 + ...).
+    units = [{"t": 101.0 + i // 2, "wall_s": 1.0} for i in range(8)]
+    out = predict_epoch(spec, units, params=1000, elapsed_s=30.0, epochs_done=2)
+    assert out["actual_epoch_s"] == pytest.approx(2.0)  # (104 - 100) / 2 epochs
+    assert out["startup_s"] == pytest.approx(26.0)
+    assert out["predicted_epoch_s"] == pytest.approx(2.0, rel=0.15)  # 2 waves of 1 s + merges
+    # Without timestamps the run's elapsed time is all there is.
+    bare = predict_epoch(spec, [{"wall_s": 1.0}], params=1000, elapsed_s=30.0, epochs_done=2)
+    assert bare["actual_epoch_s"] == pytest.approx(15.0) and bare["startup_s"] == 0
+    assert predict_epoch(spec, [], params=1000, elapsed_s=30.0, epochs_done=2) is None

@@ -63,7 +63,8 @@ def calibrate_on_host(spec, spec_file: Path) -> tuple[float, float | None]:
 
 
 def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
-         fleet: Annotated[Path, typer.Option("--fleet", help="fleet.yaml: instance types and choices")],
+         fleet: Annotated[Path, typer.Option("--fleet", help="fleet.yaml: the fleet controller's (its planner: "
+                                                             "section) or a planner-only one")],
          deadline: Annotated[str | None, typer.Option(help="finish within, e.g. 8h")] = None,
          budget: Annotated[float | None, typer.Option(help="spend at most, USD")] = None,
          calibrate: Annotated[bool, typer.Option("--calibrate", help="time real units of the spec here")] = False,
@@ -75,8 +76,9 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     from dataclasses import replace
 
     from server.common.spec import load_spec
+    from server.fleet.config import load_planner_fleet
     from server.planner.calibrate import read_history
-    from server.planner.fleetfile import FleetFileError, load_fleet
+    from server.planner.fleetfile import FleetFileError
     from server.planner.model import Workload
     from server.planner.plot import plot_plan
     from server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
@@ -97,7 +99,7 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     goal = Goal(deadline_s=parse_duration(deadline) if deadline else None, budget=budget)
     try:
         spec = load_spec(spec_file)
-        ff = load_fleet(fleet)
+        ff = load_planner_fleet(fleet)
     except (BoincDLError, FleetFileError) as e:
         if isinstance(e, BoincDLError):
             fail(e)
@@ -115,6 +117,12 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         unit_s, merge_gap = calibrate_on_host(spec, spec_file)
         console.print(f"calibrated on this host: unit {unit_s:.3f} s, merge gap {merge_gap} s")
     book = TablePriceBook.load(prices or DEFAULT_TABLE)
+    if ff.on_demand_prices or ff.spot_prices:
+        try:
+            book = book.with_prices(ff.on_demand_prices, ff.spot_prices)
+        except PriceError as e:
+            err_console.print(f"[red]error:[/] {e}")
+            raise typer.Exit(2) from None
     if ff.spot_history:
         book = book.with_spot_history(ff.spot_history, now=max(float(p.time) for p in ff.spot_history))
     try:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from decimal import Decimal
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from server.common.errors import BoincDLError
+from server.planner.fleetfile import FleetFile, FleetFileError, parse_fleet, read_yaml
 
 
 class FleetConfigError(BoincDLError):
@@ -90,6 +91,8 @@ class FleetConfig(_Strict):
     on_demand_prices: dict[str, Decimal] = Field(default_factory=dict, description="$/h by "
                                                  "instance type; overrides the shipped table")
     fallback: FallbackSettings = Field(default_factory=FallbackSettings)
+    planner: dict[str, Any] | None = Field(None, description="what `boinc-dl plan` may try "
+                                           "with this fleet (the planner's schema, docs/planner.md)")
 
     @model_validator(mode="after")
     def _consistent(self) -> FleetConfig:
@@ -97,7 +100,33 @@ class FleetConfig(_Strict):
             raise ValueError("min_hosts must not exceed max_hosts")
         if getattr(self, self.provider) is None:
             raise ValueError(f"provider is {self.provider} but the '{self.provider}' section is missing")
+        if self.planner is not None:
+            try:  # checked when the controller loads the file too, not only when planning
+                self.planner_fleet(None)
+            except FleetFileError as e:
+                raise ValueError(f"planner section: {e}") from None
         return self
+
+    def planner_types(self) -> list[str]:
+        """The instance types this file names: the GCP group's machine type, its SPOT
+        prices' types, and the types given on-demand prices."""
+        names = [*self.on_demand_prices]
+        if self.gcp is not None:
+            names = [self.gcp.machine_type, *self.gcp.spot_prices, *names]
+        return list(dict.fromkeys(names))
+
+    def planner_fleet(self, base_dir: Path | None) -> FleetFile:
+        """This file as the planner's fleet: its ``planner:`` section, with the
+        controller's own fields as defaults — the types it names (at most ``max_hosts``
+        each, relative speed 1 unless the section says otherwise), T = ``slots_per_host``,
+        and its on-demand and SPOT prices over the shipped table's."""
+        cap = min(self.max_hosts, 64)
+        defaults: dict[str, Any] = {"types": {t: {"max_count": cap} for t in self.planner_types()},
+                                    "slots": [self.slots_per_host]}
+        ff = parse_fleet(self.planner or {}, base_dir, "fleet.yaml: planner", defaults)
+        ff.on_demand_prices = {k: float(v) for k, v in self.on_demand_prices.items()}
+        ff.spot_prices = {k: float(v) for k, v in self.gcp.spot_prices.items()} if self.gcp else {}
+        return ff
 
 
 def _one_line(e: ValidationError) -> str:
@@ -129,3 +158,14 @@ def load_config(path: str | Path) -> FleetConfig:
     except yaml.YAMLError as e:
         raise FleetConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     return parse_config(data, str(p))
+
+
+def load_planner_fleet(path: str | Path) -> FleetFile:
+    """The planner's fleet from either form of fleet file: the controller's ``fleet.yaml``
+    (validated as the controller validates it, then :meth:`FleetConfig.planner_fleet`)
+    or a planner-only file. Raises :class:`FleetFileError` or :class:`FleetConfigError`."""
+    p = Path(path)
+    raw = read_yaml(p)
+    if isinstance(raw, dict) and "provider" in raw:
+        return parse_config(raw, str(p)).planner_fleet(p.parent)
+    return parse_fleet(raw, p.parent, str(p))

@@ -2,8 +2,14 @@
 
 Spot prices change at points in time (AWS's ``describe_spot_price_history``; GCP's
 published SPOT prices); on-demand prices are list prices from ``fleet.yaml`` or the
-dated table shipped here. Money is :class:`~decimal.Decimal` throughout, so a day's
-bill adds up to the cent.
+project's one dated price table, the planner's ``server/planner/data/prices.yaml``.
+
+This :class:`PriceBook` is the controller's billing interface: a price per zone and
+point in time, in Decimal, with the times it changes, so a period's bill integrates a
+step function exactly. The planner's ``PriceBook`` (``hourly(type, market)`` and the
+prices' source) answers a different question, a typical hourly price for a plan;
+``server.planner.prices.ExternalPriceBook`` adapts this one to it. Money is
+:class:`~decimal.Decimal` throughout, so a day's bill adds up to the cent.
 """
 
 from __future__ import annotations
@@ -13,19 +19,22 @@ from decimal import Decimal
 from typing import Protocol
 
 from server.fleet.provider import Market, PricePoint
+from server.planner.prices import DEFAULT_TABLE, TablePriceBook
 
-#: On-demand list prices, $/h, Linux, AWS us-east-1 and GCP us-central1, as published on
-#: this date. ``on_demand_prices`` in fleet.yaml overrides them.
-ON_DEMAND_TABLE_DATE = "2026-11-01"
-ON_DEMAND_TABLE: dict[str, Decimal] = {k: Decimal(v) for k, v in {
-    # AWS
-    "g4dn.xlarge": "0.526", "g4dn.2xlarge": "0.752", "g5.xlarge": "1.006", "g5.2xlarge": "1.212",
-    "g6.xlarge": "0.8048", "p3.2xlarge": "3.06", "c5.xlarge": "0.17", "c6i.xlarge": "0.17",
-    "c6i.2xlarge": "0.34", "m5.xlarge": "0.192", "m6i.xlarge": "0.192",
-    # GCP
-    "n1-standard-4": "0.189999", "n1-standard-8": "0.379998", "n2-standard-4": "0.194236",
-    "n2-standard-8": "0.388472", "g2-standard-4": "0.70683", "a2-highgpu-1g": "3.673385",
-}.items()}
+
+def _shipped_on_demand() -> tuple[str, dict[str, Decimal]]:
+    """The on-demand column of the project's one price table (the planner's, read through
+    its :class:`~server.planner.prices.TablePriceBook`), as exact Decimals."""
+    book = TablePriceBook.load(DEFAULT_TABLE)
+    # repr() of the float read from YAML is the shortest decimal that reads back as the
+    # same float: the digits written in the table, so a bill adds up to the cent.
+    return book.date, {name: Decimal(repr(info.on_demand)) for name, info in book.types.items()}
+
+
+#: On-demand list prices, $/h, Linux, AWS us-east-1 and GCP us-central1, as of the
+#: table's date (``server/planner/data/prices.yaml``). ``on_demand_prices`` in
+#: fleet.yaml overrides them.
+ON_DEMAND_TABLE_DATE, ON_DEMAND_TABLE = _shipped_on_demand()
 
 SECONDS_PER_HOUR = Decimal(3600)
 

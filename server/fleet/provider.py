@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Literal, Protocol
 
-Market = Literal["spot", "on-demand"]
+from server.planner.prices import Market  # one definition of the markets for fleet and planner
+
 #: The states the controller distinguishes (each cloud's own are mapped onto these).
 State = Literal["pending", "running", "stopping", "gone"]
 #: ``warning``: the cloud will reclaim it (AWS: two minutes ahead); ``preempted``: it

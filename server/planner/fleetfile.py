@@ -14,6 +14,13 @@
 
 ``unit_s`` is one unit's compute alone on one slot at the spec's unit size; ``speed``
 instead scales a calibrated unit time (``unit_s = calibrated / speed``).
+
+One file for the planner and the fleet controller: the controller's ``fleet.yaml``
+(``server/fleet/config.py``) takes this schema under its ``planner:`` key, and
+``server.fleet.config.load_planner_fleet`` reads it with the controller's own fields
+as defaults (instance types and prices, host limit, slots per host). A file with this
+schema at the top level is the planner-only form: planning comes before a fleet exists,
+when there is no auto scaling group, queue or project to name yet.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from server.planner.model import HostType, ServerCosts
+from server.planner.model import SHARED_MERGE_RATIO, HostType, ServerCosts, merge_estimate_s
 from server.planner.prices import MARKETS
 
 
@@ -47,6 +54,8 @@ class FleetFile:
     costs: dict[str, Any] = field(default_factory=dict)
     params: int | None = None
     spot_history: list[Any] = field(default_factory=list)
+    on_demand_prices: dict[str, float] = field(default_factory=dict)  # a controller file's
+    spot_prices: dict[str, float] = field(default_factory=dict)  # published SPOT prices (GCP)
 
     def host_types(self, calibrated_unit_s: float | None) -> tuple[list[HostType], list[int]]:
         """The HostTypes and their max counts; ``speed`` entries need a calibrated unit time."""
@@ -65,14 +74,26 @@ class FleetFile:
 
     def server_costs(self, model_bytes: int, merge_s: float | None = None) -> ServerCosts:
         """Server-side costs: the file's, else a calibrated merge time, else an estimate
-        from the model size (Redis read + write and an HDF5 read at ~250 MB/s each)."""
+        from the model size (:func:`~server.planner.model.merge_estimate_s`).
+
+        With a ``speedup`` table the plain model is used (P merges ``speedup[P]`` times
+        as fast); without one, the resource-sharing model: P merges share the server's
+        ``server_cores`` cores (default 2), each of ``merge_shared_s`` CPU seconds when
+        P > 1 (default: ``merge_s`` times the ratio measured by the planner bench), and
+        the generator's ``create_s`` per unit (default 0). The clients are other
+        machines, so their staging is theirs, not the server's."""
         c = self.costs
         m = float(c["merge_s"]) if "merge_s" in c else merge_s if merge_s is not None else \
-            0.01 + 3 * model_bytes / 250e6
-        speed = {int(k): float(v) for k, v in (c.get("speedup") or {}).items()}
-        speed.setdefault(1, 1.0)
-        return ServerCosts(m, speed, float(c.get("stage_s", 0.02 + 2 * model_bytes / 500e6)),
-                           float(c.get("dispatch_s", 0.05)), int(c.get("server_cores", 2)))
+            merge_estimate_s(model_bytes)
+        stage = float(c.get("stage_s", 0.02 + 2 * model_bytes / 500e6))
+        dispatch, cores = float(c.get("dispatch_s", 0.05)), int(c.get("server_cores", 2))
+        if c.get("speedup"):
+            speed = {int(k): float(v) for k, v in c["speedup"].items()}
+            speed.setdefault(1, 1.0)
+            return ServerCosts(m, speed, stage, dispatch, cores)
+        shared = float(c.get("merge_shared_s", m * SHARED_MERGE_RATIO))
+        return ServerCosts(m, {}, stage, dispatch, cores, cpu_cores=cores, merge_shared_s=shared,
+                           create_s=float(c.get("create_s", 0.0)))
 
 
 def _ints(raw: Any, key: str) -> tuple[int, ...]:
@@ -81,24 +102,60 @@ def _ints(raw: Any, key: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
+COST_KEYS = {"merge_s", "merge_shared_s", "create_s", "stage_s", "dispatch_s", "server_cores"}
+MAX_FILE_BYTES = 1 << 20  # a fleet file is small; refuse to parse anything bigger
+
+
 def load_fleet(path: Path | str) -> FleetFile:
-    """Read and check a fleet.yaml."""
+    """Read and check a planner-only fleet file (the schema above at the top level).
+
+    A fleet controller's ``fleet.yaml`` (it has ``provider:``) carries the same schema
+    under ``planner:``; read it with ``server.fleet.config.load_planner_fleet``, which
+    also takes the controller's prices and limits (the planner may not import the fleet).
+    """
     p = Path(path)
+    raw = read_yaml(p)
+    if isinstance(raw, dict) and "provider" in raw:
+        raise FleetFileError(f"{p}: a fleet controller file (provider: ...): "
+                             "load it with server.fleet.config.load_planner_fleet")
+    return parse_fleet(raw, p.parent, str(p))
+
+
+def read_yaml(p: Path) -> Any:
+    """A fleet file's YAML, bounded in size."""
     try:
-        raw = yaml.safe_load(p.read_text())
+        if p.stat().st_size > MAX_FILE_BYTES:
+            raise FleetFileError(f"{p}: larger than 1 MiB")
+        return yaml.safe_load(p.read_text())
     except (OSError, yaml.YAMLError) as e:
         raise FleetFileError(f"{p}: {e}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("types"), dict) or not raw["types"]:
-        raise FleetFileError(f"{p}: 'types' must map instance types to their settings")
+
+
+def parse_fleet(raw: Any, base_dir: Path | None, where: str = "fleet.yaml",
+                defaults: dict[str, Any] | None = None) -> FleetFile:
+    """Check the planner's schema in an already-parsed mapping.
+
+    ``defaults`` fills keys the mapping lacks (a controller file's types, slots and host
+    limits); ``base_dir`` is where ``spot_history`` is read from (None: only checked).
+    """
+    if not isinstance(raw, dict):
+        raise FleetFileError(f"{where}: a mapping expected")
+    raw = {**(defaults or {}), **raw}
+    if not isinstance(raw.get("types"), dict) or not raw["types"]:
+        raise FleetFileError(f"{where}: 'types' must map instance types to their settings")
     for name, row in raw["types"].items():
         if not isinstance(row, dict):
             raise FleetFileError(f"types.{name}: a mapping expected")
         for k in ("unit_s", "speed", "bandwidth_mbps"):
             if k in row and not (isinstance(row[k], (int, float)) and row[k] > 0):
                 raise FleetFileError(f"types.{name}.{k}: a positive number expected")
-        if not 0 <= float(row.get("preempt_p", 0)) < 1:
+        try:
+            preempt_p, max_count = float(row.get("preempt_p", 0)), int(row.get("max_count", 4))
+        except (TypeError, ValueError):
+            raise FleetFileError(f"types.{name}: preempt_p and max_count must be numbers") from None
+        if not 0 <= preempt_p < 1:
             raise FleetFileError(f"types.{name}.preempt_p: in [0, 1)")
-        if not 1 <= int(row.get("max_count", 4)) <= 64:
+        if not 1 <= max_count <= 64:
             raise FleetFileError(f"types.{name}.max_count: 1..64")
     ff = FleetFile({str(k): v for k, v in raw["types"].items()})
     if "markets" in raw:
@@ -111,13 +168,25 @@ def load_fleet(path: Path | str) -> FleetFile:
             setattr(ff, key, _ints(raw[key], key))
     if "server" in raw:
         ff.server_type = str((raw["server"] or {}).get("type")) if isinstance(raw["server"], dict) else None
+    if not isinstance(raw.get("costs") or {}, dict):
+        raise FleetFileError("costs: a mapping expected")
     ff.costs = dict(raw.get("costs") or {})
+    for k, v in ff.costs.items():
+        if k == "speedup":
+            ok = isinstance(v, dict) and all(isinstance(x, (int, float)) and x > 0 for x in v.values())
+        else:
+            ok = k in COST_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e6
+        if not ok:
+            raise FleetFileError(f"costs.{k}: unknown, or not a non-negative number")
     if "params" in raw:
         if not isinstance(raw["params"], int) or raw["params"] <= 0:
             raise FleetFileError("params: a positive integer expected")
         ff.params = raw["params"]
-    if raw.get("spot_history"):
-        hist = json.loads((p.parent / str(raw["spot_history"])).read_text())
-        ff.spot_history = [SimpleNamespace(**{k: x[k] for k in ("type", "zone", "time", "usd_per_hour")})
-                           for x in hist]
+    if raw.get("spot_history") and base_dir is not None:
+        try:
+            hist = json.loads((base_dir / str(raw["spot_history"])).read_text())
+            ff.spot_history = [SimpleNamespace(**{k: x[k] for k in ("type", "zone", "time", "usd_per_hour")})
+                               for x in hist]
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise FleetFileError(f"spot_history: {type(e).__name__}: {e}") from None
     return ff

@@ -25,7 +25,9 @@ Closed form (this module) — the throughput bound, valid when nothing queues fo
     R_c = sum_h T_h / u_h                 (client units per second)
     R_s = speedup(P) / merge_s            (parameter-server units per second)
     T_job = n_s / min(R_c, R_s) + n_s * p * t_o / S + fill
-    fill  = max_h u_h + merge_s           (the first unit's way through an empty pipeline)
+    fill  = u_typ + merge_s               (the first unit's way through an empty pipeline;
+                                           u_typ: u_h averaged by each type's share of R_c)
+    T_job >= max_h u_h + merge_s          (one unit of the slowest type)
 
 with n_s units in the job and S = sum_h T_h slots (the paper's ``n*t_e + n*p*t_o`` with
 ``n = n_s / S`` when R_c binds; HeterPS's throughput-limited provisioning when R_s
@@ -38,6 +40,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+#: One merge's CPU time with P > 1 over P = 1 (no cached copy: the shards are read back
+#: from Redis), measured by ``bench/bench_planner.py``'s calibration at 4,972,735
+#: parameters: 0.173 s / 0.127 s.
+SHARED_MERGE_RATIO = 1.36
+
+
+def merge_estimate_s(model_bytes: int) -> float:
+    """One merge by a lone assimilator when nothing was calibrated: 10 ms plus the model
+    at ~155 MB/s (reading the result, the Redis write; 0.127 s at the paper's model size
+    in the planner bench's calibration)."""
+    return 0.01 + model_bytes / 170e6
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,12 @@ class HostType:
         compute = self.unit_s * w.unit_scale() * share
         transfer = (2 * w.model_bytes() + w.data_bytes_per_unit()) * 8 / (self.bandwidth_mbps * 1e6)
         return compute + costs.stage_s + transfer
+
+    def delay_time(self, slots: int, w: Workload, costs: ServerCosts) -> float:
+        """The part of :meth:`unit_time` that does not load the server host's cores: all
+        of it, except the staging of slots colocated with a resource-sharing server."""
+        shared = costs.stage_s if costs.sharing and costs.colocated else 0.0
+        return self.unit_time(slots, w, costs) - shared
 
 
 @dataclass(frozen=True)
@@ -86,21 +106,58 @@ class Workload:
 
 @dataclass(frozen=True)
 class ServerCosts:
-    """The server side: merge cost and parallel speed-up, staging, dispatch latency."""
+    """The server side: merge cost and parallel speed-up, staging, dispatch latency, and
+    the server host's cores that merges (and colocated slots' staging) share.
+
+    Without ``cpu_cores`` the model is the plain one: a merge takes ``merge_s`` and P
+    merges run ``speedup(P)`` times as fast. With ``cpu_cores`` set, the resource-sharing
+    model replaces the speed-up table: a merge is ``merge_cpu_s(P)`` seconds of CPU work
+    (``merge_s`` for a lone assimilator, which merges from its cached copy of the model;
+    ``merge_shared_s`` when P > 1, since each merge reads the shards back from Redis), and
+    all CPU work on the server host — the P assimilators' merges with their Redis
+    commands, plus each unit's staging when the slots run on the same host
+    (``colocated``: the local backend) — is served by processor sharing over
+    ``cpu_cores`` cores: k busy activities each progress at min(1, cores / k). The one
+    work generator creates units one at a time, ``create_s`` CPU seconds each (it reads
+    the current weights from Redis and writes them to the unit's input file).
+    """
 
     merge_s: float  # one merge at this model size, one assimilator alone
     merge_speedup: dict[int, float] = field(default_factory=dict)  # P -> measured speed-up
     stage_s: float = 0.0  # per unit on the slot: read inputs, write outputs
     dispatch_s: float = 0.0  # generator + dispatcher latency before a slot starts a unit
     server_cores: int = 2  # caps the speed-up when P was not measured
+    cpu_cores: float | None = None  # resource sharing on the server host (None: off)
+    merge_shared_s: float | None = None  # CPU seconds of one merge when P > 1
+    colocated: bool = False  # slots stage on the server host's cores (local backend)
+    create_s: float = 0.0  # CPU seconds the one work generator spends creating a unit
 
     def speedup(self, p: int) -> float:
+        if self.sharing:
+            # Throughput of P merges on the shared cores with nothing else running.
+            return min(p, self.cpu_cores or 1) * self.merge_s / max(self.merge_cpu_s(p), 1e-12)
         if p in self.merge_speedup:
             return self.merge_speedup[p]
         known = sorted(self.merge_speedup)
         if known and p > known[-1]:
             return self.merge_speedup[known[-1]]  # no more gain than the largest measured
         return float(min(p, self.server_cores))
+
+    @property
+    def sharing(self) -> bool:
+        """True when the resource-sharing (processor-sharing) term is on."""
+        return self.cpu_cores is not None
+
+    def merge_cpu_s(self, p: int) -> float:
+        """CPU seconds of one merge with P assimilators (resource-sharing model)."""
+        if p > 1 and self.merge_shared_s is not None:
+            return self.merge_shared_s
+        return self.merge_s
+
+    def server_cpu_s(self, p: int) -> float:
+        """CPU seconds one unit costs the server host: its creation and merge, plus its
+        staging when the slots are colocated with the server."""
+        return self.create_s + self.merge_cpu_s(p) + (self.stage_s if self.colocated else 0.0)
 
 
 @dataclass(frozen=True)
@@ -143,13 +200,18 @@ class Prediction:
     method: str  # "closed-form" or "simulation"
 
 
-def client_rate(cfg: Config, w: Workload, costs: ServerCosts) -> float:
-    """R_c: units per second the fleet completes when every slot is busy."""
-    return sum(c * cfg.slots / (h.unit_time(cfg.slots, w, costs) + costs.dispatch_s) for h, c in cfg.hosts)
+def client_rate(cfg: Config, w: Workload, costs: ServerCosts, stretch: float = 1.0) -> float:
+    """R_c: units per second the fleet completes when every slot is busy (staging on
+    shared cores stretched by ``stretch``)."""
+    return sum(c * cfg.slots / client_hold(h, cfg, w, costs, stretch) for h, c in cfg.hosts)
 
 
-def server_rate(cfg: Config, costs: ServerCosts) -> float:
+def server_rate(cfg: Config, costs: ServerCosts, stretch: float = 1.0) -> float:
     """R_s: units per second P parameter servers merge."""
+    if costs.sharing:
+        # P merges, each stretched by the sharing, and never more CPU than the cores.
+        one = max(costs.merge_cpu_s(cfg.assimilators), 1e-12)
+        return min(cfg.assimilators / (one * stretch), (costs.cpu_cores or 1) / one)
     return costs.speedup(cfg.assimilators) / costs.merge_s
 
 
@@ -164,19 +226,51 @@ def mean_preempt_p(cfg: Config) -> float:
     return sum(h.preempt_p * c for h, c in cfg.hosts) / n if n else 0.0
 
 
+def sharing_stretch(rho: float, cores: float) -> float:
+    """Mean slow-down of a CPU activity on ``cores`` shared cores at utilisation ``rho``:
+    1 + the queueing delay of an M/M/c queue in units of service time (Sakasegawa's
+    approximation, rho^sqrt(2(c+1)) / (c (1 - rho))). An approximation of processor
+    sharing, which the simulation models exactly; rho is capped below 1."""
+    rho = min(max(rho, 0.0), 0.98)
+    return 1.0 + rho ** math.sqrt(2 * (cores + 1)) / (cores * (1 - rho))
+
+
 def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
-    """The throughput bound plus the paper's preemption term (module docstring)."""
-    rc, rs = client_rate(cfg, w, costs), server_rate(cfg, costs)
+    """The throughput bound plus the paper's preemption term (module docstring); with
+    resource sharing, the rates are solved together with the cores' utilisation."""
     window = min(cfg.window or cfg.total_slots, cfg.total_slots)
+    stretch = 1.0
+    rc, rs = client_rate(cfg, w, costs), server_rate(cfg, costs)
+    rate = min(rc * window / cfg.total_slots, rs)
+    if costs.sharing:
+        cores = costs.cpu_cores or 1.0
+        demand = max(costs.server_cpu_s(cfg.assimilators), 1e-12)  # CPU seconds per unit on the server host
+        for _ in range(60):  # fixed point: rate -> utilisation -> stretch -> rate (damped)
+            stretch = sharing_stretch(rate * demand / cores, cores)
+            rc, rs = client_rate(cfg, w, costs, stretch), server_rate(cfg, costs, stretch)
+            gen = 1.0 / (costs.create_s * stretch) if costs.create_s > 0 else math.inf  # one generator
+            rate = 0.5 * rate + 0.5 * min(rc * window / cfg.total_slots, rs, cores / demand, gen)
     rc_w = rc * window / cfg.total_slots  # a window below the slot count idles the rest
-    rate = min(rc_w, rs)
     n_s = w.units
     p = mean_preempt_p(cfg)
     lost = n_s * p * cfg.loss_cost_s() / max(1, window)
-    fill = max(h.unit_time(cfg.slots, w, costs) for h, _ in cfg.hosts) + costs.dispatch_s \
-        + merge_service_s(cfg, costs)
+    merge_one = costs.merge_cpu_s(cfg.assimilators) * stretch if costs.sharing else merge_service_s(cfg, costs)
+    # The first unit's way through the empty pipeline: on a mixed fleet most units go to
+    # the fast hosts, so the typical unit's hold (weighted by each type's share of the
+    # rate), not the slowest's — though no job ends before one unit of its slowest type.
+    holds = [(c * cfg.slots / client_hold(h, cfg, w, costs, stretch), client_hold(h, cfg, w, costs, stretch))
+             for h, c in cfg.hosts]
+    fill = sum(r * t for r, t in holds) / sum(r for r, _ in holds) + merge_one \
+        + (costs.create_s * stretch if costs.sharing else 0.0)
     job = n_s / rate + lost + fill - 1.0 / rate  # n_s units need n_s - 1 inter-completion gaps after fill
+    job = max(job, max(t for _, t in holds) + merge_one)
     return Prediction(job, job / w.epochs, rc_w, rs, "clients" if rc_w <= rs else "servers", "closed-form")
+
+
+def client_hold(h: HostType, cfg: Config, w: Workload, costs: ServerCosts, stretch: float = 1.0) -> float:
+    """Seconds one unit holds a slot of a host of type ``h``, dispatch included."""
+    d = h.delay_time(cfg.slots, w, costs)
+    return d + (h.unit_time(cfg.slots, w, costs) - d) * stretch + costs.dispatch_s
 
 
 def waves(cfg: Config, w: Workload, costs: ServerCosts) -> float:

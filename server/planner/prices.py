@@ -59,11 +59,12 @@ class TablePriceBook:
     """The shipped (or a user's) dated price table, optionally with observed spot prices."""
 
     def __init__(self, types: dict[str, TypeInfo], date: str, source_text: str,
-                 spot_observed: dict[str, float] | None = None):
+                 spot_observed: dict[str, float] | None = None, on_demand_given: dict[str, float] | None = None):
         self.types = types
         self.date = date
         self.source_text = source_text
         self.spot_observed = dict(spot_observed or {})
+        self.on_demand_given = dict(on_demand_given or {})  # a fleet file's on_demand_prices
 
     @classmethod
     def load(cls, path: Path | str = DEFAULT_TABLE) -> TablePriceBook:
@@ -101,6 +102,8 @@ class TablePriceBook:
         info = self.types.get(type_)
         if market == "spot" and type_ in self.spot_observed:
             return self.spot_observed[type_]
+        if market == "on-demand" and type_ in self.on_demand_given:
+            return self.on_demand_given[type_]
         if info is None:
             raise PriceError(f"no price for instance type {type_!r} (add it to the price table)")
         return info.spot if market == "spot" else info.on_demand
@@ -108,7 +111,19 @@ class TablePriceBook:
     def source(self) -> str:
         extra = f"; spot from observed history for {', '.join(sorted(self.spot_observed))}" \
             if self.spot_observed else ""
+        if self.on_demand_given:
+            extra += f"; on-demand from the fleet file for {', '.join(sorted(self.on_demand_given))}"
         return f"{self.source_text}, as of {self.date} (approximate list prices){extra}"
+
+    def with_prices(self, on_demand: dict[str, float], spot: dict[str, float]) -> TablePriceBook:
+        """A copy with a fleet file's prices: its on-demand list prices, and its spot
+        prices taken as observed (GCP publishes SPOT prices: no history to average)."""
+        for name, v in [*on_demand.items(), *spot.items()]:
+            if not (isinstance(v, (int, float)) and 0 < float(v) < 1e4):
+                raise PriceError(f"price of {name!r}: a positive $/h expected, got {v!r}")
+        return TablePriceBook(self.types, self.date, self.source_text,
+                              {**self.spot_observed, **{k: float(v) for k, v in spot.items()}},
+                              {**self.on_demand_given, **{k: float(v) for k, v in on_demand.items()}})
 
     def with_spot_history(self, points: Iterable[Any], window_s: float = 7 * 86400,
                           now: float | None = None) -> TablePriceBook:
@@ -120,7 +135,8 @@ class TablePriceBook:
             if now - float(p.time) <= window_s:
                 seen.setdefault(str(p.type), []).append(float(p.usd_per_hour))
         observed = {t: statistics.fmean(v) for t, v in seen.items() if v}
-        return TablePriceBook(self.types, self.date, self.source_text, {**self.spot_observed, **observed})
+        return TablePriceBook(self.types, self.date, self.source_text, {**self.spot_observed, **observed},
+                              self.on_demand_given)
 
 
 class ExternalPriceBook:

@@ -10,6 +10,12 @@ backend and BOINC alike):
   staging, transfer: :meth:`~server.planner.model.HostType.unit_time`);
 * each result goes to one of P parameter servers (``wu_id % P``: the unit's hash, so a
   random one) and waits there in FIFO order for ``merge_service_s``;
+* with resource sharing on (``ServerCosts.cpu_cores``), a merge is instead
+  ``merge_cpu_s(P)`` seconds of CPU work, and so is each unit's staging on slots
+  colocated with the server; all of it is served by processor sharing over the server
+  host's cores (k busy activities each advance at min(1, cores / k)), so many slots
+  staging at once slow the merges down and vice versa; the one work generator's
+  creation of each unit (``create_s``) is CPU work there too, one unit at a time;
 * preemption: a unit's first instance is lost with its host type's probability, at a
   uniform 10-90% of its run; the slot is out for ``respawn_s`` and the unit is re-issued
   at its deadline (dispatch + t_o), or ``notice_s`` after the loss with notices.
@@ -52,13 +58,24 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     rng = random.Random(seed)
     hosts = cfg.host_list()
     slot_host = [i for i, _ in enumerate(hosts) for _ in range(cfg.slots)]
-    unit_s = [h.unit_time(cfg.slots, w, costs) + costs.dispatch_s for h in hosts]
-    m = merge_service_s(cfg, costs)
+    sharing = costs.sharing
+    # Without sharing a unit holds its slot for a fixed time; with it, for a fixed delay
+    # and then its staging as CPU work on the shared cores (colocated slots only).
+    delay_s = [h.delay_time(cfg.slots, w, costs) + costs.dispatch_s for h in hosts]
+    stage_cpu = [h.unit_time(cfg.slots, w, costs) - h.delay_time(cfg.slots, w, costs) for h in hosts]
+    m = costs.merge_cpu_s(cfg.assimilators) if sharing else merge_service_s(cfg, costs)
+    cores = float(costs.cpu_cores or 1.0)
     window = min(cfg.window or cfg.total_slots, cfg.total_slots)
     n_s = w.units
     free = [True] * len(slot_host)
     unsent: deque[int] = deque()
-    server_free = [0.0] * cfg.assimilators
+    server_free = [0.0] * cfg.assimilators  # without sharing: when each server is next free
+    server_queue: list[deque[int]] = [deque() for _ in range(cfg.assimilators)]  # with sharing
+    server_busy = [False] * cfg.assimilators
+    cpu: list[list] = []  # with sharing: [remaining CPU seconds, kind, unit, slot or server]
+    gen_cpu = costs.create_s if sharing else 0.0
+    gen_queue: deque[int] = deque()
+    gen_busy = False
     server_of = [rng.randrange(cfg.assimilators) if assign == "hash" else u % cfg.assimilators
                  for u in range(n_s)]
     attempts = [0] * n_s
@@ -76,8 +93,18 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     def create() -> None:
         nonlocal created
         while created < n_s and created - merged < window:
-            unsent.append(created)
+            if gen_cpu > 0:
+                gen_queue.append(created)  # the one generator writes its input file first
+            else:
+                unsent.append(created)
             created += 1
+        start_create()
+
+    def start_create() -> None:
+        nonlocal gen_busy
+        if gen_queue and not gen_busy:
+            gen_busy = True
+            cpu.append([gen_cpu, "create", gen_queue.popleft(), -1])
 
     def dispatch(t: float) -> None:
         for s, ok in enumerate(free):
@@ -88,7 +115,7 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
             unit = unsent.popleft()
             free[s] = False
             h = hosts[slot_host[s]]
-            u = unit_s[slot_host[s]]
+            u = delay_s[slot_host[s]]
             first = attempts[unit] == 0
             attempts[unit] += 1
             if first and h.preempt_p and rng.random() < h.preempt_p:
@@ -97,22 +124,71 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
                 back = kill + cfg.notice_s if cfg.notice_s is not None else t + cfg.timeout_s
                 push(max(back, kill), "reissue", unit, s)
             else:
-                push(t + u, "done", unit, s)
+                push(t + u, "computed", unit, s)
 
-    create()
-    dispatch(0.0)
-    while events:
-        now, _, kind, unit, slot = heapq.heappop(events)
-        if kind == "done":
-            free[slot] = True
-            srv = server_of[unit]
-            start = max(now, server_free[srv])
+    def start_merge(srv: int) -> None:
+        nonlocal busy
+        if not server_busy[srv] and server_queue[srv]:
+            server_busy[srv] = True
+            cpu.append([m, "merge", server_queue[srv].popleft(), srv])
+            busy += m
+
+    def result_in(t: float, unit: int) -> None:
+        nonlocal busy
+        srv = server_of[unit]
+        if sharing:
+            server_queue[srv].append(unit)
+            start_merge(srv)
+        else:
+            start = max(t, server_free[srv])
             server_free[srv] = start + m
             busy += m
             push(start + m, "merged", unit)
+
+    def cpu_done(job: list) -> None:
+        nonlocal gen_busy
+        _, kind, unit, where = job
+        if kind == "create":
+            gen_busy = False
+            unsent.append(unit)
+            start_create()
+        elif kind == "stage":
+            free[where] = True
+            result_in(now, unit)
+        else:
+            server_busy[where] = False
+            on_merged()
+            start_merge(where)
+
+    def on_merged() -> None:
+        nonlocal merged
+        merged += 1
+        create()
+
+    create()
+    dispatch(0.0)
+    while events or cpu:
+        rate = min(1.0, cores / len(cpu)) if cpu else 1.0
+        t_cpu = now + min(j[0] for j in cpu) / rate if cpu else float("inf")
+        if events and events[0][0] <= t_cpu:
+            t_next, _, kind, unit, slot = heapq.heappop(events)
+        else:
+            t_next, kind, unit, slot = t_cpu, "cpu", -1, -1
+        for j in cpu:  # processor sharing: every CPU activity advanced at the same rate
+            j[0] -= (t_next - now) * rate
+        now = t_next
+        if kind == "cpu":
+            for j in [j for j in cpu if j[0] <= 1e-12]:
+                cpu.remove(j)
+                cpu_done(j)
+        elif kind == "computed":
+            if sharing and stage_cpu[slot_host[slot]] > 0:
+                cpu.append([stage_cpu[slot_host[slot]], "stage", unit, slot])
+            else:
+                free[slot] = True
+                result_in(now, unit)
         elif kind == "merged":
-            merged += 1
-            create()
+            on_merged()
         elif kind == "slot_back":
             free[slot] = True
         elif kind == "reissue":

@@ -186,8 +186,10 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
         t.add_row("slot utilisation", f"{busy / max(1e-9, b.get('elapsed_s', 0) * b.get('slots', 1)):.0%}")
     t.add_row("elapsed", f"{res.elapsed_s:.1f} s")
     if res.planner:
-        t.add_row("epoch time", f"{res.planner['actual_epoch_s']:.1f} s; planner predicted "
-                                f"{res.planner['predicted_epoch_s']:.1f} s ({res.planner['error']:+.0%})")
+        startup = res.planner.get("startup_s")
+        after = f" after {startup:.1f} s start-up" if startup else ""
+        t.add_row("epoch time", f"{res.planner['actual_epoch_s']:.2f} s{after}; planner predicted "
+                                f"{res.planner['predicted_epoch_s']:.2f} s ({res.planner['error']:+.0%})")
     for k, v in res.outputs.items():
         t.add_row(k, v)
     return t
