@@ -398,8 +398,14 @@ class MOPWorkGenerator:
             return False
         self._poll_results()
         if self.pipelined:
+            # Units first: a model that ended its epoch in this pass was evaluated and
+            # advanced by _poll_results, and closing the epoch only records results (a
+            # pipelined search stops no model before the last epoch). Closing first made
+            # the next epoch wait for the record whenever the last models ended together.
+            self._issue()
             self._close_ready()
-        elif self.sched.epoch_done():
+            return self.store.meta().get("status") not in FINISHED
+        if self.sched.epoch_done():
             self._close_epoch()
         if self.store.meta().get("status") in FINISHED:
             return False
