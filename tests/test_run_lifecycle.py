@@ -171,7 +171,12 @@ def test_a_job_in_which_every_unit_fails_ends_failed_fast(tmp_path: Path) -> Non
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert summary["backend"]["merged"] == 0
-    assert summary["backend"]["sent"] < 3 * 4  # fast: it did not try every unit of every epoch
+    backend = summary["backend"]
+    # fast: it did not try every unit of every epoch (3 x 4 distinct units). Re-issues of
+    # the failed ones go on being sent until the verdict lands, more of them on a loaded
+    # machine, so they are bounded apart: far below trying every unit to its error limit.
+    assert backend["sent"] - backend["reissued"] < 3 * 4, backend
+    assert backend["sent"] <= 3 * 4 * 2, backend
     assert time.time() - t0 < 300
     st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir)], cwd=tmp_path, env=ENV,
                         capture_output=True, text=True, timeout=120)
