@@ -364,25 +364,27 @@ class Installer:
         return simple("daemon", [("cmd", spec["cmd"]), ("output", spec["output"]), ("pid_file", spec["pid_file"])])
 
     def host_contact(self) -> None:
-        """``<next_rpc_delay>``: hosts come back and ask for work despite a work-fetch backoff."""
-        changes = set_next_rpc_delay(self.p.config_xml, self.o.next_rpc_delay_s)
+        """``<next_rpc_delay>``: hosts come back and ask for work despite a work-fetch backoff;
+        ``<maintenance_delay>``: a host that asks during a restart stays away this long;
+        ``<min_sendwork_interval>``: every reply's request_delay holds back the next report
+        (docs/boinc.md, latency)."""
+        o, xml = self.o, self.p.config_xml
+        self._config_setting(
+            set_next_rpc_delay(xml, o.next_rpc_delay_s), o.next_rpc_delay_s > 0,
+            f"next_rpc_delay {o.next_rpc_delay_s:g} s: every host contacts the scheduler at least "
+            f"{requests_per_host_hour(o.next_rpc_delay_s):g} times an hour (for every app of the project)")
+        self._config_setting(set_maintenance_delay(xml, o.maintenance_delay_s), False, "")
+        self._config_setting(
+            set_min_sendwork_interval(xml, o.min_sendwork_interval_s), o.min_sendwork_interval_s > 0,
+            f"min_sendwork_interval {o.min_sendwork_interval_s} s: every scheduler reply defers the host's "
+            f"next request (a finished task's report included) by {request_delay_s(o.min_sendwork_interval_s):g} s")
+
+    def _config_setting(self, changes: list[str], costly: bool, cost: str) -> None:
+        """Report a config.xml setting's changes, and its cost when it changed and costs."""
         for c in changes:
             self.change(f"config.xml: {c}")
-        if changes and self.o.next_rpc_delay_s > 0:
-            self.note(f"next_rpc_delay {self.o.next_rpc_delay_s:g} s: every host contacts the scheduler at "
-                      f"least {requests_per_host_hour(self.o.next_rpc_delay_s):g} times an hour "
-                      "(for every app of the project)")
-        # A host that asks while the project is stopped (a restart) stays away this long.
-        for c in set_maintenance_delay(self.p.config_xml, self.o.maintenance_delay_s):
-            self.change(f"config.xml: {c}")
-        # Every reply's request_delay holds back the next report (docs/boinc.md, latency).
-        changes = set_min_sendwork_interval(self.p.config_xml, self.o.min_sendwork_interval_s)
-        for c in changes:
-            self.change(f"config.xml: {c}")
-        if changes and self.o.min_sendwork_interval_s > 0:
-            self.note(f"min_sendwork_interval {self.o.min_sendwork_interval_s} s: every scheduler reply defers "
-                      f"the host's next request (a finished task's report included) by "
-                      f"{request_delay_s(self.o.min_sendwork_interval_s):g} s")
+        if changes and costly:
+            self.note(cost)
 
     def admin_page(self) -> None:
         try:
