@@ -64,28 +64,28 @@ def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elaps
             "merge_s_estimate": round(costs.merge_s, 4)}
 
 
-def _first_wave_extra_s(units: list[dict[str, Any]], slots: int, median_wall: float) -> float:
-    """How much longer the first ``slots`` units to start ran than the median unit."""
-    timed = []
-    for u in units:
-        try:
-            timed.append((float(u["t"]) - float(u["wall_s"]), float(u["wall_s"])))
-        except (KeyError, TypeError, ValueError):
-            continue
-    first = [wall for _, wall in sorted(timed)[:slots]]
-    return max(0.0, statistics.median(first) - median_wall) if first else 0.0
-
-
-def _pipeline_span_s(units: list[dict[str, Any]]) -> float | None:
-    """Seconds from the first merged unit's start on its slot (its merge time less its
-    wall time) to the last merge, from the units' own records; None without them."""
-    starts, ends = [], []
+def _timed(units: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(start on its slot, wall time) of every unit with a usable merge time ``t`` and
+    ``wall_s`` in its record (NaN and negative walls skipped)."""
+    out = []
     for u in units:
         try:
             t, wall = float(u["t"]), float(u["wall_s"])
         except (KeyError, TypeError, ValueError):
             continue
         if t == t and wall == wall and wall >= 0:  # skip NaN
-            starts.append(t - wall)
-            ends.append(t)
-    return max(ends) - min(starts) if ends else None
+            out.append((t - wall, wall))
+    return out
+
+
+def _first_wave_extra_s(units: list[dict[str, Any]], slots: int, median_wall: float) -> float:
+    """How much longer the first ``slots`` units to start ran than the median unit."""
+    first = [wall for _, wall in sorted(_timed(units))[:slots]]
+    return max(0.0, statistics.median(first) - median_wall) if first else 0.0
+
+
+def _pipeline_span_s(units: list[dict[str, Any]]) -> float | None:
+    """Seconds from the first merged unit's start on its slot (its merge time less its
+    wall time) to the last merge, from the units' own records; None without them."""
+    timed = _timed(units)
+    return max(start + wall for start, wall in timed) - min(start for start, _ in timed) if timed else None
