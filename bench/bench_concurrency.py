@@ -6,10 +6,11 @@ merges that really landed is read back from every shard of W_s (lost = fewer,
 doubled = more). Strict mode must land all of them exactly once; the paper's
 eventual mode (no check-and-set) is measured for lost updates.
 
-Engines measured in one run, each repeated ``--repeats`` times (median reported):
-the one-key layout (the whole model as one shard: the baseline) and the sharded
-layout on one Redis, and the sharded layout on a Redis Cluster of 1 and of 3
-masters on loopback. Also: one shard's check-and-set as a Lua script vs as
+Engines measured in one run, each repeated ``--repeats`` times (median reported),
+each row on a fresh engine: the one-key layout (the whole model as one shard: the
+baseline) and the sharded layout on one Redis, the same with Redis's own AOF-rewrite
+thresholds (the baseline for boinc-dl's), and the sharded layout on a Redis Cluster
+of 1 and of 3 masters on loopback. Also: one shard's check-and-set as a Lua script vs as
 WATCH/MULTI/EXEC (single process, hiredis parser when installed).
 Model size: the paper's 4,972,746 float32 parameters.
 
@@ -21,11 +22,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +88,25 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
             "marks": marks, "version": store.version("0") if marks else 0}
 
 
+@contextmanager
+def _engine(kind: str, data_dir: Path) -> Iterator[str]:
+    """A fresh engine on ``data_dir``, removed after: one Redis with boinc-dl's settings,
+    one Redis with Redis's own AOF-rewrite defaults (the baseline for that setting), or
+    a Redis Cluster of 1 or 3 masters on loopback."""
+    if kind.startswith("redis"):
+        extra = ["--auto-aof-rewrite-percentage", "100", "--auto-aof-rewrite-min-size", "64mb"] \
+            if kind == "redis-aof-defaults" else []
+        eng: EmbeddedRedis | LocalRedisCluster = EmbeddedRedis(data_dir, extra_args=extra).start()
+    else:
+        eng = LocalRedisCluster(data_dir, masters=int(kind[len("cluster"):])).start()
+    try:
+        yield eng.url
+    finally:
+        eng.kill()
+        # Gigabytes of append-only file: gone before the next row writes its own.
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
 def cas_lua_vs_watch(url: str, shard_floats: int, updates: int = 40) -> dict:
     """Seconds per shard update: Lua read + check-and-set vs WATCH/GET/MULTI/EXEC."""
     store = JobStore(connect(url), "cas")
@@ -132,30 +155,27 @@ def main() -> None:
           f"{a.repeats} repeats")
     one_key = a.params * 4 + 1  # one shard: the whole model under one check-and-set
     configs = [("redis", "strict", one_key), ("redis", "strict", a.shard_bytes),
-               ("redis", "eventual", a.shard_bytes), ("cluster1", "strict", a.shard_bytes),
-               ("cluster3", "strict", a.shard_bytes)]
+               ("redis", "eventual", a.shard_bytes), ("redis-aof-defaults", "strict", a.shard_bytes),
+               ("cluster1", "strict", a.shard_bytes), ("cluster3", "strict", a.shard_bytes)]
     rows: dict[tuple[str, str, int], list[dict]] = {c: [] for c in configs}
     cas: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="bdl-conc-"))
-    for rep in range(a.repeats):
-        # One engine of each kind per repeat, all measured back to back (ratios in one run).
-        srv = EmbeddedRedis(tmp / f"redis{rep}").start()
-        c1 = LocalRedisCluster(tmp / f"c1-{rep}", masters=1).start()
-        c3 = LocalRedisCluster(tmp / f"c3-{rep}", masters=3).start()
-        urls = {"redis": srv.url, "cluster1": c1.url, "cluster3": c3.url}
-        try:
-            cas.append(cas_lua_vs_watch(srv.url, a.shard_bytes // 4))
-            for cfg in configs:
+    try:
+        for rep in range(a.repeats):
+            with _engine("redis", tmp / f"cas{rep}") as url:
+                cas.append(cas_lua_vs_watch(url, a.shard_bytes // 4))
+            for n, cfg in enumerate(configs):
                 eng, mode, sb = cfg
-                r = run_once(urls[eng], mode, a.procs, a.results, a.params, sb)
+                # A fresh engine per row (ratios in one run, none inheriting another's
+                # append-only file or its dirty pages).
+                with _engine(eng, tmp / f"{rep}-{n}") as url:
+                    r = run_once(url, mode, a.procs, a.results, a.params, sb)
                 rows[cfg].append(r)
-                print(f"  [{rep + 1}] {eng:8s} {mode:8s} {r['shards']:3d} shard(s): {r['merges_per_s']:6.1f} merges/s,"
-                      f" landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, marks {r['marks']}",
-                      flush=True)
-        finally:
-            srv.kill()
-            c1.kill()
-            c3.kill()
+                print(f"  [{rep + 1}] {eng:18s} {mode:8s} {r['shards']:3d} shard(s): {r['merges_per_s']:6.1f} "
+                      f"merges/s, landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, "
+                      f"marks {r['marks']}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     med = {cfg: statistics.median(r["merges_per_s"] for r in rs) for cfg, rs in rows.items()}
     base = med[configs[0]]
     for cfg, rs in rows.items():
@@ -167,9 +187,12 @@ def main() -> None:
              runs_merges_per_s=[round(r["merges_per_s"], 2) for r in rs], ratio_vs_one_key=med[cfg] / base,
              lost_max=worst_lost, doubled_max=worst_doubled, marks_min=min(r["marks"] for r in rs),
              hosts_at_5min_units=int(med[cfg] * UNIT_S))
-    sharded, c1m, c3m = med[configs[1]], med[configs[3]], med[configs[4]]
+    sharded, c1m, c3m = med[configs[1]], med[configs[4]], med[configs[5]]
+    aof_default = med[configs[3]]
     print(f"median merges/s: one key {base:.1f}, sharded {sharded:.1f} ({sharded / base:.2f}x), "
           f"cluster 1 node {c1m:.1f}, 3 nodes {c3m:.1f} (3/1 nodes: {c3m / c1m:.2f}x)")
+    print(f"AOF rewrite thresholds: Redis's defaults {aof_default:.1f} merges/s, boinc-dl's {sharded:.1f} "
+          f"({sharded / aof_default:.2f}x)")
     print(f"hosts one server sustains at 5-minute units: one key {base * UNIT_S:,.0f}, "
           f"sharded {sharded * UNIT_S:,.0f}, 3-node cluster {c3m * UNIT_S:,.0f}")
     lua = statistics.median(c["lua_s"] for c in cas)
@@ -180,7 +203,8 @@ def main() -> None:
          merges_per_s_cluster1=c1m, merges_per_s_cluster3=c3m, ratio_sharded_vs_one_key=sharded / base,
          ratio_cluster3_vs_cluster1=c3m / c1m, goal_merges_per_s=20, meets_goal=min(sharded, c3m) >= 20,
          hosts_at_5min_units_sharded=int(sharded * UNIT_S), hosts_at_5min_units_cluster3=int(c3m * UNIT_S),
-         cas_lua_ms=lua * 1000, cas_watch_ms=watch * 1000)
+         cas_lua_ms=lua * 1000, cas_watch_ms=watch * 1000, merges_per_s_aof_defaults=aof_default,
+         ratio_vs_aof_defaults=sharded / aof_default)
 
 
 if __name__ == "__main__":

@@ -54,12 +54,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("lost", ["cas_shard", "finalize"])
+@pytest.mark.parametrize("lost", ["commit", "commit-cold", "finalize"])
 @pytest.mark.parametrize("shard_bytes", ["", "16"])
 def test_lost_merge_reply_is_recognised_as_own_merge(tcp_redis, monkeypatch, lost: str, shard_bytes: str) -> None:
-    """A shard's check-and-set (or the unit's global mark) applied, its reply lost: the
-    retry reports the merge applied, never a duplicate, and every shard moved exactly
-    once (one shard, and the 15-parameter model cut into 4 shards)."""
+    """A shard's commit (MULTI/EXEC) or the unit's global mark applied, its reply lost:
+    the retry reports the merge applied, never a duplicate, and every shard moved
+    exactly once (one shard, and the 15-parameter model cut into 4 shards; with the
+    process's cached shards current, all shards commit in one EXEC, and from a cold
+    process shard by shard)."""
     monkeypatch.setenv("BDL_SHARD_BYTES", shard_bytes)
     proxy = FaultyProxy(tcp_redis.port)
     try:
@@ -68,8 +70,12 @@ def test_lost_merge_reply_is_recognised_as_own_merge(tcp_redis, monkeypatch, los
         store = JobStore(connect(proxy.url), "tiny", retry_s=10)
         wc = np.full(15, 2.0, np.float32)
         store.merge("0", "u7", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, epoch=1)  # loads the scripts
-        sha = {"cas_shard": sh.CAS_SHARD, "finalize": sh.FINALIZE}[lost]
-        proxy.drop_reply_after(store.r.register_script(sha).sha.encode())
+        if lost == "finalize":
+            proxy.drop_reply_after(store.r.register_script(sh.FINALIZE).sha.encode())
+        else:
+            proxy.drop_reply_after(b"*1\r\n$4\r\nEXEC\r\n")
+            if lost == "commit-cold":
+                store = JobStore(connect(proxy.url), "tiny", retry_s=10)
         out = store.merge("0", "u0", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, epoch=1)
         assert proxy.dropped == 1
         assert out.applied and not out.duplicate and out.version == 2

@@ -276,3 +276,38 @@ def test_cached_fast_path_and_a_second_writer(tmp_path: Path, monkeypatch) -> No
         assert not a.merge("0", "m4", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
     finally:
         srv.kill()
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["cached-fast-path", "shard-by-shard"])
+def test_a_write_between_watch_and_commit_aborts_and_is_retried(tmp_path: Path, monkeypatch, warm: bool) -> None:
+    """Another assimilator commits a shard while this one is computing it (after its
+    WATCH, before its EXEC): the commit is aborted, the shard re-read and merged again,
+    and every shard ends at exactly four merges, whichever path the merge took."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        a = _job(srv.url, 6, "race")
+        b = JobStore(connect(srv.url), "race")
+        wc = np.ones(N, np.float32)
+        for u in ("m0", "m0b"):  # the second finds every cached shard current: a is alone
+            assert a.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
+        assert a._alone["0"]
+        if not warm:
+            a = JobStore(connect(srv.url), "race")  # no cached shard: read shard by shard
+        calls = []
+
+        def racing(ws: np.ndarray, sl: slice) -> np.ndarray:
+            if not calls:  # the first shard computed: b merges its unit meanwhile
+                assert b.merge("0", "m1", lambda w2, s2: merge_into(w2, wc[s2], 0.5), {}, 1).applied
+            calls.append(sl.start)
+            return merge_into(ws, wc[sl], 0.5)
+        out = a.merge("0", "m2", racing, {}, 1)
+        assert out.applied and not out.duplicate
+        assert len(calls) > 10  # some shard was computed again after the abort
+        if not warm:
+            assert out.retries >= 1
+        snap = b.snapshot("0")
+        assert snap.shard_versions == [4] * 10
+        np.testing.assert_array_equal(snap.flat, _expected(4, 0.5))
+    finally:
+        srv.kill()
