@@ -311,3 +311,29 @@ def test_a_write_between_watch_and_commit_aborts_and_is_retried(tmp_path: Path, 
         np.testing.assert_array_equal(snap.flat, _expected(4, 0.5))
     finally:
         srv.kill()
+
+
+def test_a_give_up_landing_while_shards_are_applied_keeps_the_accounting(tmp_path: Path, monkeypatch) -> None:
+    """The unit is given up (BOINC's error path, another daemon) after the merge's
+    first check and before its final mark: the final mark refuses it, so the unit is
+    failed only, the epoch counts it once, and the late merge is on the record."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        a = _job(srv.url, 3, "late")  # units m0..m2
+        other = JobStore(connect(srv.url), "late")
+        wc = np.ones(N, np.float32)
+
+        def giving_up(ws: np.ndarray, sl: slice) -> np.ndarray:
+            other.mark_failed("m1", "too many errors", 1)
+            return merge_into(ws, wc[sl], 0.5)
+        out = a.merge("0", "m1", giving_up, {}, 1)
+        assert out.given_up and not out.applied
+        assert "m1" not in a.assimilated() and "m1" in a.failed()
+        assert a.unit_states()["m1"] == "failed"
+        counts = a.epoch_counts(1)
+        assert counts.get("failed") == 1 and not counts.get("assimilated")
+        assert [m["unit"] for m in a.metrics("late_merge")] == ["m1"]
+        assert not a.mark_failed("m1", "again", 1)  # still counted once
+    finally:
+        srv.kill()

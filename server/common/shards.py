@@ -101,11 +101,17 @@ return {1, redis.call('HINCRBY', KEYS[2], 'v', 1)}
 
 # The unit's global "assimilated" mark, set once every shard carries the unit, with
 # the accounting it drives (version counter, unit state, epoch count, metrics entry).
-# KEYS: assimilated, unit_state, epoch hash, metrics, version counter.
+# A unit given up meanwhile (its epoch already counted it failed) is not marked: its
+# shards carry the update, but the accounting never counts one unit twice.
+# KEYS: assimilated, unit_state, epoch hash, metrics, version counter, failed.
 # ARGV: unit, record JSON without its closing brace, has-epoch flag, model.
 FINALIZE = """
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
 if prev then return {0, prev} end
+if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then
+  redis.call('XADD', KEYS[4], '*', 'kind', 'late_merge', 'unit', ARGV[1], 'model', ARGV[4])
+  return {-1}
+end
 local v = redis.call('INCR', KEYS[5])
 local rec = ARGV[2] .. ',"version":' .. v .. ',"base_version_seen":' .. (v - 1) .. '}'
 redis.call('HSET', KEYS[1], ARGV[1], rec)

@@ -421,7 +421,8 @@ class JobStore:
             return self._outcome_of_mark(model, prev, token, 0)
         if failed:
             # Given up for good (its epoch counted it failed): a late result may not also
-            # count as merged. (A give-up landing while the shards are applied is not seen.)
+            # count as merged. (A give-up landing while the shards are applied is caught by
+            # the final mark: see FINALIZE.)
             return MergeOutcome(False, self.version(model), 0, given_up=True)
         lay = self.layout(model)
         one_arg = _arity(combine) == 1
@@ -726,11 +727,14 @@ class JobStore:
         script = self._script("finalize", sh.FINALIZE)
         rec = json.dumps({**record, "t": time.time(), "token": token})[:-1]
         keys = [self.k("assimilated"), self.k("unit_state"),
-                self.k("epoch", epoch if epoch is not None else "none"), self.k("metrics"), self.k("v", model)]
+                self.k("epoch", epoch if epoch is not None else "none"), self.k("metrics"), self.k("v", model),
+                self.k("failed")]
         args = [unit, rec, "1" if epoch is not None else "0", model]
         res = self.call(lambda: script(keys=keys, args=args))
         if int(res[0]) == 1:
             return MergeOutcome(True, int(res[1]), retries)
+        if int(res[0]) == -1:
+            return MergeOutcome(False, self.version(model), retries, given_up=True)
         return self._outcome_of_mark(model, res[1], token, retries)
 
     def _outcome_of_mark(self, model: str, prev: bytes, token: str, retries: int) -> MergeOutcome:
