@@ -5,8 +5,9 @@ A model's flat float32 buffer is cut into ``S`` contiguous shards of about
 under its own Redis hash tag, so in a Redis Cluster the shards of one model spread
 over the masters and two assimilators on different shards never meet, while a
 shard's bytes, its version and its "unit applied" marks share one slot and change
-together in one Lua script (a check-and-set: the float math runs in numpy in the
-assimilator, Redis only compares a tag and swaps the bytes).
+together in one transaction (strict mode: ``WATCH``/``MULTI``/``EXEC`` in
+:meth:`server.common.store.JobStore.merge`; eventual mode: the Lua script below). The
+float math runs in numpy in the assimilator; Redis only stores bytes.
 
 Keys of shard ``i`` of model ``M`` of job ``J`` (``B = bdl:J:s:{J/M/i}``):
 
@@ -87,7 +88,8 @@ if m[1] and m[1] == ARGV[2] then return {m[1], m[2], m[3], false} end
 return {m[1], m[2], m[3], redis.call('GET', KEYS[1])}
 """
 
-# Check-and-set of one shard and its "unit applied" mark, atomically. ARGV: expected
+# Write of one shard and its "unit applied" mark, atomically (eventual mode; strict
+# merges use WATCH/MULTI instead, which copy the bytes fewer times). ARGV: expected
 # tag ('' in eventual mode: no check, the paper's lossy merge), new tag, mark field,
 # token, bytes. Returns {1, v} applied, {0, token} already applied, {-1} conflict.
 CAS_SHARD = """

@@ -20,9 +20,10 @@ Keys of job J:
 =============================  ===================================================
 
 Weights are sharded (:mod:`server.common.shards`): a merge applies shard by shard,
-each shard's bytes and its "unit applied" mark committed together by a Lua
-check-and-set (strict mode: the loser of a race re-reads that shard and retries),
-then one script sets the unit's global "assimilated" mark with the epoch accounting.
+each shard's bytes and its "unit applied" mark committed together in one
+``MULTI``/``EXEC`` guarded by ``WATCH`` (strict mode: the loser of a race re-reads that
+shard and retries), then one script sets the unit's global "assimilated" mark with the
+epoch accounting (refused if the unit was given up meanwhile).
 A re-run of the assimilator skips the shards already marked and finds the global
 mark: nothing is applied twice, and two assimilators never overwrite each other's
 update. Weights written by earlier releases as one value (``bdl:J:w:M``) are cut
