@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -83,14 +84,20 @@ def main() -> None:
         store = JobStore(r, "bench")
         store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
         store.init_weights("0", w0)
+        # Result files in the earlier format (one dataset per tensor, as hosts of an
+        # earlier release send them): the baseline of the one-dataset format.
+        v1_store = JobStore(r, "v1files")
+        v1_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
+        v1_store.init_weights("0", w0)
         ours: list[float] = []
         one_key: list[float] = []
+        v1_files: list[float] = []
         for i in range(args.updates):
             unit = f"u{i}"
-            for st, times in ((store, ours), (one_key_store, one_key)):
+            for st, times, version in ((store, ours, 2), (one_key_store, one_key, 2), (v1_store, v1_files, 1)):
                 st.register_unit(unit, {"epoch": 1, "shard": i, "model": "0"}, 1)
                 path = tmp / f"r{i}.h5"
-                write_weights(path, WeightsFile(wc, fp, job=st.job, model="0", unit=unit))
+                write_weights(path, WeightsFile(wc, fp, job=st.job, model="0", unit=unit), format_version=version)
                 t0 = time.perf_counter()
                 out = assimilate_files(st, [path], spec, f"{unit}_0")
                 times.append(time.perf_counter() - t0)
@@ -101,10 +108,15 @@ def main() -> None:
         from server.common.weights import read_weights
 
         phases: dict[str, list[float]] = {"read+check file": [], "NaN/Inf scan": [], "merge+commit": []}
+        read_v1: list[float] = []
         for i in range(10):
             unit = f"p{i}"
             store.register_unit(unit, {"epoch": 1, "shard": i, "model": "0"}, 1)
             path = tmp / f"p{i}.h5"
+            write_weights(path, WeightsFile(wc, fp, job="bench", model="0", unit=unit), format_version=1)
+            t0 = time.perf_counter()
+            read_weights(path, fp)
+            read_v1.append(time.perf_counter() - t0)
             write_weights(path, WeightsFile(wc, fp, job="bench", model="0", unit=unit))
             t0 = time.perf_counter()
             wf = read_weights(path, fp)
@@ -120,7 +132,7 @@ def main() -> None:
         arrays = fp.split(store.get_weights("0")[0])
         r.set("naive", pickle.dumps([a.copy() for a in arrays]))
         naive: list[float] = []
-        write_weights(tmp / "n.h5", WeightsFile(wc, fp, job="bench", model="0", unit="n"))
+        write_weights(tmp / "n.h5", WeightsFile(wc, fp, job="bench", model="0", unit="n"), format_version=1)
         for _ in range(max(5, args.updates // 3)):
             t0 = time.perf_counter()
             with h5py.File(tmp / "n.h5", "r") as f:
@@ -133,12 +145,17 @@ def main() -> None:
             naive.append(time.perf_counter() - t0)
     finally:
         srv.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
     m_ours, m_naive = median(ours), median(naive)
     mb = fp.n_params * 4 / 1e6
     print(f"model: {fp.n_params:,} float32 parameters in {len(fp.tensors)} tensors ({mb:.1f} MB)")
     print(f"boinc-dl assimilation (validate + atomic merge), median of {len(ours)}: {m_ours*1000:7.1f} ms"
           f"   p90 {sorted(ours)[int(0.9*len(ours))-1]*1000:7.1f} ms")
     print("  phases (median ms): " + ", ".join(f"{k} {median(v)*1000:.1f}" for k, v in phases.items()))
+    print(f"  read+check of the same result in the earlier per-tensor format: {median(read_v1)*1000:.1f} ms "
+          f"({median(read_v1) / median(phases['read+check file']):.1f}x the one-dataset format)")
+    print(f"same, result files in the earlier per-tensor format, median: {median(v1_files)*1000:7.1f} ms "
+          f"({median(v1_files)/m_ours:.2f}x)")
     print(f"same, whole model as one shard (one-key layout), median: {median(one_key)*1000:7.1f} ms "
           f"({store.layout('0').shards} shards: {median(one_key)/m_ours:.2f}x)")
     print(f"naive pickle + GET/SET baseline, median of {len(naive)}:      {m_naive*1000:7.1f} ms")
@@ -146,6 +163,8 @@ def main() -> None:
           f"{PAPER_REDIS_S/m_ours:.1f}x;  vs its MySQL update ({PAPER_MYSQL_S} s): {PAPER_MYSQL_S/m_ours:.1f}x")
     emit("assimilation_latency", params=fp.n_params, tensors=len(fp.tensors), median_s=m_ours,
          shards=store.layout("0").shards, one_key_median_s=median(one_key), ratio_one_key=median(one_key) / m_ours,
+         v1_files_median_s=median(v1_files), ratio_v1_files=median(v1_files) / m_ours,
+         read_check_v1_s=median(read_v1),
          p90_s=sorted(ours)[int(0.9 * len(ours)) - 1], naive_median_s=m_naive, ratio_naive=m_naive / m_ours,
          paper_redis_s=PAPER_REDIS_S, goal_s=0.05, meets_goal=m_ours <= 0.05,
          **{f"phase_{k.split()[0].replace('+', '_').replace('/', '_')}_s": median(v) for k, v in phases.items()})

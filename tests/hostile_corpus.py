@@ -1,6 +1,8 @@
 """A corpus of hostile result files: each builder writes one attack on the result path.
 
-Weights files start from a valid file of ``write_weights`` and change one thing the
+Weights files start from a valid file of ``write_weights`` (format version 2, one
+``/flat`` dataset, and version 1, one dataset per tensor, which hosts of an earlier
+release send; the attacks on version 2 are named ``...-v2``) and change one thing the
 way a hostile host would: data stored outside the file (external raw storage, external
 links, virtual datasets pointing at a server file), links (soft, hard-link aliases),
 filters, declared sizes far beyond the file (unallocated datasets read as fill value),
@@ -48,39 +50,51 @@ def secret_files(d: Path, n_values: int) -> tuple[Path, Path]:
     return raw, h5
 
 
-def valid(path: Path, fp: Fingerprint, job: str, unit: str, optimizer: bool = False) -> None:
-    """What an honest host sends."""
+def valid(path: Path, fp: Fingerprint, job: str, unit: str, optimizer: bool = False, version: int = 2) -> None:
+    """What an honest host sends (``version=1``: a host of an earlier release)."""
     flat = np.random.default_rng(0).normal(0, 0.1, fp.n_params).astype(np.float32)
     opt = OptimizerState("adam", [np.zeros(fp.n_params, np.float32), np.asarray(3, np.int64)]) if optimizer else None
     write_weights(path, WeightsFile(flat, fp, job=job, model="0", unit=unit, base_version=0, examples_seen=10,
-                                    metrics={"val_acc": 0.5}, optimizer=opt))
+                                    metrics={"val_acc": 0.5}, optimizer=opt), format_version=version)
 
 
-def _edit(fn: Callable[[h5py.File, Fingerprint, Path], None]) -> Callable[[Path, Fingerprint, str, str, Path], None]:
-    """A builder: a valid file, then ``fn(file, fp, secret_dir)`` on it opened for writing."""
+def _edit(fn: Callable[[h5py.File, Fingerprint, Path], None],
+          version: int = 1) -> Callable[[Path, Fingerprint, str, str, Path], None]:
+    """A builder: a valid file of ``version``, then ``fn(file, fp, secret_dir)`` on it
+    opened for writing."""
     def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
-        valid(path, fp, job, unit)
+        valid(path, fp, job, unit, version=version)
         with h5py.File(path, "a") as f:
             fn(f, fp, sd)
     return build
 
 
-def _replace(f: h5py.File, i: int = 0) -> tuple[h5py.Group, str]:
-    key = f"{i % len(f['tensors']):06d}"  # -1: the last tensor, found after all the others
+def _replace(f: h5py.File, fp: Fingerprint, i: int = 0) -> tuple[h5py.Group, str, tuple[int, ...]]:
+    """Remove the dataset an attack replaces: a tensor of a version-1 file (``i``; -1:
+    the last, found after all the others), ``/flat`` of a version-2 file. Returns its
+    group, name and shape."""
+    if "flat" in f:
+        del f["flat"]
+        return f, "flat", (fp.n_params,)
+    key = f"{i % len(f['tensors']):06d}"
     del f["tensors"][key]
-    return f["tensors"], key
+    return f["tensors"], key, fp.tensors[i].shape
+
+
+def _data(f: h5py.File) -> h5py.Dataset:
+    """The data a version-1 (tensor 1) or version-2 (``/flat``) file holds."""
+    return f["flat"] if "flat" in f else f["tensors"]["000001"]
 
 
 def _external_storage(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
     raw, _ = secret_files(sd, fp.n_params)
-    g, k = _replace(f)
-    t = fp.tensors[0]
-    g.create_dataset(k, shape=t.shape, dtype="<f4", external=[(str(raw), 0, 4 * t.size)])
+    g, k, shape = _replace(f, fp)
+    g.create_dataset(k, shape=shape, dtype="<f4", external=[(str(raw), 0, 4 * math.prod(shape))])
 
 
 def _external_link(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    _, h5 = secret_files(sd, fp.tensors[0].size)
-    g, k = _replace(f)
+    g, k, shape = _replace(f, fp)
+    _, h5 = secret_files(sd, math.prod(shape))
     g[k] = h5py.ExternalLink(str(h5), "/data")
 
 
@@ -96,7 +110,12 @@ def _external_link_group(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
 
 
 def _soft_link(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    g, k = _replace(f, 1)
+    if "flat" in f:
+        f["data"] = f["flat"][()]
+        del f["flat"]
+        f["flat"] = h5py.SoftLink("/data")
+        return
+    g, k, _shape = _replace(f, fp, 1)
     g[k] = h5py.SoftLink("/tensors/000000")
 
 
@@ -105,50 +124,51 @@ def _hard_alias(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
 
 
 def _hard_alias_pure(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    f["copy"] = f["tensors"]["000001"]  # one dataset under two names
+    f["copy"] = _data(f)  # one dataset under two names
 
 
 def _virtual(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    """Tensor 0 as a virtual dataset whose rows map the server's secret file."""
+    """Tensor 0 (or /flat) as a virtual dataset whose rows map the server's secret file."""
     _, h5 = secret_files(sd, fp.n_params)
-    t = fp.tensors[0]
-    rows, cols = (t.shape[0], math.prod(t.shape[1:])) if t.shape else (1, 1)
-    layout = h5py.VirtualLayout(shape=(rows, cols), dtype="<f4")
+    g, k, shape = _replace(f, fp)
+    rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) > 1 else (1, math.prod(shape))
+    layout = h5py.VirtualLayout(shape=(rows, cols) if len(shape) > 1 else shape, dtype="<f4")
     src = h5py.VirtualSource(str(h5), "data", shape=(fp.n_params,))
-    for r in range(rows):
-        layout[r] = src[r * cols : (r + 1) * cols]
-    g, k = _replace(f)
+    if len(shape) > 1:
+        for r in range(rows):
+            layout[r] = src[r * cols : (r + 1) * cols]
+    else:
+        layout[:] = src[:cols]
     g.create_virtual_dataset(k, layout)
 
 
 def _filter(compression: str) -> Callable[[h5py.File, Fingerprint, Path], None]:
     def fn(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-        g, k = _replace(f)
+        g, k, shape = _replace(f, fp)
         kw = {"shuffle": True} if compression == "shuffle" else {"compression": compression}
-        g.create_dataset(k, data=np.zeros(fp.tensors[0].shape, np.float32), chunks=True, **kw)
+        g.create_dataset(k, data=np.zeros(shape, np.float32), chunks=True, **kw)
     return fn
 
 
 def _huge_tensor(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    g, k = _replace(f)
+    g, k, _shape = _replace(f, fp)
     g.create_dataset(k, shape=(HUGE,), dtype="<f4", chunks=(1 << 16,))  # nothing stored: fill value
 
 
 def _unallocated(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    g, k = _replace(f)
-    g.create_dataset(k, shape=fp.tensors[0].shape, dtype="<f4")  # right shape, no data stored
+    g, k, shape = _replace(f, fp)
+    g.create_dataset(k, shape=shape, dtype="<f4")  # right shape, no data stored
 
 
 def _last_external(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
     raw, _ = secret_files(sd, fp.n_params)
-    g, k = _replace(f, -1)
-    t = fp.tensors[-1]
-    g.create_dataset(k, shape=t.shape, dtype="<f4", external=[(str(raw), 0, 4 * t.size)])
+    g, k, shape = _replace(f, fp, -1)
+    g.create_dataset(k, shape=shape, dtype="<f4", external=[(str(raw), 0, 4 * math.prod(shape))])
 
 
 def _last_unallocated(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    g, k = _replace(f, -1)
-    g.create_dataset(k, shape=fp.tensors[-1].shape, dtype="<f4", chunks=True)  # 8 GB of fill value at most
+    g, k, shape = _replace(f, fp, -1)
+    g.create_dataset(k, shape=shape, dtype="<f4", chunks=True)  # 8 GB of fill value at most
 
 
 def _huge_optimizer(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
@@ -160,6 +180,10 @@ def _huge_optimizer(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
 def _huge_fingerprint(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
     # The file claims a model of 2e9 values (its own fingerprint) and one matching dataset.
     f.attrs["fingerprint"] = json.dumps([["big", [HUGE], "float32"]])
+    if "flat" in f:
+        del f["flat"]
+        f.create_dataset("flat", shape=(HUGE,), dtype="<f4", chunks=(1 << 20,))
+        return
     del f["tensors"]
     g = f.create_group("tensors")
     g.create_dataset("000000", shape=(HUGE,), dtype="<f4", chunks=(1 << 20,))
@@ -167,13 +191,13 @@ def _huge_fingerprint(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
 
 def _dtype(dt: str) -> Callable[[h5py.File, Fingerprint, Path], None]:
     def fn(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-        g, k = _replace(f)
+        g, k, shape = _replace(f, fp)
         if dt == "vlen-str":
-            g.create_dataset(k, shape=fp.tensors[0].shape, dtype=h5py.string_dtype())
+            g.create_dataset(k, shape=shape, dtype=h5py.string_dtype())
         elif dt == "compound":
-            g.create_dataset(k, shape=fp.tensors[0].shape, dtype=[("a", "<f4"), ("b", "<f4")])
+            g.create_dataset(k, shape=shape, dtype=[("a", "<f4"), ("b", "<f4")])
         else:
-            g.create_dataset(k, data=np.zeros(fp.tensors[0].shape, dt))
+            g.create_dataset(k, data=np.zeros(shape, dt))
     return fn
 
 
@@ -190,7 +214,23 @@ def _extra(kind: str) -> Callable[[h5py.File, Fingerprint, Path], None]:
         elif kind == "root-attr":
             f.attrs["secret"] = "x"
         elif kind == "tensor-attr":
-            f["tensors"]["000000"].attrs["more"] = 1
+            (f["flat"] if "flat" in f else f["tensors"]["000000"]).attrs["more"] = 1
+        elif kind == "tensors-in-v2":
+            f.create_group("tensors").create_dataset("000000", data=np.zeros(3, np.float32))
+        elif kind == "flat-in-v1":
+            f.create_dataset("flat", data=np.zeros(fp.n_params, np.float32))
+        elif kind == "v2-holding-tensors":
+            f.attrs["format_version"] = 2
+        elif kind.startswith("version="):
+            v = kind[len("version="):]
+            if v == "absent":
+                del f.attrs["format_version"]
+            elif v == "string":
+                f.attrs["format_version"] = "2"
+            elif v == "array":
+                f.attrs["format_version"] = np.array([2, 2])
+            else:
+                f.attrs["format_version"] = int(v)
         elif kind == "big-attr":
             f.attrs["metrics"] = json.dumps({"pad": "x" * (2 << 20)})
         elif kind == "array-attr":
@@ -202,14 +242,14 @@ def _extra(kind: str) -> Callable[[h5py.File, Fingerprint, Path], None]:
         elif kind == "negative-dim":
             f.attrs["fingerprint"] = json.dumps([["x", [-5], "float32"]])
         elif kind == "null-space":
-            g, k = _replace(f)
+            g, k, _shape = _replace(f, fp)
             g.create_dataset(k, data=h5py.Empty("<f4"))
     return fn
 
 
 def _raw(fn: Callable[[bytes], bytes]) -> Callable[[Path, Fingerprint, str, str, Path], None]:
     def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
-        valid(path, fp, job, unit)
+        valid(path, fp, job, unit, version=1)
         path.write_bytes(fn(path.read_bytes()))
     return build
 
@@ -228,11 +268,16 @@ def _userblock(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> No
 
 
 def _earliest(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
-    valid(path, fp, job, unit)
+    valid(path, fp, job, unit, version=1)
+    _earliest_copy(path)
+
+
+def _earliest_copy(path: Path) -> None:
+    """Rewrite ``path`` with HDF5's earliest superblock (version 0: a driver-info block)."""
     with h5py.File(path, "r") as src, h5py.File(path.with_suffix(".v0"), "w", libver="earliest") as dst:
         for k, v in src.attrs.items():
             dst.attrs[k] = v
-        src.copy("tensors", dst)
+        src.copy("flat" if "flat" in src else "tensors", dst)
     path.with_suffix(".v0").replace(path)
 
 
@@ -298,6 +343,49 @@ ATTACKS: list[Attack] = [
     Attack("family-driver", _family, "superblock version"),
     Attack("swmr-flagged", _swmr, "open for writing"),
 ]
+
+# The same attacks on a version-2 file (one /flat dataset) where they apply, and the
+# attacks on the version itself.
+ATTACKS += [
+    Attack("external-storage-v2", _edit(_external_storage, 2), "external files"),
+    Attack("external-link-v2", _edit(_external_link, 2), "external"),
+    Attack("soft-link-v2", _edit(_soft_link, 2), "soft"),
+    Attack("hard-link-alias-v2", _edit(_hard_alias_pure, 2), "more than one name"),
+    Attack("virtual-dataset-v2", _edit(_virtual, 2), "virtual"),
+    Attack("filter-gzip-v2", _edit(_filter("gzip"), 2), "filtered"),
+    Attack("filter-shuffle-v2", _edit(_filter("shuffle"), 2), "filtered"),
+    Attack("huge-tensor-v2", _edit(_huge_tensor, 2), "shape"),
+    Attack("huge-optimizer-v2", _edit(_huge_optimizer, 2), "declares"),
+    Attack("huge-fingerprint-v2", _edit(_huge_fingerprint, 2), "tensor"),
+    Attack("unallocated-v2", _edit(_unallocated, 2), "fill values"),
+    Attack("dtype-float64-v2", _edit(_dtype("<f8"), 2), "float32"),
+    Attack("dtype-big-endian-v2", _edit(_dtype(">f4"), 2), "float32"),
+    Attack("dtype-vlen-string-v2", _edit(_dtype("vlen-str"), 2), "float32"),
+    Attack("extra-root-dataset-v2", _edit(_extra("root-dataset"), 2), "unexpected top-level"),
+    Attack("extra-flat-attribute-v2", _edit(_extra("tensor-attr"), 2), "unexpected attributes"),
+    Attack("null-dataspace-v2", _edit(_extra("null-space"), 2), "null dataspace"),
+    Attack("superblock-v0-v2", lambda p, fp, j, u, sd: _earliest_v2(p, fp, j, u, sd), "superblock version"),
+    Attack("truncated-v2", lambda p, fp, j, u, sd: _truncated_v2(p, fp, j, u), "weights"),
+    Attack("v2-file-holding-tensors", _edit(_extra("tensors-in-v2"), 2), "unexpected top-level"),
+    Attack("v1-file-holding-flat", _edit(_extra("flat-in-v1"), 1), "unexpected top-level"),
+    Attack("v1-layout-declared-v2", _edit(_extra("v2-holding-tensors"), 1), "unexpected top-level"),
+    Attack("format-version-3", _edit(_extra("version=3"), 2), "format_version"),
+    Attack("format-version-0", _edit(_extra("version=0"), 2), "format_version"),
+    Attack("format-version-huge", _edit(_extra("version=1099511627776"), 2), "format_version"),
+    Attack("format-version-absent", _edit(_extra("version=absent"), 2), "format_version"),
+    Attack("format-version-string", _edit(_extra("version=string"), 2), "format_version"),
+    Attack("format-version-array", _edit(_extra("version=array"), 2), "not a scalar"),
+]
+
+
+def _earliest_v2(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
+    valid(path, fp, job, unit, version=2)
+    _earliest_copy(path)
+
+
+def _truncated_v2(path: Path, fp: Fingerprint, job: str, unit: str) -> None:
+    valid(path, fp, job, unit, version=2)
+    path.write_bytes(path.read_bytes()[:-64])
 
 
 # ---- metrics and uploads ------------------------------------------------------------------

@@ -69,7 +69,8 @@ def test_reader_rejects_each_attack(tmp_path: Path, attack) -> None:
         read_weights(path, max_bytes=10 << 20)
 
 
-@pytest.mark.parametrize("name", ["external-storage", "external-link", "virtual-dataset", "external-link-group"])
+@pytest.mark.parametrize("name", ["external-storage", "external-link", "virtual-dataset", "external-link-group",
+                                  "external-storage-v2", "external-link-v2", "virtual-dataset-v2"])
 def test_server_file_never_reaches_the_weights(tiny_job, tmp_path: Path, name: str) -> None:
     """The critical hole: a tensor stored in (or linked to) a server file was merged."""
     store, spec, fp = tiny_job
@@ -112,7 +113,8 @@ def test_file_size_bound_checked_before_opening(tmp_path: Path) -> None:
         read_weights("/dev/zero", FP)
 
 
-@pytest.mark.parametrize("name", ["huge-tensor", "huge-optimizer", "huge-fingerprint"])
+@pytest.mark.parametrize("name", ["huge-tensor", "huge-optimizer", "huge-fingerprint", "huge-tensor-v2",
+                                  "huge-fingerprint-v2"])
 def test_declared_2e9_values_rejected_fast_and_small(tmp_path: Path, name: str) -> None:
     """A few-KB file declaring 2e9 float32 (8 GB): rejected in well under a second,
     allocating a few MB at most (tracemalloc sees numpy's allocations)."""
@@ -346,32 +348,39 @@ READER_FUZZ = settings(max_examples=int(os.environ.get("BDL_FUZZ_EXAMPLES", "60"
 
 
 def _mutate_tensor(f: h5py.File, i: int, how: str, secret: Path, secret_h5: Path) -> None:
-    t = FP.tensors[i]
-    g, k = f["tensors"], f"{i:06d}"
+    """Replace tensor ``i`` of a version-1 file, or ``/flat`` of a version-2 one."""
+    if "flat" in f:
+        g, k, shape = f, "flat", (FP.n_params,)
+    else:
+        g, k, shape = f["tensors"], f"{i:06d}", FP.tensors[i].shape
+    size = int(np.prod(shape))
     data = g[k][()]
     del g[k]
     if how == "chunked":
         g.create_dataset(k, data=data, chunks=True)
     elif how == "external-storage":
-        g.create_dataset(k, shape=t.shape, dtype="<f4", external=[(str(secret), 0, 4 * t.size)])
+        g.create_dataset(k, shape=shape, dtype="<f4", external=[(str(secret), 0, 4 * size)])
     elif how == "external-link":
         g[k] = h5py.ExternalLink(str(secret_h5), "/data")
     elif how == "soft-link":
-        g[k] = h5py.SoftLink(f"/tensors/{(i + 1) % len(FP.tensors):06d}")
+        other = f"/tensors/{(i + 1) % len(FP.tensors):06d}" if k != "flat" else "/moved"
+        if k == "flat":
+            f["moved"] = data
+        g[k] = h5py.SoftLink(other)
     elif how == "hard-alias":
         g.create_dataset(k, data=data)
         f[f"alias{i}"] = g[k]
     elif how == "virtual":
-        lay = h5py.VirtualLayout(shape=(t.size,), dtype="<f4")
-        lay[:] = h5py.VirtualSource(str(secret_h5), "data", shape=(4 * FP.n_params,))[: t.size]
+        lay = h5py.VirtualLayout(shape=(size,), dtype="<f4")
+        lay[:] = h5py.VirtualSource(str(secret_h5), "data", shape=(4 * FP.n_params,))[:size]
         g.create_virtual_dataset(k, lay)
     elif how in ("gzip", "shuffle", "fletcher32"):
         g.create_dataset(k, data=data, chunks=True, **{"gzip": {"compression": "gzip"}, "shuffle": {"shuffle": True},
                                                         "fletcher32": {"fletcher32": True}}[how])
     elif how == "unallocated":
-        g.create_dataset(k, shape=t.shape, dtype="<f4")
+        g.create_dataset(k, shape=shape, dtype="<f4")
     elif how == "shape":
-        g.create_dataset(k, data=np.zeros(t.size + 1, np.float32))
+        g.create_dataset(k, data=np.zeros(size + 1, np.float32))
     elif how in ("float64", "big-endian"):
         g.create_dataset(k, data=data.astype("<f8" if how == "float64" else ">f4"))
     elif how == "huge":
@@ -386,7 +395,7 @@ def _extra(f: h5py.File, how: str) -> None:
     elif how == "root-dataset":
         f.create_dataset("extra", data=np.zeros(2))
     elif how == "tensor-attr":
-        f["tensors"]["000000"].attrs["more"] = "x"
+        (f["flat"] if "flat" in f else f["tensors"]["000000"]).attrs["more"] = "x"
     elif how.startswith("optimizer") and "optimizer" not in f:
         og = f.create_group("optimizer")
         og.attrs["kind"] = "adam"
@@ -405,21 +414,25 @@ def _extra(f: h5py.File, how: str) -> None:
 @READER_FUZZ
 @given(data=st.data())
 def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> None:
-    """Valid files mutated structurally (storage, links, filters, sizes, dtypes, extra
-    objects, superblock/user block): the reader accepts exactly the benign mutations,
+    """Valid files (both format versions) mutated structurally (storage, links, filters,
+    sizes, dtypes, extra objects, superblock/user block): the reader accepts exactly the benign mutations,
     rejects every other with WeightsFormatError, fast, and never returns server bytes."""
     d = tmp_path_factory.mktemp("rf")
     secret, secret_h5 = secret_files(d / "server", 4 * FP.n_params)
     path = d / "w.h5"
-    valid(path, FP, "j", "u")
-    tensor_muts = data.draw(st.dictionaries(st.integers(0, len(FP.tensors) - 1), st.sampled_from(_REPLACEMENTS),
-                                            max_size=2))
+    version = data.draw(st.sampled_from([1, 2]))  # hosts of this release and of the earlier one
+    valid(path, FP, "j", "u", version=version)
+    last = len(FP.tensors) - 1 if version == 1 else 0  # a version-2 file holds one dataset
+    tensor_muts = data.draw(st.dictionaries(st.integers(0, last), st.sampled_from(_REPLACEMENTS), max_size=2))
     extras = data.draw(st.lists(st.sampled_from(_EXTRAS), max_size=2, unique=True))
     with h5py.File(path, "a") as f:
         for i, how in tensor_muts.items():
             _mutate_tensor(f, i, how, secret, secret_h5)
         for how in extras:
             try:
+                if how.startswith("optimizer") and "optimizer" in f:
+                    extras = [x for x in extras if x != how]  # one optimizer group: the first drawn
+                    continue
                 _extra(f, how)
             except (RuntimeError, KeyError):  # e.g. an attribute on a tensor now a link loop
                 extras = [x for x in extras if x != how]

@@ -178,6 +178,7 @@ class JobStore:
         # its GET can be skipped (a Redis rollback or another writer changes the tag).
         self._cache: dict[tuple[str, int], tuple[bytes, np.ndarray]] = {}
         self._layouts: dict[str, ShardLayout] = {}
+        self._fingerprints: dict[str, tuple[bytes, Fingerprint]] = {}
         # model -> True when no other process wrote its shards during this process's
         # last merge: the cached copies are then likely current (see _merge_strict).
         self._alone: dict[str, bool] = {}
@@ -262,10 +263,17 @@ class JobStore:
         self.call(lambda: self.r.hset(self.k("meta"), mapping=fields))
 
     def fingerprint(self, model: str = "0") -> Fingerprint:
+        """Model ``model``'s fingerprint (parsed once per text: a 700-tensor model's
+        JSON takes milliseconds to parse and every result is checked against it)."""
         v = self.call(lambda: self.r.hget(self.k("fingerprints"), model))
         if v is None:
             raise UnknownJob(f"job {self.job!r} has no model {model!r}")
-        return Fingerprint.from_json(v.decode())
+        hit = self._fingerprints.get(model)
+        if hit is not None and hit[0] == v:
+            return hit[1]
+        fp = Fingerprint.from_json(v.decode())
+        self._fingerprints[model] = (v, fp)
+        return fp
 
     def models(self) -> list[str]:
         return sorted(x.decode() for x in self.call(lambda: self.r.hkeys(self.k("fingerprints"))))
@@ -918,7 +926,7 @@ class _Held:
 
     def run(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
         c = self.conn
-        c.send_packed_command(c.pack_commands(cmds))
+        c.send_packed_command(_pack(cmds), check_health=False)
         out: list[Any] = []
         err: redis.ResponseError | None = None
         for _ in cmds:
@@ -938,6 +946,26 @@ class _Held:
         """Give the connection back closed: it may be mid-WATCH or mid-reply."""
         self.conn.disconnect()
         self.pool.release(self.conn)
+
+
+def _pack(cmds: list[tuple[Any, ...]]) -> list[bytes | memoryview]:
+    """RESP requests for ``cmds``, shard bytes passed through as they are: hiredis'
+    packer copies every argument into one buffer (20 MB per merge, for nothing)."""
+    out: list[bytes | memoryview] = []
+    head = bytearray()
+    for cmd in cmds:
+        head += b"*%d\r\n" % len(cmd)
+        for a in cmd:
+            if isinstance(a, memoryview):
+                head += b"$%d\r\n" % a.nbytes
+                out += [bytes(head), a]
+                head = bytearray(b"\r\n")
+                continue
+            b = a if isinstance(a, bytes) else str(a).encode()
+            head += b"$%d\r\n%s\r\n" % (len(b), b)
+    if head:
+        out.append(bytes(head))
+    return out
 
 
 def _is_redirect(e: BaseException) -> bool:
