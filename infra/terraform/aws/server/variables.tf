@@ -68,7 +68,7 @@ variable "source_repo" {
 variable "source_ref" {
   description = "Tag or branch of source_repo to check out (pin a release tag)."
   type        = string
-  default     = "v0.1.0"
+  default     = "v0.2.0"
 }
 
 variable "project_path" {

@@ -18,7 +18,7 @@ variable "source_repo" {
 variable "source_ref" {
   description = "Release tag of source_repo."
   type        = string
-  default     = "v0.1.0"
+  default     = "v0.2.0"
 }
 
 variable "admin_ssh_cidrs" {
@@ -54,5 +54,5 @@ variable "cpu_max_hosts" {
 variable "boinc_dl_version" {
   description = "boinc-dl release the hosts install from the package index."
   type        = string
-  default     = "0.1.0"
+  default     = "0.2.0"
 }
