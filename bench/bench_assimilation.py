@@ -67,6 +67,10 @@ def main() -> None:
     assert fp.n_params == args.params
     tmp = Path(tempfile.mkdtemp(prefix="bdl-bench-"))
     srv = EmbeddedRedis(tmp / "redis").start()
+    # The disk's share: the same assimilations on a Redis without its append-only file
+    # (not a deployment setting: a crash would lose merges), and a bare append of the
+    # model's bytes to a file beside the AOF, what every durable merge writes.
+    bare = EmbeddedRedis(tmp / "redis-noaof", extra_args=["--appendonly", "no"]).start()
     try:
         r = connect(srv.url)
         spec = parse_spec({"name": "bench", "model": "m:f", "dataset": {"name": "digits"},
@@ -89,12 +93,17 @@ def main() -> None:
         v1_store = JobStore(r, "v1files")
         v1_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
         v1_store.init_weights("0", w0)
+        noaof_store = JobStore(connect(bare.url), "noaof")
+        noaof_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
+        noaof_store.init_weights("0", w0)
+        no_aof: list[float] = []
         ours: list[float] = []
         one_key: list[float] = []
         v1_files: list[float] = []
         for i in range(args.updates):
             unit = f"u{i}"
-            for st, times, version in ((store, ours, 2), (one_key_store, one_key, 2), (v1_store, v1_files, 1)):
+            for st, times, version in ((store, ours, 2), (one_key_store, one_key, 2), (v1_store, v1_files, 1),
+                                       (noaof_store, no_aof, 2)):
                 st.register_unit(unit, {"epoch": 1, "shard": i, "model": "0"}, 1)
                 path = tmp / f"r{i}.h5"
                 write_weights(path, WeightsFile(wc, fp, job=st.job, model="0", unit=unit), format_version=version)
@@ -143,8 +152,15 @@ def main() -> None:
             merged = [0.95 * s + 0.05 * c for s, c in zip(server, client, strict=True)]
             r.set("naive", pickle.dumps(merged))
             naive.append(time.perf_counter() - t0)
+        appends: list[float] = []
+        with open(tmp / "redis" / "append.test", "ab", buffering=0) as fh:
+            for _ in range(10):
+                t0 = time.perf_counter()
+                fh.write(memoryview(wc).cast("B"))
+                appends.append(time.perf_counter() - t0)
     finally:
         srv.kill()
+        bare.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     m_ours, m_naive = median(ours), median(naive)
     mb = fp.n_params * 4 / 1e6
@@ -156,6 +172,8 @@ def main() -> None:
           f"({median(read_v1) / median(phases['read+check file']):.1f}x the one-dataset format)")
     print(f"same, result files in the earlier per-tensor format, median: {median(v1_files)*1000:7.1f} ms "
           f"({median(v1_files)/m_ours:.2f}x)")
+    print(f"same, Redis without its append-only file (the disk's share), median: {median(no_aof)*1000:7.1f} ms; "
+          f"a bare {mb:.0f} MB append to a file beside the AOF: {median(appends)*1000:.1f} ms")
     print(f"same, whole model as one shard (one-key layout), median: {median(one_key)*1000:7.1f} ms "
           f"({store.layout('0').shards} shards: {median(one_key)/m_ours:.2f}x)")
     print(f"naive pickle + GET/SET baseline, median of {len(naive)}:      {m_naive*1000:7.1f} ms")
@@ -164,7 +182,7 @@ def main() -> None:
     emit("assimilation_latency", params=fp.n_params, tensors=len(fp.tensors), median_s=m_ours,
          shards=store.layout("0").shards, one_key_median_s=median(one_key), ratio_one_key=median(one_key) / m_ours,
          v1_files_median_s=median(v1_files), ratio_v1_files=median(v1_files) / m_ours,
-         read_check_v1_s=median(read_v1),
+         read_check_v1_s=median(read_v1), no_aof_median_s=median(no_aof), bare_append_s=median(appends),
          p90_s=sorted(ours)[int(0.9 * len(ours)) - 1], naive_median_s=m_naive, ratio_naive=m_naive / m_ours,
          paper_redis_s=PAPER_REDIS_S, goal_s=0.05, meets_goal=m_ours <= 0.05,
          **{f"phase_{k.split()[0].replace('+', '_').replace('/', '_')}_s": median(v) for k, v in phases.items()})

@@ -124,6 +124,17 @@ return {1, v}
 """
 
 
+def new_tag() -> bytes:
+    """A fresh random tag for a shard write (a matching tag proves a cached copy current)."""
+    return os.urandom(12).hex().encode()
+
+
+def as_bytes(a: np.ndarray) -> memoryview:
+    """A float32 array's bytes, without a copy when it is already contiguous float32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    return memoryview(a).cast("B")
+
+
 def save_shard_versions(weights_path: Path, versions: list[int]) -> None:
     """Record next to a server weights file the shard versions of the snapshot in it
     (server side only: the workunit description carries them to the unit)."""
