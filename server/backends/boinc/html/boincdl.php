@@ -6,7 +6,8 @@
 // anywhere else (e.g. `php -S` in this folder) it renders a plain standalone page.
 // Redis location: as the daemons read it, BDL_REDIS_URL in the environment, else
 // redis_url in the project's boinc-dl.yaml (written by install); else boincdl.ini in
-// the project directory (the docker stack, docs/docker.md). Never a guess.
+// the project directory (the docker stack, docs/docker.md). Never a guess. A Redis
+// Cluster URL (redis+cluster://h1:p1,h2:p2/ or redis://h1:p1,redis://h2:p2) works there too.
 
 $bdl_in_boinc = file_exists(__DIR__ . '/../inc/util_ops.inc');
 if ($bdl_in_boinc) {

@@ -4,11 +4,22 @@
 //
 // Written for PHP 7.0 (the boinc-server-docker images run PHP 7.0 on Debian
 // stretch) up to PHP 8.x. Redis is reached through the small RESP client below,
-// over TCP or a Unix socket, so the page needs no PHP extension: the stock BOINC
-// server images do not ship phpredis, and their Debian release is archived.
+// over TCP or a Unix socket, or as a Redis Cluster (BdlRedisCluster), so the page
+// needs no PHP extension: the stock BOINC server images do not ship phpredis, and
+// their Debian release is archived.
 
 /** Error raised for any Redis connection or protocol problem. */
 class BdlRedisError extends Exception {}
+
+/** An error reply from Redis; $reply is its text without the leading '-'. */
+class BdlRedisReplyError extends BdlRedisError {
+    public $reply;
+
+    public function __construct($reply) {
+        parent::__construct('Redis: ' . $reply);
+        $this->reply = $reply;
+    }
+}
 
 /**
  * A minimal Redis client speaking RESP2: enough for AUTH, SELECT and the read
@@ -139,7 +150,7 @@ class BdlRedis {
         case '+':
             return $rest;
         case '-':
-            throw new BdlRedisError('Redis: ' . $rest);
+            throw new BdlRedisReplyError($rest);
         case ':':
             return (int)$rest;
         case '$':
@@ -189,6 +200,319 @@ class BdlRedis {
     }
 }
 
+// ---- Redis Cluster -----------------------------------------------------------------------
+//
+// The daemons' store (server/common/store.py, server/common/cluster.py) also runs on a
+// Redis Cluster. Its URL is redis+cluster://[[user]:password@]host1:port1,host2:port2[/]
+// or a comma-separated list of redis://[:password@]host:port URLs; there every key of
+// job J is named bdl:{J}:... (the hash tag {J}: one slot) instead of bdl:J:...
+//
+// Routing: the client computes each key's slot (CRC16/XMODEM of its hash tag, mod
+// 16384, as Redis does) and looks it up in the slot map that CLUSTER SLOTS gave at
+// connect time. We chose that over "send anywhere and follow MOVED" because every
+// command then goes straight to its master (following MOVED alone costs a wasted round
+// trip for about two keys in three on 3 masters), because the map is the cluster's own
+// list of its nodes (the only addresses a MOVED or ASK may send us to), and because the
+// key-less SCAN of a job's epoch keys needs the master of the job's slot, which the map
+// names. MOVED and ASK are still followed (a resharding under way): at most
+// BdlRedisCluster::MAX_REDIRECTS per command, only to a syntactically valid host:port
+// that the cluster lists, each node reached over one cached connection.
+
+/** True when $url names a Redis Cluster rather than one server (cluster.is_cluster_url). */
+function bdl_is_cluster_url($url) {
+    return strpos($url, 'redis+cluster://') === 0
+        || (strpos($url, ',') !== false && strpos($url, 'redis://') === 0);
+}
+
+/** A plausible host name or IP address: no scheme, path, port, space or control byte. */
+function bdl_cluster_host_ok($host) {
+    if (!is_string($host) || $host === '' || strlen($host) > 253) return false;
+    if (filter_var($host, FILTER_VALIDATE_IP) !== false) return true;
+    $label = '[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?';
+    return (bool)preg_match('/^' . $label . '(?:\\.' . $label . ')*$/D', $host);
+}
+
+/** "host:port" ("[v6]:port"): a node's name in messages and connection URLs. */
+function bdl_cluster_addr($host, $port) {
+    return (strpos($host, ':') !== false ? '[' . $host . ']' : $host) . ':' . (int)$port;
+}
+
+/**
+ * The startup nodes (array of array(host, port)) and password of a cluster URL, read
+ * as server/common/cluster.py's cluster_nodes() reads it. Messages never quote the URL
+ * (it may hold the password).
+ */
+function bdl_cluster_nodes($url) {
+    $password = null;
+    $parts = array();
+    if (strpos($url, 'redis+cluster://') === 0) {
+        $rest = substr($url, strlen('redis+cluster://'));
+        $at = strrpos($rest, '@');
+        if ($at !== false) {
+            $cred = substr($rest, 0, $at);
+            $rest = substr($rest, $at + 1);
+            $colon = strpos($cred, ':');
+            $pw = rawurldecode($colon === false ? $cred : substr($cred, $colon + 1));
+            $password = $pw === '' ? null : $pw;
+        }
+        $slash = strpos($rest, '/');
+        if ($slash !== false) $rest = substr($rest, 0, $slash);
+        foreach (explode(',', $rest) as $p) {
+            if ($p !== '') $parts[] = 'redis://' . $p;
+        }
+    } else {
+        foreach (explode(',', $url) as $p) {
+            $p = trim($p);
+            if ($p !== '') $parts[] = $p;
+        }
+    }
+    $nodes = array();
+    foreach ($parts as $i => $p) {
+        $u = parse_url($p);
+        $host = is_array($u) && isset($u['host']) ? trim($u['host'], '[]') : '';
+        $port = is_array($u) && isset($u['port']) ? (int)$u['port'] : 6379;
+        if (!is_array($u) || !isset($u['scheme']) || $u['scheme'] !== 'redis' || !bdl_cluster_host_ok($host)
+                || $port < 1 || $port > 65535) {
+            throw new BdlRedisError('bad Redis Cluster node #' . ($i + 1) . ' in the Redis URL (expected host:port)');
+        }
+        $nodes[] = array($host, $port);
+        if ($password === null && isset($u['pass']) && $u['pass'] !== '') $password = rawurldecode($u['pass']);
+    }
+    if (!$nodes) throw new BdlRedisError('no Redis Cluster nodes in the Redis URL');
+    return array('nodes' => $nodes, 'password' => $password);
+}
+
+/** CRC16/XMODEM (polynomial 0x1021, initial value 0): Redis Cluster's key hash. */
+function bdl_crc16($s) {
+    static $table = null;
+    if ($table === null) {
+        $table = array();
+        for ($i = 0; $i < 256; $i++) {
+            $c = $i << 8;
+            for ($j = 0; $j < 8; $j++) $c = (($c << 1) ^ (($c & 0x8000) ? 0x1021 : 0)) & 0xFFFF;
+            $table[$i] = $c;
+        }
+    }
+    $crc = 0;
+    for ($i = 0, $n = strlen($s); $i < $n; $i++) {
+        $crc = (($crc << 8) & 0xFFFF) ^ $table[(($crc >> 8) ^ ord($s[$i])) & 0xFF];
+    }
+    return $crc;
+}
+
+/** The slot of a key: its hash tag (the text between the first '{' and the next '}',
+ *  when not empty) or else the whole key, hashed. */
+function bdl_key_slot($key) {
+    $s = strpos($key, '{');
+    if ($s !== false) {
+        $e = strpos($key, '}', $s + 1);
+        if ($e !== false && $e > $s + 1) $key = substr($key, $s + 1, $e - $s - 1);
+    }
+    return bdl_crc16($key) & 16383;
+}
+
+/**
+ * The admin page's reads on a Redis Cluster, with BdlRedis' interface: cmd() for the
+ * keyed read commands (routed by their key's slot), hgetall(), scan_keys() on the
+ * master of a given key's slot, close(). Each node is reached over one BdlRedis
+ * connection, so its reply parsing applies to every node.
+ */
+class BdlRedisCluster {
+    const SLOTS = 16384;
+    const MAX_REDIRECTS = 5;
+    const MAX_NODES = 1000;
+    /** Commands whose first argument is their (only) key. */
+    private static $keyed = array('GET' => true, 'HGETALL' => true, 'HKEYS' => true, 'HGET' => true,
+                                  'SMEMBERS' => true, 'XREVRANGE' => true, 'EXISTS' => true, 'TYPE' => true);
+    private $password;
+    private $timeout;
+    private $conns = array();   // address => BdlRedis
+    private $known = array();   // address => array(host, port): the configured nodes and those the cluster lists
+    private $ranges = array();  // array(first slot, last slot, address) for every range CLUSTER SLOTS gave
+    private $moved = array();   // slot => address, from MOVED replies since the map was read
+
+    /**
+     * @param string $url  a cluster URL (bdl_cluster_nodes)
+     * @param string|null $password  used when the URL carries none
+     * @param float $timeout  connect and read timeout per node, seconds
+     */
+    public function __construct($url, $password = null, $timeout = 5.0) {
+        $p = bdl_cluster_nodes($url);
+        $this->password = $p['password'] !== null ? $p['password'] : $password;
+        $this->timeout = $timeout;
+        foreach ($p['nodes'] as $n) $this->known[bdl_cluster_addr($n[0], $n[1])] = $n;
+        $errors = array();
+        foreach ($p['nodes'] as $n) {
+            $addr = bdl_cluster_addr($n[0], $n[1]);
+            try {
+                $this->read_slots($addr);
+                return;
+            } catch (BdlRedisError $e) {
+                $this->drop($addr);
+                $errors[] = "$addr: " . $e->getMessage();
+            }
+        }
+        throw new BdlRedisError('no node of the Redis Cluster answered: ' . implode('; ', $errors));
+    }
+
+    /** Read the slot map (and so the list of nodes) from the node at $addr. */
+    private function read_slots($addr) {
+        $reply = $this->conn($addr)->cmd('CLUSTER', 'SLOTS');
+        $bad = "Redis Cluster node $addr sent a malformed CLUSTER SLOTS reply";
+        if (!is_array($reply) || count($reply) > self::SLOTS) throw new BdlRedisError($bad);
+        $ranges = array();
+        $known = array();
+        foreach ($reply as $r) {
+            if (!is_array($r) || count($r) < 3 || !is_int($r[0]) || !is_int($r[1]) || !is_array($r[2])
+                    || count($r[2]) < 2 || $r[0] < 0 || $r[0] > $r[1] || $r[1] >= self::SLOTS) {
+                throw new BdlRedisError($bad);
+            }
+            list($host, $port) = $r[2];
+            // Redis 7: an empty or '?' endpoint means "the host you asked", on that port
+            if ($host === null || $host === '' || $host === '?') $host = $this->known[$addr][0];
+            if (!is_string($host) || !bdl_cluster_host_ok($host) || !is_int($port) || $port < 1 || $port > 65535) {
+                throw new BdlRedisError("Redis Cluster node $addr lists a node with an invalid address");
+            }
+            $a = bdl_cluster_addr($host, $port);
+            $known[$a] = array($host, $port);
+            $ranges[] = array($r[0], $r[1], $a);
+        }
+        if (!$ranges) throw new BdlRedisError("Redis Cluster node $addr serves no slots (is the cluster created?)");
+        if (count($known) > self::MAX_NODES) throw new BdlRedisError($bad);
+        $this->ranges = $ranges;
+        $this->moved = array();
+        $this->known = array_merge($this->known, $known);
+    }
+
+    /** The connection to the node at $addr (one of $this->known), opened on first use. */
+    private function conn($addr) {
+        if (!isset($this->conns[$addr])) {
+            $this->conns[$addr] = new BdlRedis('redis://' . $addr, $this->password, $this->timeout);
+        }
+        return $this->conns[$addr];
+    }
+
+    private function drop($addr) {
+        if (isset($this->conns[$addr])) {
+            $this->conns[$addr]->close();
+            unset($this->conns[$addr]);
+        }
+    }
+
+    /** The master serving $slot, as far as this client knows. */
+    private function node_for($slot) {
+        if (isset($this->moved[$slot])) return $this->moved[$slot];
+        foreach ($this->ranges as $r) {
+            if ($r[0] <= $slot && $slot <= $r[1]) return $r[2];
+        }
+        throw new BdlRedisError("no master of the Redis Cluster serves slot $slot");
+    }
+
+    /**
+     * A MOVED or ASK reply as array(kind, slot, address); null for any other error.
+     * The address must be a valid host:port (an empty host or '?': the replying host).
+     */
+    private function redirection($reply, $from) {
+        if (!preg_match('/^(MOVED|ASK) ([0-9]{1,5}) (\S{1,300})$/D', $reply, $m)) return null;
+        $colon = strrpos($m[3], ':');
+        $host = $colon === false ? '' : trim(substr($m[3], 0, $colon), '[]');
+        $port = $colon === false ? '' : substr($m[3], $colon + 1);
+        if ($host === '' || $host === '?') $host = $this->known[$from][0];
+        if ((int)$m[2] >= self::SLOTS || !ctype_digit($port) || strlen($port) > 5 || (int)$port < 1
+                || (int)$port > 65535 || !bdl_cluster_host_ok($host)) {
+            throw new BdlRedisError("Redis Cluster node $from redirected to an invalid address: " . substr($m[3], 0, 80));
+        }
+        return array($m[1], (int)$m[2], bdl_cluster_addr($host, (int)$port));
+    }
+
+    /** Run $args on the master of $slot, following MOVED and ASK. */
+    private function run($slot, $args) {
+        $addr = $this->node_for($slot);
+        $asking = false;
+        for ($hops = 0; ; $hops++) {
+            try {
+                $c = $this->conn($addr);
+                if ($asking) $c->cmd('ASKING');
+                return call_user_func_array(array($c, 'cmd'), $args);
+            } catch (BdlRedisReplyError $e) {
+                $to = $this->redirection($e->reply, $addr);
+                if ($to === null) throw $e;
+                list($kind, $to_slot, $target) = $to;
+                if ($hops >= self::MAX_REDIRECTS) {
+                    throw new BdlRedisError("Redis Cluster: $args[0] still redirected after " . self::MAX_REDIRECTS
+                        . " redirections (the last one: $kind to $target)");
+                }
+                if (!isset($this->known[$target])) {
+                    $this->read_slots($addr);  // a node added since: the cluster's own list, fresh
+                    if (!isset($this->known[$target])) {
+                        throw new BdlRedisError("Redis Cluster node $addr redirected to $target, a node the cluster does not list");
+                    }
+                }
+                if ($kind === 'MOVED') $this->moved[$to_slot] = $target;
+                $asking = $kind === 'ASK';
+                $addr = $target;
+            } catch (BdlRedisError $e) {
+                // refused, lost or garbled: that connection is done (a reload starts afresh)
+                $this->drop($addr);
+                throw new BdlRedisError("Redis Cluster node $addr: " . $e->getMessage());
+            }
+        }
+    }
+
+    /** Send one keyed read command (see $keyed); it runs on the master of its key's slot. */
+    public function cmd() {
+        $args = func_get_args();
+        $name = strtoupper((string)$args[0]);
+        if (!isset(self::$keyed[$name]) || count($args) < 2) {
+            throw new BdlRedisError("$name is not a command this Redis Cluster client routes");
+        }
+        return $this->run(bdl_key_slot((string)$args[1]), $args);
+    }
+
+    /** HGETALL as an associative array. */
+    public function hgetall($key) {
+        $flat = $this->cmd('HGETALL', $key);
+        if (!is_array($flat) || count($flat) % 2) throw new BdlRedisError('Redis Cluster: malformed HGETALL reply');
+        $out = array();
+        for ($i = 0; $i + 1 < count($flat); $i += 2) {
+            $out[(string)$flat[$i]] = $flat[$i + 1];
+        }
+        return $out;
+    }
+
+    /**
+     * All keys matching a glob pattern in the slot of $route_key (SCAN is key-less: it
+     * runs on that slot's master, confirmed first by a keyed command that follows MOVED).
+     */
+    public function scan_keys($pattern, $route_key) {
+        $slot = bdl_key_slot($route_key);
+        $this->cmd('EXISTS', $route_key);
+        $cursor = '0';
+        $keys = array();
+        do {
+            $r = $this->run($slot, array('SCAN', $cursor, 'MATCH', $pattern, 'COUNT', '1000'));
+            if (!is_array($r) || count($r) !== 2 || !is_string($r[0]) || !ctype_digit($r[0]) || !is_array($r[1])) {
+                throw new BdlRedisError('Redis Cluster: malformed SCAN reply');
+            }
+            $cursor = $r[0];
+            foreach ($r[1] as $k) {
+                if (is_string($k)) $keys[$k] = true;
+            }
+        } while ($cursor !== '0');
+        return array_keys($keys);
+    }
+
+    public function close() {
+        foreach (array_keys($this->conns) as $addr) $this->drop($addr);
+    }
+}
+
+/** A client for the configured Redis: one server (BdlRedis) or a cluster (BdlRedisCluster). */
+function bdl_connect($cfg) {
+    if (bdl_is_cluster_url($cfg['url'])) return new BdlRedisCluster($cfg['url'], $cfg['password']);
+    return new BdlRedis($cfg['url'], $cfg['password']);
+}
+
 // ---- configuration ---------------------------------------------------------------------
 
 /**
@@ -198,6 +522,8 @@ class BdlRedis {
  * html/ops; BDL_SETTINGS names another file), else an ini file (BDL_ADMIN_CONFIG, or
  * boincdl.ini in the project directory: the docker stack) with keys redis_url,
  * redis_password, redis_password_file. No guess: without a URL the page says why.
+ * The URL names one server or a Redis Cluster (bdl_is_cluster_url); a password
+ * setting applies when the URL carries none.
  */
 function bdl_redis_config() {
     $project = dirname(dirname(__DIR__));
@@ -280,16 +606,24 @@ function bdl_json($s) {
     return is_array($d) ? $d : array();
 }
 
+/** The key prefix of a job: bdl:J on one server, bdl:{J} in a cluster (JobStore.ns). */
+function bdl_job_ns($r, $job) {
+    return $r instanceof BdlRedisCluster ? 'bdl:{' . $job . '}' : 'bdl:' . $job;
+}
+
 /** Everything the page shows about one job. */
 function bdl_load_job($r, $job) {
-    $ns = 'bdl:' . $job;
+    $ns = bdl_job_ns($r, $job);
     $meta = $r->hgetall("$ns:meta");
     $epochs = array();
     foreach ($r->hgetall("$ns:epochs") as $e => $json) {
         $epochs[(int)$e] = array('summary' => bdl_json($json), 'counts' => array());
     }
     $prefix = "$ns:epoch:";
-    foreach ($r->scan_keys(bdl_glob_escape($prefix) . '*') as $key) {
+    $pattern = bdl_glob_escape($prefix) . '*';
+    // in a cluster SCAN runs on one master: the one serving the job's slot
+    $keys = $r instanceof BdlRedisCluster ? $r->scan_keys($pattern, "$ns:meta") : $r->scan_keys($pattern);
+    foreach ($keys as $key) {
         $e = substr($key, strlen($prefix));
         if (!ctype_digit($e)) continue;
         if (!isset($epochs[(int)$e])) $epochs[(int)$e] = array('summary' => array(), 'counts' => array());
@@ -321,7 +655,9 @@ function bdl_load_job($r, $job) {
     ksort($versions);
     return array('name' => $job, 'meta' => $meta, 'epochs' => $epochs, 'states' => $states,
                  'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions,
-                 'cost' => $r->hgetall("$ns:cost_summary"));
+                 // the fleet controller writes bdl:J:cost_summary under that name on
+                 // a cluster too (server/fleet/cost.py): a key of its own slot there
+                 'cost' => $r->hgetall('bdl:' . $job . ':cost_summary'));
 }
 
 /** Names of all jobs (the bdl:jobs set), sorted. */
@@ -570,7 +906,7 @@ function bdl_render_body($selected) {
     $o = bdl_style() . "<div class=\"bdl\">\n";
     try {
         $cfg = bdl_redis_config();
-        $r = new BdlRedis($cfg['url'], $cfg['password']);
+        $r = bdl_connect($cfg);
         $names = bdl_jobs($r);
         $jobs = array();
         foreach ($names as $n) $jobs[$n] = bdl_load_job($r, $n);
