@@ -42,7 +42,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from server.backends.boinc.hosts import HostRow, active_window
+from server.backends.boinc.boincdb import HostRow
+from server.backends.boinc.hosts import active_window
 from server.work_generator.mop.scheduler import Assignment, MOPScheduler
 
 WF_MIN_BACKOFF_INTERVAL = 600.0
@@ -161,7 +162,7 @@ class SimProject:
     last_created_at: float = 0.0
 
     def active_window(self, now: float) -> int:
-        rows = [HostRow(self.ncpus[h], t) for h, t in self.rpc_time.items()]
+        rows = [HostRow(id=h, rpc_time=t, p_ncpus=self.ncpus[h], p_fpops=0.0) for h, t in self.rpc_time.items()]
         return active_window(rows, now, self.active_s)
 
     def tick(self, now: float) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from server.backends.base import JobSystem
+from server.backends.boinc.boincdb import HostRow
 from server.backends.boinc.hosts import (
     HostCensus,
-    HostRow,
     active_seconds,
     active_window,
     db_params,
@@ -34,6 +34,7 @@ def boinc_db():
         cur.execute(f"CREATE DATABASE {name}")
         cur.execute(f"CREATE TABLE {name}.host (id integer not null auto_increment primary key, "
                     "create_time integer not null, rpc_time integer not null, p_ncpus integer not null, "
+                    "p_fpops double not null default 0, "
                     "domain_name varchar(254) not null default '')")
     try:
         yield conn, name
@@ -56,7 +57,7 @@ def _point_config_at(project: BoincProject, db: str, next_rpc_delay: int | None)
 
 
 def test_active_window_counts_recent_hosts_slots_and_a_spare_each() -> None:
-    rows = [HostRow(4, 1000), HostRow(2, 990), HostRow(8, 100), HostRow(0, 1000)]
+    rows = [HostRow(i, t, n, 0.0) for i, (n, t) in enumerate([(4, 1000), (2, 990), (8, 100), (0, 1000)])]
     assert active_window(rows, 1000, 60) == (4 + 1) + (2 + 1) + (1 + 1)  # p_ncpus 0 counts as 1
     assert active_window(rows, 1000, 60, spare_per_host=0) == 7
     assert active_window(rows, 1000, 5000) == 4 + 2 + 8 + 1 + 4

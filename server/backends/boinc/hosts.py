@@ -17,9 +17,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from server.backends.boinc.boincdb import BoincDB, BoincDBError, credentials
+from server.backends.boinc.boincdb import BoincDB, BoincDBError, HostRow, credentials
 from server.backends.boinc.project import BoincProject
 
 log = logging.getLogger(__name__)
@@ -30,14 +29,6 @@ DEFAULT_ACTIVE_S = 3600.0
 CACHE_S = 30.0
 
 
-@dataclass(frozen=True)
-class HostRow:
-    """One row of BOINC's ``host`` table, the columns this module reads."""
-
-    ncpus: int
-    rpc_time: float
-
-
 def active_window(hosts: Iterable[HostRow], now: float, active_s: float, spare_per_host: int = 1) -> int:
     """Units to keep in flight for the hosts heard from within ``active_s``: their slots
     plus ``spare_per_host`` each (0 when no host is active)."""
@@ -45,7 +36,7 @@ def active_window(hosts: Iterable[HostRow], now: float, active_s: float, spare_p
     for h in hosts:
         if now - h.rpc_time <= active_s:
             n += 1
-            slots += max(1, int(h.ncpus))
+            slots += max(1, int(h.p_ncpus))
     return slots + spare_per_host * n if n else 0
 
 
@@ -72,12 +63,11 @@ def db_params(project: BoincProject) -> dict[str, object] | None:
     return args
 
 
-def read_hosts(project: BoincProject, since: float) -> list[HostRow]:
-    """Hosts of the project whose last scheduler RPC is at or after ``since`` (unix time),
-    through the read-only, bounded :class:`~server.backends.boinc.boincdb.BoincDB`."""
+def read_hosts(project: BoincProject, active_s: float) -> list[HostRow]:
+    """Hosts of the project heard from within ``active_s`` seconds, through the read-only,
+    bounded :class:`~server.backends.boinc.boincdb.BoincDB`."""
     with BoincDB.connect(project, timeout_s=5.0) as db:
-        rows = db.query("SELECT p_ncpus, rpc_time FROM host WHERE rpc_time >= %s", (int(since),))
-    return [HostRow(int(r["p_ncpus"] or 1), float(r["rpc_time"])) for r in rows]
+        return db.active_hosts(active_s)
 
 
 class HostCensus:
@@ -100,7 +90,7 @@ class HostCensus:
         wall = time.time()
         active_s = active_seconds(self.project)
         try:
-            rows = read_hosts(self.project, wall - active_s)
+            rows = read_hosts(self.project, active_s)
         except Exception as e:  # noqa: BLE001 - any DB/driver failure: fall back, say so once
             if not self._warned:
                 log.warning("cannot read BOINC's host table (%s): window from the spec instead", e)
