@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -129,6 +131,37 @@ def measure(work: Path, label: str, size: str, p_servers: int, host_times: list[
                 "slot_downtime_median_s")}
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_commit_s(work: Path, size: str, repeats: int = 16) -> float:
+    """CPU seconds Redis spends committing one merge of this model size, the part of a
+    merge it serves one at a time: the shards' ``SET``s in one ``MULTI``/``EXEC`` into a
+    Redis with the local backend's settings (append-only file on), read from the Redis
+    process's own CPU time (the client's packing and waiting are not Redis' work)."""
+    from server.common.shards import ShardLayout, shards_for
+
+    n = PARAMS[size]
+    flat = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    lay = ShardLayout(n, shards_for(n))
+    srv = EmbeddedRedis(work / f"commit-{size}").start()
+    try:
+        r = connect(srv.url)
+        assert srv.pid is not None
+        c0 = _cpu_s(srv.pid)
+        for _ in range(repeats):
+            p = r.pipeline(transaction=True)
+            for i in range(lay.shards):
+                p.set(f"c:{i}", memoryview(flat[lay.bounds(i)]).cast("B"))
+            p.execute()
+        return (_cpu_s(srv.pid) - c0) / repeats
+    finally:
+        srv.kill()
+
+
 def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, ServerCosts]:
     """Calibrate both models at this model size on four runs that are never validated.
 
@@ -142,7 +175,8 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
     finds the CPU seconds of a merge (alone at P = 1: ``cal-*-P1``; shared at P = 2:
     ``cal-*-P2``) and of the generator's creation of a unit (``cal-*-client``) for which
     its own simulation reproduces those runs (a joint least-squares fit); ``cal-*-P4`` is
-    left out of the fit as its check.
+    left out of the fit as its check. Redis' share of a merge, which it serves one
+    commit at a time, is measured directly (:func:`measure_commit_s`) and not fitted.
     """
     runs, rate = {}, {}
     for p in (1, 2, 4):
@@ -168,9 +202,10 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
     dispatch = max(0.0, (rc["T_s"] - sim(base, cal_cfg(4, sleep, 2), 8)) / 4)  # 4 dispatches per slot
     plain = replace(base, dispatch_s=dispatch)
     # The resource-sharing model: fit its own parameters to the same runs.
+    commit = measure_commit_s(work, size)
     shared = ServerCosts(merge_s, {}, stage_s=stage, dispatch_s=0.0, cpu_cores=CORES,
                          merge_shared_s=merge_s / max(speedup[2], 0.05) * min(2, CORES), colocated=True,
-                         create_s=0.5 * merge_s)
+                         create_s=0.5 * merge_s, commit_s=commit)
     # Least squares of the log errors over the three runs, all three parameters at once
     # (Nelder-Mead in log space): each run mixes them (creation is in every unit's path).
     from scipy.optimize import minimize
@@ -192,7 +227,8 @@ def calibrate(work: Path, size: str, args: argparse.Namespace) -> dict[str, Serv
          plain={"merge_s": round(merge_s, 4), "speedup": {str(k): round(v, 3) for k, v in speedup.items()},
                 "stage_s": round(stage, 4), "dispatch_s": round(dispatch, 4)},
          sharing={"merge_cpu_s": round(shared.merge_s, 4), "merge_shared_cpu_s": round(shared.merge_shared_s or 0, 4),
-                  "stage_cpu_s": round(stage, 4), "create_cpu_s": round(shared.create_s, 4)},
+                  "stage_cpu_s": round(stage, 4), "create_cpu_s": round(shared.create_s, 4),
+                  "commit_s": round(commit, 4)},
          calibration_runs=check, load=os.getloadavg()[0])
     return {"plain": plain, "sharing": shared}
 

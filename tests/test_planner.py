@@ -148,6 +148,22 @@ def test_one_generator_creates_units_one_at_a_time():
     assert simulate(cfg, many, c, reps=1).job_s == pytest.approx(40.0, rel=0.01)
 
 
+def test_redis_commits_one_merge_at_a_time():
+    # 4 units arrive together at 4 assimilators on 8 cores: merges of 0.1 s CPU run in
+    # parallel, but Redis commits 1 s each one at a time: 0.1 + 4 x 1 s. Without the
+    # commit term the four merges would end together at 0.1 s.
+    h = HostType("h", unit_s=0.0, cores=4, bandwidth_mbps=1e12)
+    w = Workload(units_per_epoch=4, epochs=1, params=1)
+    cfg = Config(((h, 1),), slots=4, assimilators=4)
+    c = _shared(merge_s=0.1, merge_shared_s=0.1, stage_s=0.0, cpu_cores=8, commit_s=1.0)
+    assert simulate_once(cfg, w, c, assign="round_robin").job_s == pytest.approx(4.1, rel=1e-6)
+    assert simulate_once(cfg, w, replace(c, commit_s=0.0), assign="round_robin").job_s == pytest.approx(0.1)
+    # The closed form's server rate is capped by the one Redis: 1 commit per second.
+    many = Workload(units_per_epoch=200, epochs=1, params=1)
+    assert closed_form(cfg, many, c).server_rate == pytest.approx(1.0, rel=0.05)
+    assert simulate(cfg, many, c, reps=1).job_s == pytest.approx(200.0, rel=0.02)
+
+
 def test_sharing_with_ample_cores_is_the_plain_model():
     c_plain = ServerCosts(merge_s=0.2, merge_speedup={3: 3.0}, stage_s=0.05, dispatch_s=0.03)
     c_ps = replace(c_plain, merge_speedup={}, cpu_cores=64, colocated=True)

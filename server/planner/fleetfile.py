@@ -80,7 +80,8 @@ class FleetFile:
         as fast); without one, the resource-sharing model: P merges share the server's
         ``server_cores`` cores (default 2), each of ``merge_shared_s`` CPU seconds when
         P > 1 (default: ``merge_s`` times the ratio measured by the planner bench), and
-        the generator's ``create_s`` per unit (default 0). The clients are other
+        the generator's ``create_s`` per unit (default 0) and Redis' ``commit_s`` per merge,
+        served one at a time (default 0: not modelled). The clients are other
         machines, so their staging is theirs, not the server's."""
         c = self.costs
         m = float(c["merge_s"]) if "merge_s" in c else merge_s if merge_s is not None else \
@@ -93,7 +94,7 @@ class FleetFile:
             return ServerCosts(m, speed, stage, dispatch, cores)
         shared = float(c.get("merge_shared_s", m * SHARED_MERGE_RATIO))
         return ServerCosts(m, {}, stage, dispatch, cores, cpu_cores=cores, merge_shared_s=shared,
-                           create_s=float(c.get("create_s", 0.0)))
+                           create_s=float(c.get("create_s", 0.0)), commit_s=float(c.get("commit_s", 0.0)))
 
 
 def _ints(raw: Any, key: str) -> tuple[int, ...]:
@@ -102,7 +103,7 @@ def _ints(raw: Any, key: str) -> tuple[int, ...]:
     return tuple(raw)
 
 
-COST_KEYS = {"merge_s", "merge_shared_s", "create_s", "stage_s", "dispatch_s", "server_cores"}
+COST_KEYS = {"merge_s", "merge_shared_s", "create_s", "commit_s", "stage_s", "dispatch_s", "server_cores"}
 MAX_FILE_BYTES = 1 << 20  # a fleet file is small; refuse to parse anything bigger
 
 

@@ -120,6 +120,11 @@ class ServerCosts:
     ``cpu_cores`` cores: k busy activities each progress at min(1, cores / k). The one
     work generator creates units one at a time, ``create_s`` CPU seconds each (it reads
     the current weights from Redis and writes them to the unit's input file).
+
+    ``commit_s`` (resource-sharing model) is the part of a merge that Redis serves: it
+    runs one commit at a time whatever P (one Redis thread appending the model to its
+    append-only file), on the same shared cores; the assimilator waits for it. 0 when
+    not measured: the whole merge is then ``merge_cpu_s``, parallel across assimilators.
     """
 
     merge_s: float  # one merge at this model size, one assimilator alone
@@ -131,6 +136,7 @@ class ServerCosts:
     merge_shared_s: float | None = None  # CPU seconds of one merge when P > 1
     colocated: bool = False  # slots stage on the server host's cores (local backend)
     create_s: float = 0.0  # CPU seconds the one work generator spends creating a unit
+    commit_s: float = 0.0  # seconds of Redis per merge, one commit at a time (sharing model)
 
     def speedup(self, p: int) -> float:
         if self.sharing:
@@ -157,7 +163,7 @@ class ServerCosts:
     def server_cpu_s(self, p: int) -> float:
         """CPU seconds one unit costs the server host: its creation and merge, plus its
         staging when the slots are colocated with the server."""
-        return self.create_s + self.merge_cpu_s(p) + (self.stage_s if self.colocated else 0.0)
+        return self.create_s + self.merge_cpu_s(p) + self.commit_s + (self.stage_s if self.colocated else 0.0)
 
 
 @dataclass(frozen=True)
@@ -210,8 +216,9 @@ def server_rate(cfg: Config, costs: ServerCosts, stretch: float = 1.0) -> float:
     """R_s: units per second P parameter servers merge."""
     if costs.sharing:
         # P merges, each stretched by the sharing, and never more CPU than the cores.
-        one = max(costs.merge_cpu_s(cfg.assimilators), 1e-12)
-        return min(cfg.assimilators / (one * stretch), (costs.cpu_cores or 1) / one)
+        one = max(costs.merge_cpu_s(cfg.assimilators) + costs.commit_s, 1e-12)
+        serial = 1.0 / (costs.commit_s * stretch) if costs.commit_s > 0 else math.inf  # one Redis
+        return min(cfg.assimilators / (one * stretch), (costs.cpu_cores or 1) / one, serial)
     return costs.speedup(cfg.assimilators) / costs.merge_s
 
 
@@ -254,7 +261,8 @@ def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
     n_s = w.units
     p = mean_preempt_p(cfg)
     lost = n_s * p * cfg.loss_cost_s() / max(1, window)
-    merge_one = costs.merge_cpu_s(cfg.assimilators) * stretch if costs.sharing else merge_service_s(cfg, costs)
+    merge_one = (costs.merge_cpu_s(cfg.assimilators) + costs.commit_s) * stretch if costs.sharing \
+        else merge_service_s(cfg, costs)
     # The first unit's way through the empty pipeline: on a mixed fleet most units go to
     # the fast hosts, so the typical unit's hold (weighted by each type's share of the
     # rate), not the slowest's — though no job ends before one unit of its slowest type.

@@ -74,6 +74,9 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     server_busy = [False] * cfg.assimilators
     cpu: list[list] = []  # with sharing: [remaining CPU seconds, kind, unit, slot or server]
     gen_cpu = costs.create_s if sharing else 0.0
+    commit_s = costs.commit_s if sharing else 0.0
+    commits: deque[tuple[int, int]] = deque()  # (unit, server) waiting for the one Redis
+    redis_busy = False
     gen_queue: deque[int] = deque()
     gen_busy = False
     server_of = [rng.randrange(cfg.assimilators) if assign == "hash" else u % cfg.assimilators
@@ -145,8 +148,16 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
             busy += m
             push(start + m, "merged", unit)
 
+    def start_commit() -> None:
+        nonlocal redis_busy, busy
+        if commits and not redis_busy:
+            redis_busy = True
+            unit, srv = commits.popleft()
+            cpu.append([commit_s, "commit", unit, srv])
+            busy += commit_s
+
     def cpu_done(job: list) -> None:
-        nonlocal gen_busy
+        nonlocal gen_busy, redis_busy
         _, kind, unit, where = job
         if kind == "create":
             gen_busy = False
@@ -155,7 +166,13 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
         elif kind == "stage":
             free[where] = True
             result_in(now, unit)
+        elif kind == "merge" and commit_s > 0:
+            commits.append((unit, where))  # the assimilator waits for Redis' reply
+            start_commit()
         else:
+            if kind == "commit":
+                redis_busy = False
+                start_commit()
             server_busy[where] = False
             on_merged()
             start_merge(where)
