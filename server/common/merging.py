@@ -144,8 +144,7 @@ class ShardMerging:
         read of the next riding in the same round trip as this one's commit."""
         field = f"u:{unit}"
         retries, applied, left = 0, 0, list(order)
-        deadline: float | None = None
-        delay = 0.05
+        backoff = _Backoff(self.retry_s)
         while left:
             held: _Held | None = None
             try:
@@ -207,12 +206,7 @@ class ShardMerging:
                 # retry re-reads every shard left, and one carrying the unit is skipped.
                 if self.cluster and is_redirect(e):
                     self.r.nodes_manager.initialize()  # a slot moved (failover, resharding)
-                now = time.monotonic()
-                deadline = now + self.retry_s if deadline is None else deadline
-                if now >= deadline:
-                    raise StoreUnavailable(f"Redis unreachable during merge of {unit}: {e}") from None
-                time.sleep(min(delay, max(0.0, deadline - now)))
-                delay = min(delay * 2, 1.0)
+                backoff.wait(f"merge of {unit}", e)
         return retries, applied
 
     def _client_for(self, key: str) -> redis.Redis:
@@ -332,8 +326,7 @@ class ShardMerging:
         cas = self._script("cas_shard", sh.CAS_SHARD)
         field = f"u:{unit}"
         retries = 0
-        deadline: float | None = None
-        delay = 0.05
+        backoff = _Backoff(self.retry_s)
         while True:
             try:
                 if ahead is not None:
@@ -383,12 +376,7 @@ class ShardMerging:
             except (redis.RedisError, redis.RedisClusterException, OSError) as e:
                 if not (isinstance(e, OSError) or is_transient(e)):
                     raise
-                now = time.monotonic()
-                deadline = now + self.retry_s if deadline is None else deadline
-                if now >= deadline:
-                    raise StoreUnavailable(f"Redis unreachable during merge of {unit}: {e}") from None
-                time.sleep(min(delay, max(0.0, deadline - now)))
-                delay = min(delay * 2, 1.0)
+                backoff.wait(f"merge of {unit}", e)
 
     def _finalize(self, model: str, unit: str, token: str, record: dict[str, Any], epoch: int | None,
                   retries: int) -> MergeOutcome:
@@ -411,6 +399,25 @@ class ShardMerging:
         if _record_token(prev) == token:
             return MergeOutcome(True, int(json.loads(prev).get("version", 0)), retries)
         return MergeOutcome(False, self.version(model), retries, duplicate=True)
+
+
+class _Backoff:
+    """One merge's retry window while Redis is unreachable: sleeps doubling from 50 ms
+    to 1 s, then :class:`StoreUnavailable` once ``retry_s`` has passed."""
+
+    def __init__(self, retry_s: float):
+        self.retry_s = retry_s
+        self.deadline: float | None = None
+        self.delay = 0.05
+
+    def wait(self, what: str, e: BaseException) -> None:
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + self.retry_s
+        if now >= self.deadline:
+            raise StoreUnavailable(f"Redis unreachable during {what}: {e}") from None
+        time.sleep(min(self.delay, max(0.0, self.deadline - now)))
+        self.delay = min(self.delay * 2, 1.0)
 
 
 class _Held:

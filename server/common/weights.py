@@ -167,11 +167,12 @@ class WeightsFile:
     format_version: int = FORMAT_VERSION
 
 
-def write_weights(path: str | Path, wf: WeightsFile, format_version: int = FORMAT_VERSION) -> None:
+def write_weights(path: str | Path, wf: WeightsFile, format_version: int | None = None) -> None:
     """Write a weights file atomically (temp file + rename), contiguous float32 data.
 
-    ``format_version=1`` writes the earlier one-dataset-per-tensor layout (what hosts
-    running an earlier release send)."""
+    In ``wf.format_version`` unless ``format_version`` says otherwise; 1 writes the
+    earlier one-dataset-per-tensor layout (what hosts running an earlier release send)."""
+    format_version = wf.format_version if format_version is None else format_version
     if format_version not in READABLE_VERSIONS:
         raise ValueError(f"format_version {format_version}: this release writes {READABLE_VERSIONS}")
     path = Path(path)
