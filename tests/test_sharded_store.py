@@ -337,3 +337,36 @@ def test_a_give_up_landing_while_shards_are_applied_keeps_the_accounting(tmp_pat
         assert not a.mark_failed("m1", "again", 1)  # still counted once
     finally:
         srv.kill()
+
+
+def test_a_merge_after_a_snapshot_reads_no_shard_bytes_again(tmp_path: Path, monkeypatch) -> None:
+    """The assimilator reads a snapshot (the distance check), then merges: the merge's
+    reads skip the bytes of every shard whose tag has not moved since, and re-read the
+    ones another assimilator wrote in between. Every shard ends exact either way."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        a = _job(srv.url, 6, "snap")
+        b = JobStore(connect(srv.url), "snap")
+        wc = np.ones(N, np.float32)
+
+        def merge(st: JobStore, u: str) -> None:
+            assert st.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
+
+        def gets() -> int:
+            return int(a.r.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+        merge(b, "m0")                          # written by another process: a holds nothing
+        np.testing.assert_array_equal(a.snapshot("0").flat, _expected(1, 0.5))
+        before = gets()
+        merge(a, "m1")
+        assert gets() == before                 # the snapshot's bytes served the merge
+        a.snapshot("0")
+        merge(b, "m2")                          # every shard moves after a's snapshot
+        before = gets()
+        merge(a, "m3")
+        assert gets() - before == 10            # stale: each shard's bytes read again
+        snap = b.snapshot("0")
+        assert snap.shard_versions == [4] * 10
+        np.testing.assert_array_equal(snap.flat, _expected(4, 0.5))
+    finally:
+        srv.kill()

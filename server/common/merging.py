@@ -51,6 +51,7 @@ class ShardMerging:
     # (model, shard) -> (tag, buffer) this process wrote last; model -> alone on it.
     _cache: dict[tuple[str, int], tuple[bytes, np.ndarray]]
     _alone: dict[str, bool]
+    _from_snapshot: set[tuple[str, int]]
     _foreign: bool
 
     def merge(
@@ -221,10 +222,12 @@ class ShardMerging:
 
     def _read_cmds(self, model: str, i: int, field: str) -> list[tuple[Any, ...]]:
         """Watch shard ``i`` and read its tag and mark, and its bytes unless this process
-        is alone on the model and holds a copy (then they are read only if stale)."""
+        holds a copy likely current: it is alone on the model, or a snapshot just read
+        the shard (then the bytes are read only if the tag moved)."""
         wkey, mkey = self._shard_keys(model, i)
         cmds: list[tuple[Any, ...]] = [("WATCH", wkey, mkey), ("HMGET", mkey, "tag", field)]
-        if not (self._alone.get(model) and (model, i) in self._cache):
+        key = (model, i)
+        if not (key in self._cache and (self._alone.get(model) or key in self._from_snapshot)):
             cmds.append(("GET", wkey))
         return cmds
 
@@ -235,9 +238,11 @@ class ShardMerging:
         ``conflict`` (written by another merge meanwhile: retry) or ``rejected``; with
         the replies of the next shard's read when it rode along."""
         wkey, mkey = self._shard_keys(model, i)
-        cached = self._cache.pop((model, i), None)  # combine works in place
         if pending is None:
-            pending = held.run(self._read_cmds(model, i, field))
+            pending = held.run(self._read_cmds(model, i, field))  # before the cache entry goes
+        cached = self._cache.pop((model, i), None)  # combine works in place
+        from_snapshot = (model, i) in self._from_snapshot
+        self._from_snapshot.discard((model, i))
         (tag, mark), w = pending[1], (pending[2] if len(pending) > 2 else None)
         if mark is not None:
             held.run([("UNWATCH",)])
@@ -247,13 +252,13 @@ class ShardMerging:
         if tag is None:
             held.run([("UNWATCH",)])
             raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
-        if cached is None or cached[0] != tag:
+        if cached is None or cached[0] != tag or from_snapshot:
             self._foreign = True  # written by another process (or not cached here)
         if w is None and (cached is None or cached[0] != tag):
             w = held.run([("GET", wkey)])[0]  # still under the WATCH
             if w is None:
                 raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
-        ws = cached[1] if w is None else np.frombuffer(w, dtype=np.float32).copy()
+        ws = _writable(cached[1]) if w is None else np.frombuffer(w, dtype=np.float32).copy()
         new = combine(ws)
         if new is None:
             held.run([("UNWATCH",)])
@@ -294,7 +299,8 @@ class ShardMerging:
         news: list[tuple[int, np.ndarray, bytes]] = []
         for i in shards:
             _tag, buf = self._cache.pop((model, i))  # combine works in place
-            new = fn_for(i)(buf)
+            self._from_snapshot.discard((model, i))
+            new = fn_for(i)(_writable(buf))
             if new is None:
                 held.run([("UNWATCH",)])
                 return None
@@ -336,6 +342,7 @@ class ShardMerging:
                     # Popped: combine works in place, so a failed attempt must not leave
                     # a half-merged buffer in the cache.
                     cached = self._cache.pop((model, i), None)
+                    self._from_snapshot.discard((model, i))
                     tag, _v, mark, w = read(keys=keys, args=[field, cached[0] if cached else b""])
                 if mark is not None:
                     if cached is not None:
@@ -344,7 +351,7 @@ class ShardMerging:
                 if w is None:
                     if tag is None or cached is None:
                         raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
-                    ws = cached[1]
+                    ws = _writable(cached[1])
                 else:
                     ws = np.frombuffer(w, dtype=np.float32).copy()
                 new = combine(ws)
@@ -399,6 +406,11 @@ class ShardMerging:
         if _record_token(prev) == token:
             return MergeOutcome(True, int(json.loads(prev).get("version", 0)), retries)
         return MergeOutcome(False, self.version(model), retries, duplicate=True)
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """``a`` itself, or a copy when it is a read-only view (a snapshot's reply bytes)."""
+    return a if a.flags.writeable else a.copy()
 
 
 class _Backoff:

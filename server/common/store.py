@@ -153,6 +153,7 @@ class JobStore(ShardMerging):
         # model -> True when no other process wrote its shards during this process's
         # last merge: the cached copies are then likely current (see _merge_strict).
         self._alone: dict[str, bool] = {}
+        self._from_snapshot: set[tuple[str, int]] = set()  # cache entries a snapshot read
         self._foreign = False
 
     # ---- keys -------------------------------------------------------------------------
@@ -348,7 +349,13 @@ class JobStore(ShardMerging):
                     raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
                 flat[sl] = cached[1]
             else:
-                flat[sl] = np.frombuffer(w, dtype=np.float32)
+                part = np.frombuffer(w, dtype=np.float32)  # read-only, over the reply's bytes
+                flat[sl] = part
+                # Kept for a merge that follows (the assimilator reads a snapshot to check
+                # a result's distance, then merges it): its read of this shard then skips
+                # the bytes while the tag is unchanged.
+                self._cache[(model, i)] = (tag, part)
+                self._from_snapshot.add((model, i))
             versions.append(int(v or 0))
         return Snapshot(flat, versions)
 
