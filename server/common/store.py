@@ -368,6 +368,17 @@ class JobStore(ShardMerging):
         """Number of units merged into ``model`` (the global counter)."""
         return int(self.call(lambda: self.r.get(self.k("v", model))) or 0)
 
+    def progress(self) -> tuple[int, int]:
+        """(units merged, units given up): one round trip; it changes exactly when a
+        merge or a give-up lands (both hashes only grow)."""
+        def read() -> tuple[int, int]:
+            p = self.r.pipeline(transaction=False)
+            p.hlen(self.k("assimilated"))
+            p.hlen(self.k("failed"))
+            n_ok, n_failed = p.execute()
+            return int(n_ok), int(n_failed)
+        return self.call(read)
+
     def is_assimilated(self, unit: str) -> bool:
         return bool(self.call(lambda: self.r.hexists(self.k("assimilated"), unit)))
 

@@ -29,8 +29,10 @@ The client follows BOINC 7.20's rules (``client/cs_scheduler.cpp``, ``client/wor
 * the reply's ``next_rpc_delay`` sets ``next_rpc_time = now + delay`` (0: none).
 
 The server side: a reported result is validated and assimilated ``assimilate_s`` later;
-the work generator runs every ``poll_s``; a created unit becomes sendable after the
-feeder's ``feeder_s``. The client's work buffer is one task per idle slot (BOINC
+the work generator runs every ``poll_s`` and, with ``wake_on_merge``, also in the second a
+merge lands (boinc-dl's work generator checks its jobs for merges 4 times a second); a
+created unit becomes sendable after the feeder's ``feeder_s`` (its ``--sleep_interval``:
+5 s by default, 1 s as boinc-dl's install sets it). The client's work buffer is one task per idle slot (BOINC
 preferences with no extra buffered work).
 """
 
@@ -153,6 +155,7 @@ class SimProject:
     assimilate_s: float = 10.0
     poll_s: float = 5.0
     feeder_s: float = 5.0
+    wake_on_merge: bool = False  # the generator also runs in the second a merge lands
     active_s: float = 3600.0
     sendable: deque = field(default_factory=deque)  # (available_at, unit)
     assimilating: list = field(default_factory=list)  # (due, unit)
@@ -170,7 +173,7 @@ class SimProject:
         self.assimilating = [(t, u) for t, u in self.assimilating if t > now]
         for u in due:
             self.gen.done(u)
-        if now % self.poll_s == 0:
+        if now % self.poll_s == 0 or (self.wake_on_merge and due):
             new = self.gen.step(now)
             if new:
                 self.last_created_at = now

@@ -109,3 +109,36 @@ def test_other_projects_jobs_are_left_alone(installed, tiny_boinc_job) -> None:
     assert d.one_pass() == 0
     assert calls(installed.root, "create_work") == []
     assert np.isfinite(1.0)
+
+
+# ---- waking on a merge -------------------------------------------------------------------
+
+def test_wakes_on_a_merge_not_at_the_end_of_the_pass_interval(installed, tiny_boinc_job) -> None:
+    """A merge frees a window slot: the next pass runs within a fraction of a second, not
+    after poll_s. (On a real server a host that reports finds "no tasks" otherwise, and
+    waits for its next_rpc_delay; the example job took a minute and a half per 3 units.)"""
+    import threading
+
+    store, spec = tiny_boinc_job
+    d = WorkGeneratorDaemon(installed, poll_s=30.0)
+    d.connect()
+    d.gens[spec.name] = object()  # the job is being driven (its generator is not needed here)
+    threading.Timer(0.5, lambda: store.r.hset(store.k("assimilated"), "some_unit", "{}")).start()
+    t0 = time.monotonic()
+    assert d.wait_for_work(30.0) is True
+    assert 0.4 < time.monotonic() - t0 < 2.0
+    threading.Timer(0.3, lambda: store.r.hset(store.k("failed"), "other_unit", "gave up")).start()
+    assert d.wait_for_work(30.0) is True  # a give-up moves the window too
+    t0 = time.monotonic()
+    assert d.wait_for_work(0.6) is False  # nothing happened: the whole interval
+    assert time.monotonic() - t0 >= 0.6
+    d.stop.set()
+    t0 = time.monotonic()
+    assert d.wait_for_work(30.0) is False and time.monotonic() - t0 < 1.0
+
+
+def test_waits_without_jobs_or_redis(installed) -> None:
+    d = WorkGeneratorDaemon(installed, poll_s=30.0)
+    t0 = time.monotonic()
+    assert d.wait_for_work(0.3) is False  # no job driven: a plain sleep
+    assert time.monotonic() - t0 >= 0.3

@@ -46,8 +46,9 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     # daemons: ours added, every other one kept as it was
     ds = daemons(root)
     cmds = [d["cmd"] for d in ds]
-    # (the transitioner gets --sleep_interval 1: it is on every result's path to the merge)
-    assert cmds[:5] == ["feeder -d 3", "transitioner -d 3 --sleep_interval 1", "file_deleter -d 3",
+    # (the feeder and the transitioner get --sleep_interval 1: they are on every unit's
+    # path from creation to send and from report to merge)
+    assert cmds[:5] == ["feeder -d 3 --sleep_interval 1", "transitioner -d 3 --sleep_interval 1", "file_deleter -d 3",
                         "sample_trivial_validator -d 3 --app example_app",
                         'script_assimilator -d 3 --app example_app --script "example_assimilate wu_id files"']
     ours = ds[5:]

@@ -307,6 +307,7 @@ def test_install_sets_prompt_reporting_and_daemon_intervals(job) -> None:
     project, store, spec, r = job
     cmds = [d.findtext("cmd") for d in ET.parse(project.config_xml).getroot().findall("daemons/daemon")]
     assert "transitioner -d 3 --sleep_interval 1" in cmds
+    assert "feeder -d 3 --sleep_interval 1" in cmds  # a new unit is sendable within a second
     ours = [c for c in cmds if "boincdl" in c]
     assert ours and all(c.endswith("--sleep_interval 1") for c in ours)
     be, (u,) = create_units(project, r, spec, 1)

@@ -45,6 +45,8 @@ def job_is_ours(meta: dict[str, str], project: BoincProject) -> bool:
 
 #: After a job ends, keep sweeping for units created by a pass that raced with the end.
 SWEEP_GRACE_S = 600.0
+# how often a waiting work generator checks its jobs for a new merge or give-up
+WAKE_S = 0.25
 
 
 def cancel_in_flight(store: JobStore, backend: BoincJobSystem) -> int:
@@ -142,6 +144,44 @@ class WorkGeneratorDaemon:
             if left <= 0:
                 return
             self.stop.wait(min(1.0, left))
+
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """(units merged, units given up) of every job this daemon drives: what frees a
+        VC-ASGD window slot, completes an epoch or moves a MOP model on."""
+        return {job: JobStore(self.r, job).progress() for job in list(self.gens)}
+
+    def wait_for_work(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``, but return as soon as a merge or a give-up lands in a
+        job this daemon drives (checked every ``WAKE_S``); True when woken that way.
+
+        A merge frees a slot of the window and may complete an epoch. Waiting out the
+        whole pass interval instead leaves the next units uncreated while the host that
+        just reported asks for work, gets "no tasks" and goes quiet until its next
+        ``next_rpc_delay`` (docs/boinc.md, "Keeping hosts busy"). The check is one
+        pipelined round trip of two ``HLEN`` per job.
+        """
+        if not self.gens or self.r is None:
+            self.sleep(seconds)
+            return False
+        try:
+            before = self.progress()
+        except StoreUnavailable:
+            self.sleep(seconds)
+            return False
+        end = time.monotonic() + seconds
+        while not self.should_stop():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self.stop.wait(min(WAKE_S, left))
+            try:
+                if self.progress() != before:
+                    return True
+            except StoreUnavailable:
+                # the pass will find Redis down and back off; no reason to spin here
+                self.sleep(max(0.0, end - time.monotonic()))
+                return False
+        return False
 
     # ---- passes ---------------------------------------------------------------------------
     def connect(self) -> None:
@@ -252,7 +292,10 @@ class WorkGeneratorDaemon:
             passes += 1
             if once or (max_passes is not None and passes >= max_passes):
                 break
-            self.sleep(delay)
+            if delay == self.poll_s:
+                self.wait_for_work(delay)
+            else:  # backing off from Redis or a tool: no early wake-up
+                self.sleep(delay)
         if self.backend is not None and self.backend.pending():
             try:
                 self.backend.flush()

@@ -134,20 +134,34 @@ def daemon_specs(n_assimilators: int, sleep_s: int | None = None) -> list[dict[s
     return specs
 
 
-def transitioner_latency(daemons: ET.Element, sleep_s: int) -> str | None:
-    """Give BOINC's transitioner ``--sleep_interval sleep_s`` unless it has one; the new
-    command, or None. The transitioner runs twice between a report and the assimilator
-    (to validation, then to assimilation) and sleeps 5 s when idle
-    (``sched/transitioner.cpp``), so its interval is on every result's path."""
+# BOINC's own daemons on every unit's path, and why their idle sleep matters (each given
+# ``--sleep_interval`` = the settings' ``daemon_sleep_s`` unless the admin set one).
+LATENCY_DAEMONS = {
+    # sleeps 5 s when its scan added nothing (sched/feeder.cpp): a new workunit becomes
+    # sendable up to 5 s late, and a host that asks just before then gets "no tasks"
+    "feeder": "prompt sending",
+    # runs twice between a report and the assimilator (to validation, then to
+    # assimilation) and sleeps 5 s when idle (sched/transitioner.cpp)
+    "transitioner": "prompt assimilation",
+}
+
+
+def daemon_latency(daemons: ET.Element, sleep_s: int) -> list[tuple[str, str]]:
+    """Give BOINC's feeder and transitioner ``--sleep_interval sleep_s`` unless they have
+    one; the (new command, why) of each change."""
+    changed = []
     for el in daemons.findall("daemon"):
         words = child_text(el, "cmd").split()
-        if words and words[0] == "transitioner" and not any(w.lstrip("-") == "sleep_interval" for w in words):
-            cmd = " ".join([*words, "--sleep_interval", str(int(sleep_s))])
-            cmd_el = el.find("cmd")
-            assert cmd_el is not None
-            cmd_el.text = cmd
-            return cmd
-    return None
+        if not words or words[0] not in LATENCY_DAEMONS:
+            continue
+        if any(w.lstrip("-") == "sleep_interval" for w in words):
+            continue
+        cmd = " ".join([*words, "--sleep_interval", str(int(sleep_s))])
+        cmd_el = el.find("cmd")
+        assert cmd_el is not None
+        cmd_el.text = cmd
+        changed.append((cmd, LATENCY_DAEMONS[words[0]]))
+    return changed
 
 
 def is_our_daemon(el: ET.Element) -> bool:
@@ -352,9 +366,8 @@ class Installer:
             if spec["output"] not in seen:
                 append_child(daemons, self._daemon_el(spec), 1)
                 doc.changes.append(f"added daemon '{spec['cmd']}'")
-        cmd = transitioner_latency(daemons, sleep_s)
-        if cmd:
-            doc.changes.append(f"updated daemon '{cmd}' (prompt assimilation, docs/boinc.md)")
+        for cmd, why in daemon_latency(daemons, sleep_s):
+            doc.changes.append(f"updated daemon '{cmd}' ({why}, docs/boinc.md)")
         if doc.save():
             for c in doc.changes:
                 self.change(f"config.xml: {c}")
