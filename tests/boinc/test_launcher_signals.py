@@ -29,12 +29,22 @@ REPO = Path(__file__).resolve().parents[2]
 WRAPPER = Path(__file__).resolve().parent / "fake_wrapper.py"
 # ~3000 batches of 8: several seconds of training, checkpoints every 0.3 s
 UNIT = {"n": 2000, "n_val": 200, "batch_size": 8, "local_epochs": 12, "checkpoint_every_s": 0.3}
+# The spot-notice tests need training to outlast the watcher's 2 s poll after the first
+# checkpoint, with room to spare on a loaded machine (12 local epochs can take 2 s).
+LONG_UNIT = {**UNIT, "local_epochs": 60}
 
 
 @pytest.fixture(scope="module")
 def unit_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("launcher_unit")
     make_unit(src, **UNIT)
+    return src
+
+
+@pytest.fixture(scope="module")
+def long_unit_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("launcher_long_unit")
+    make_unit(src, **LONG_UNIT)
     return src
 
 
@@ -184,11 +194,11 @@ def test_wrapper_killed_takes_the_task_with_it(unit_src: Path, launcher: Path, t
     assert not (slot / "weights_out.h5").exists(), "an orphan trained on after its wrapper died"
 
 
-def test_spot_notice_on_a_surviving_vm_resumes_in_the_same_process(unit_src: Path, launcher: Path,
+def test_spot_notice_on_a_surviving_vm_resumes_in_the_same_process(long_unit_src: Path, launcher: Path,
                                                                    tmp_path: Path) -> None:
     """Exit 75 after a spot notice must not become a compute error while the VM lives on:
     the task waits, then re-execs itself (same pid for the wrapper) and finishes."""
-    slot = copy_inputs(unit_src, tmp_path / "slot")
+    slot = copy_inputs(long_unit_src, tmp_path / "slot")
     log = tmp_path / "stderr.txt"
     notice = tmp_path / "notice"
     w, pid = start_wrapper(launcher, slot, log, BDL_PREEMPT_NOTICE_FILE=str(notice), BDL_RESUME_DELAY_S="3")
@@ -202,9 +212,9 @@ def test_spot_notice_on_a_surviving_vm_resumes_in_the_same_process(unit_src: Pat
     assert descendants(w.pid) == []
 
 
-def test_spot_notice_then_sigterm_during_the_wait_exits_75_at_once(unit_src: Path, launcher: Path,
+def test_spot_notice_then_sigterm_during_the_wait_exits_75_at_once(long_unit_src: Path, launcher: Path,
                                                                    tmp_path: Path) -> None:
-    slot = copy_inputs(unit_src, tmp_path / "slot")
+    slot = copy_inputs(long_unit_src, tmp_path / "slot")
     log = tmp_path / "stderr.txt"
     notice = tmp_path / "notice"
     w, pid = start_wrapper(launcher, slot, log, grace=30.0, BDL_PREEMPT_NOTICE_FILE=str(notice),
@@ -219,9 +229,9 @@ def test_spot_notice_then_sigterm_during_the_wait_exits_75_at_once(unit_src: Pat
     assert time.monotonic() - t < 3.0
 
 
-def test_resumes_are_bounded(unit_src: Path, launcher: Path, tmp_path: Path) -> None:
+def test_resumes_are_bounded(long_unit_src: Path, launcher: Path, tmp_path: Path) -> None:
     """With the resumes used up, exit 75 reaches the wrapper (which reports the error)."""
-    slot = copy_inputs(unit_src, tmp_path / "slot")
+    slot = copy_inputs(long_unit_src, tmp_path / "slot")
     log = tmp_path / "stderr.txt"
     notice = tmp_path / "notice"
     w, _ = start_wrapper(launcher, slot, log, BDL_PREEMPT_NOTICE_FILE=str(notice), BDL_MAX_RESUMES="0")
