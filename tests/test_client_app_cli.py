@@ -27,6 +27,9 @@ from tests.test_client_app import THREADS, copy_inputs, make_unit, weights_out
 REPO = Path(__file__).resolve().parents[1]
 # ~3000 batches of 8: a few seconds of training, long enough to be interrupted twice
 UNIT = {"n": 2000, "n_val": 200, "batch_size": 8, "local_epochs": 12, "checkpoint_every_s": 0.3}
+# The notice test needs training to outlast the watcher's 2 s poll after the first
+# checkpoint, with room to spare (12 local epochs can train in under 2 s).
+LONG_UNIT = {**UNIT, "local_epochs": 60}
 
 
 def start_cli(slot: Path, log: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
@@ -66,14 +69,25 @@ def positions(slot: Path) -> tuple[int, int]:
     return int(ck.get("done", -1)), int(pr.get("done", -1))
 
 
+def _unit_with_reference(tmp_path_factory: pytest.TempPathFactory, name: str,
+                         spec: dict) -> tuple[Path, Fingerprint, np.ndarray, dict]:
+    src = tmp_path_factory.mktemp(f"cli_{name}")
+    fp = make_unit(src, **spec)
+    ref = copy_inputs(src, tmp_path_factory.mktemp(f"cli_{name}_ref"))
+    res = run_unit(ref, cache=ModelCache(), threads=THREADS)
+    return src, fp, weights_out(ref, fp), res.metrics
+
+
 @pytest.fixture(scope="module")
 def unit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Fingerprint, np.ndarray, dict]:
     """The unit's inputs, plus the weights and metrics of an uninterrupted in-process run."""
-    src = tmp_path_factory.mktemp("cli_unit")
-    fp = make_unit(src, **UNIT)
-    ref = copy_inputs(src, tmp_path_factory.mktemp("cli_ref"))
-    res = run_unit(ref, cache=ModelCache(), threads=THREADS)
-    return src, fp, weights_out(ref, fp), res.metrics
+    return _unit_with_reference(tmp_path_factory, "unit", UNIT)
+
+
+@pytest.fixture(scope="module")
+def long_unit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Fingerprint, np.ndarray, dict]:
+    """As ``unit``, training five times longer (see LONG_UNIT)."""
+    return _unit_with_reference(tmp_path_factory, "long_unit", LONG_UNIT)
 
 
 def test_sigkill_mid_unit_then_restart_resumes_bitwise(unit: tuple[Path, Fingerprint, np.ndarray, dict],
@@ -131,10 +145,10 @@ def test_sigterm_checkpoints_and_exits_75(unit: tuple[Path, Fingerprint, np.ndar
 
 
 @pytest.mark.slow
-def test_preemption_notice_checkpoints_and_exits_75(unit: tuple[Path, Fingerprint, np.ndarray, dict],
+def test_preemption_notice_checkpoints_and_exits_75(long_unit: tuple[Path, Fingerprint, np.ndarray, dict],
                                                     tmp_path: Path) -> None:
     """The real watcher (its notice-file source, as the local backend uses it) stops the unit."""
-    src, fp, reference, _ = unit
+    src, fp, reference, _ = long_unit
     slot = copy_inputs(src, tmp_path / "slot")
     log = tmp_path / "stderr.txt"
     notice = tmp_path / "preempt-notice"
