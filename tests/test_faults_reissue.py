@@ -144,9 +144,12 @@ def test_fresh_falls_back_to_same_inputs_when_the_generator_cannot_regenerate(tm
     def deaf(backend: LocalJobSystem, gen: VCASGDWorkGenerator) -> None:
         gen.reissue = "same"  # the job system still asks; the generator no longer answers
 
+    # Units of 2 s: overdue at 0.5 s, the fallback due 0.3 s later. (With 0.8 s units the
+    # fallback raced the first result on a loaded machine and sometimes lost.)
+
     store = JobStore(connect(redis_server.url), spec.name)
     res = run_headless(spec, tmp_path / "run", redis_server.url, search_path=EXAMPLES, on_start=deaf,
-                       backend_opts={"synthetic_unit_s": 0.8, "regen_grace_s": 0.3})
+                       backend_opts={"synthetic_unit_s": 2.0, "regen_grace_s": 0.3})
     assert res.status == "done", res.reason
     assert res.backend["regen_fallback"] >= 1 and res.backend["regenerated"] == 0
     audit = audit_job(store, n_subsets=4, epochs=1)
