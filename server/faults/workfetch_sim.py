@@ -203,8 +203,17 @@ class Client:
     jitter: float = 0.25
     results_due_at_once: bool = True  # report deadline within REPORT_DEADLINE_CUSHION (a day)
     request_delay: float = 7.0  # min_sendwork_interval 6 s: max(1.01 x 6, 6 + 1)
+    # The client's own pace (0: instantaneous). A real 7.20 client advances once a second,
+    # so a task starts about 4 s after the reply that sent it (the reply turned into
+    # downloads, the downloads, each noticed on a later second) and its upload is done
+    # about 6 s after it exits (exit noticed, then a size query and the data for a file
+    # of 8 KB or more): docs/boinc.md, "Latency". The slot counts as busy while the
+    # task's inputs download and free while its outputs upload.
+    fetch_s: float = 0.0
+    upload_s: float = 0.0
     min_rpc_time: float = 0.0
     running: list = field(default_factory=list)  # (ends_at, unit)
+    uploading: list = field(default_factory=list)  # (upload_done_at, exited_at, unit)
     ready: list = field(default_factory=list)  # (completed_at, unit)
     backoff_time: float = 0.0
     backoff_interval: float = 0.0
@@ -234,7 +243,7 @@ class Client:
         got = p.rpc(self.id, self.slots, now, reported, idle)
         for u in got:
             d = self.unit_s * (1 + self.jitter * (2 * self.rng.random() - 1))
-            self.running.append((now + d, u))
+            self.running.append((now + self.fetch_s + d, u))
         # handle_scheduler_reply: request_delay, next_rpc_delay, then WORK_FETCH::handle_reply.
         self.min_rpc_time = now + self.request_delay
         self.next_rpc_time = now + p.next_rpc_delay if p.next_rpc_delay else 0.0
@@ -247,8 +256,12 @@ class Client:
         """Advance the client by ``dt`` seconds ending at ``now``."""
         for end, u in [r for r in self.running if r[0] <= now]:
             self.running.remove((end, u))
-            self.ready.append((end, u))
+            self.uploading.append((end + self.upload_s, end, u))
             self.must_check_work_fetch = True  # "application exited"
+        for done, end, u in [r for r in self.uploading if r[0] <= now]:
+            self.uploading.remove((done, end, u))
+            self.ready.append((end, u))
+            self.must_check_work_fetch = True  # "project finished uploading"
             self.backoff_time = self.backoff_interval = 0.0  # upload done: clear_backoffs
         if counting:
             idle = self.slots - len(self.running)
@@ -284,8 +297,10 @@ class SimResult:
 
 def simulate(gen: Generator, hosts: int, slots: int, next_rpc_delay: float = 0.0, unit_s: float = 60.0,
              seed: int = 0, request_delay: float = 7.0, max_s: float = 86400.0,
-             project: SimProject | None = None, **server: float) -> SimResult:
-    """Run ``hosts`` clients of ``slots`` slots against ``gen`` until every unit is merged."""
+             project: SimProject | None = None, fetch_s: float = 0.0, upload_s: float = 0.0,
+             **server: float) -> SimResult:
+    """Run ``hosts`` clients of ``slots`` slots against ``gen`` until every unit is merged
+    (``fetch_s``, ``upload_s``: the client's own pace, see :class:`Client`)."""
     rng = random.Random(seed)
     active_s = max(180.0, 3 * next_rpc_delay) if next_rpc_delay else 3600.0  # as server.backends.boinc.hosts
     p = project or SimProject(gen, next_rpc_delay=next_rpc_delay, active_s=active_s, **server)
@@ -293,7 +308,8 @@ def simulate(gen: Generator, hosts: int, slots: int, next_rpc_delay: float = 0.0
         gen.attach(p)
     clients = []
     for i in range(hosts):
-        c = Client(i, slots, random.Random(rng.random()), unit_s=unit_s, request_delay=request_delay)
+        c = Client(i, slots, random.Random(rng.random()), unit_s=unit_s, request_delay=request_delay,
+                   fetch_s=fetch_s, upload_s=upload_s)
         # Idle and not backed off when the job arrives, each at its own point of its
         # 60 s work-fetch cycle and 5 s poll cycle.
         c.last_work_fetch, c.phase = -rng.uniform(0, WORK_FETCH_PERIOD), rng.randrange(5)

@@ -165,3 +165,28 @@ def test_short_units_need_a_prompt_generator_and_feeder() -> None:
     # each change alone helps less than both: a unit must exist *and* be sendable in time
     one = [run(poll_s=5.0, feeder_s=1.0), run(poll_s=5.0, feeder_s=5.0, wake_on_merge=True)]
     assert all(mean(r.makespan_s for r in after) < mean(r.makespan_s for r in x) / 1.5 for x in one)
+
+
+def test_client_pace_reproduces_the_real_server() -> None:
+    """With the 7.20 client's own pace (a task starts about 4 s after the reply that sent
+    it, its upload is done about 6 s after it exits; docs/boinc.md, "Latency"), the
+    simulation reproduces what the shipped example did on a real 1.6.2 server with one
+    2-slot client: 52 units merged in the first 8 minutes, 160 units in 1,434 s, about 510
+    scheduler requests an hour. Without the pace it is far too optimistic."""
+    def run(max_s: float, fetch_s: float, upload_s: float) -> list[tuple[int, object]]:
+        out = []
+        for s in range(4):
+            g = VCASGDGenerator(8, 20, None)
+            r = simulate(g, 1, 2, next_rpc_delay=60, unit_s=5.0, seed=s, request_delay=0.0, assimilate_s=3.5,
+                         feeder_s=1.0, wake_on_merge=True, fetch_s=fetch_s, upload_s=upload_s, max_s=max_s)
+            out.append((g.merged, r))
+        return out
+
+    mean = statistics.mean
+    first8 = mean(m for m, _ in run(480, 4.0, 6.0))
+    assert 52 * 0.8 < first8 < 52 * 1.2
+    whole = run(86400, 4.0, 6.0)
+    assert all(r.finished for _, r in whole)
+    assert 1434 * 0.8 < mean(r.makespan_s for _, r in whole) < 1434 * 1.2
+    assert 510 * 0.8 < mean(r.rpcs_per_host_hour for _, r in whole) < 510 * 1.2
+    assert mean(m for m, _ in run(480, 0.0, 0.0)) > 1.5 * first8  # the instantaneous client
