@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +78,23 @@ def _expected(n: int, alpha: float) -> np.ndarray:
     for _ in range(n):
         merge_into(w, c, alpha)
     return w
+
+
+@contextmanager
+def _two_writers(tmp_path: Path, monkeypatch, name: str) -> Iterator[tuple[JobStore, JobStore]]:
+    """Two stores (two assimilators) of one job of 6 units on a private Redis."""
+    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
+    srv = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        yield _job(srv.url, 6, name), JobStore(connect(srv.url), name)
+    finally:
+        srv.kill()
+
+
+def _merge_ones(st: JobStore, unit: str) -> None:
+    """Merge an all-ones result with alpha 0.5; it must apply."""
+    wc = np.ones(N, np.float32)
+    assert st.merge("0", unit, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
 
 
 def _merger(url: str, job: str, units: list[str], alpha: float, strict: bool, acks: mp.Queue | None = None,
@@ -255,27 +273,18 @@ def test_cached_fast_path_and_a_second_writer(tmp_path: Path, monkeypatch) -> No
     """A lone assimilator merges from its cached shards in one pipelined round trip;
     another writer in between makes its cache stale, and the merge re-reads: every
     shard still ends at the exact value."""
-    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
-    srv = EmbeddedRedis(tmp_path / "r").start()
-    try:
-        a = _job(srv.url, 6, "fast")
-        b = JobStore(connect(srv.url), "fast")
-        wc = np.ones(N, np.float32)
-
-        def merge(st: JobStore, u: str) -> None:
-            assert st.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
-        merge(a, "m0")
+    with _two_writers(tmp_path, monkeypatch, "fast") as (a, b):
+        _merge_ones(a, "m0")
         assert len(a._cache) == 10  # every shard cached: the next merge takes the fast path
-        merge(a, "m1")
-        merge(b, "m2")              # a's cache is now stale everywhere
-        merge(a, "m3")
-        merge(a, "m4")
+        _merge_ones(a, "m1")
+        _merge_ones(b, "m2")        # a's cache is now stale everywhere
+        _merge_ones(a, "m3")
+        _merge_ones(a, "m4")
         snap = b.snapshot("0")
         assert snap.shard_versions == [5] * 10
         np.testing.assert_array_equal(snap.flat, _expected(5, 0.5))
+        wc = np.ones(N, np.float32)
         assert not a.merge("0", "m4", lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
-    finally:
-        srv.kill()
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["cached-fast-path", "shard-by-shard"])
@@ -343,30 +352,19 @@ def test_a_merge_after_a_snapshot_reads_no_shard_bytes_again(tmp_path: Path, mon
     """The assimilator reads a snapshot (the distance check), then merges: the merge's
     reads skip the bytes of every shard whose tag has not moved since, and re-read the
     ones another assimilator wrote in between. Every shard ends exact either way."""
-    monkeypatch.setenv("BDL_SHARD_BYTES", SHARD_BYTES)
-    srv = EmbeddedRedis(tmp_path / "r").start()
-    try:
-        a = _job(srv.url, 6, "snap")
-        b = JobStore(connect(srv.url), "snap")
-        wc = np.ones(N, np.float32)
-
-        def merge(st: JobStore, u: str) -> None:
-            assert st.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], 0.5), {}, 1).applied
-
+    with _two_writers(tmp_path, monkeypatch, "snap") as (a, b):
         def gets() -> int:
             return int(a.r.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
-        merge(b, "m0")                          # written by another process: a holds nothing
+        _merge_ones(b, "m0")                    # written by another process: a holds nothing
         np.testing.assert_array_equal(a.snapshot("0").flat, _expected(1, 0.5))
         before = gets()
-        merge(a, "m1")
+        _merge_ones(a, "m1")
         assert gets() == before                 # the snapshot's bytes served the merge
         a.snapshot("0")
-        merge(b, "m2")                          # every shard moves after a's snapshot
+        _merge_ones(b, "m2")                    # every shard moves after a's snapshot
         before = gets()
-        merge(a, "m3")
+        _merge_ones(a, "m3")
         assert gets() - before == 10            # stale: each shard's bytes read again
         snap = b.snapshot("0")
         assert snap.shard_versions == [4] * 10
         np.testing.assert_array_equal(snap.flat, _expected(4, 0.5))
-    finally:
-        srv.kill()

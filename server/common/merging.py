@@ -22,7 +22,7 @@ import redis
 
 from server.common import shards as sh
 from server.common.errors import StoreUnavailable, UnknownJob
-from server.common.redis_faults import is_redirect, is_transient
+from server.common.redis_faults import Backoff, is_redirect, is_transient
 
 # A shard read fetched ahead: (the cache entry popped for it, the read script's reply).
 _ReadAhead = tuple[tuple[bytes, np.ndarray] | None, list[Any]]
@@ -145,7 +145,7 @@ class ShardMerging:
         read of the next riding in the same round trip as this one's commit."""
         field = f"u:{unit}"
         retries, applied, left = 0, 0, list(order)
-        backoff = _Backoff(self.retry_s)
+        backoff = Backoff(self.retry_s)
         while left:
             held: _Held | None = None
             try:
@@ -220,6 +220,14 @@ class ShardMerging:
             node = self.r.get_node_from_key(key)
         return node.redis_connection
 
+    def _take_cached(self, model: str, i: int) -> tuple[Any, bool]:
+        """Remove shard ``i``'s cached (tag, buffer) (None when absent) and say whether a
+        snapshot put it there. Taken, not read: combine works in place, so a failed
+        attempt must not leave a half-merged buffer behind."""
+        from_snapshot = (model, i) in self._from_snapshot
+        self._from_snapshot.discard((model, i))
+        return self._cache.pop((model, i), None), from_snapshot
+
     def _read_cmds(self, model: str, i: int, field: str) -> list[tuple[Any, ...]]:
         """Watch shard ``i`` and read its tag and mark, and its bytes unless this process
         holds a copy likely current: it is alone on the model, or a snapshot just read
@@ -240,9 +248,7 @@ class ShardMerging:
         wkey, mkey = self._shard_keys(model, i)
         if pending is None:
             pending = held.run(self._read_cmds(model, i, field))  # before the cache entry goes
-        cached = self._cache.pop((model, i), None)  # combine works in place
-        from_snapshot = (model, i) in self._from_snapshot
-        self._from_snapshot.discard((model, i))
+        cached, from_snapshot = self._take_cached(model, i)
         (tag, mark), w = pending[1], (pending[2] if len(pending) > 2 else None)
         if mark is not None:
             held.run([("UNWATCH",)])
@@ -298,8 +304,7 @@ class ShardMerging:
             return set()
         news: list[tuple[int, np.ndarray, bytes]] = []
         for i in shards:
-            _tag, buf = self._cache.pop((model, i))  # combine works in place
-            self._from_snapshot.discard((model, i))
+            (_tag, buf), _ = self._take_cached(model, i)
             new = fn_for(i)(_writable(buf))
             if new is None:
                 held.run([("UNWATCH",)])
@@ -332,17 +337,14 @@ class ShardMerging:
         cas = self._script("cas_shard", sh.CAS_SHARD)
         field = f"u:{unit}"
         retries = 0
-        backoff = _Backoff(self.retry_s)
+        backoff = Backoff(self.retry_s)
         while True:
             try:
                 if ahead is not None:
                     cached, (tag, _v, mark, w) = ahead
                     ahead = None
                 else:
-                    # Popped: combine works in place, so a failed attempt must not leave
-                    # a half-merged buffer in the cache.
-                    cached = self._cache.pop((model, i), None)
-                    self._from_snapshot.discard((model, i))
+                    cached, _ = self._take_cached(model, i)
                     tag, _v, mark, w = read(keys=keys, args=[field, cached[0] if cached else b""])
                 if mark is not None:
                     if cached is not None:
@@ -361,7 +363,7 @@ class ShardMerging:
                 cas_args = [tag if strict else b"", new_tag, field, token, sh.as_bytes(new)]
                 nxt: _ReadAhead | None = None
                 if next_shard is not None and not self.cluster:
-                    nxt_cached = self._cache.pop((model, next_shard), None)
+                    nxt_cached, _ = self._take_cached(model, next_shard)
                     p = self.r.pipeline(transaction=False)
                     cas(keys=keys, args=cas_args, client=p)
                     read(keys=self._shard_keys(model, next_shard),
@@ -411,25 +413,6 @@ class ShardMerging:
 def _writable(a: np.ndarray) -> np.ndarray:
     """``a`` itself, or a copy when it is a read-only view (a snapshot's reply bytes)."""
     return a if a.flags.writeable else a.copy()
-
-
-class _Backoff:
-    """One merge's retry window while Redis is unreachable: sleeps doubling from 50 ms
-    to 1 s, then :class:`StoreUnavailable` once ``retry_s`` has passed."""
-
-    def __init__(self, retry_s: float):
-        self.retry_s = retry_s
-        self.deadline: float | None = None
-        self.delay = 0.05
-
-    def wait(self, what: str, e: BaseException) -> None:
-        now = time.monotonic()
-        if self.deadline is None:
-            self.deadline = now + self.retry_s
-        if now >= self.deadline:
-            raise StoreUnavailable(f"Redis unreachable during {what}: {e}") from None
-        time.sleep(min(self.delay, max(0.0, self.deadline - now)))
-        self.delay = min(self.delay * 2, 1.0)
 
 
 class _Held:

@@ -63,7 +63,7 @@ from server.common import shards as sh
 from server.common.cluster import cluster_client, is_cluster, is_cluster_url
 from server.common.errors import StoreUnavailable, UnknownJob
 from server.common.merging import ShardMerging
-from server.common.redis_faults import is_transient
+from server.common.redis_faults import Backoff, is_transient
 from server.common.shards import ShardLayout, Snapshot
 from server.common.weights import Fingerprint
 
@@ -167,21 +167,14 @@ class JobStore(ShardMerging):
         ``fn`` must be idempotent (a retry may follow a reply lost after Redis applied
         the commands). Raises :class:`StoreUnavailable` once ``retry_s`` has passed.
         """
-        deadline: float | None = None
-        delay = 0.05
+        backoff = Backoff(self.retry_s)
         while True:
             try:
                 return fn()
             except (redis.RedisError, redis.RedisClusterException, OSError) as e:
                 if not is_transient(e) and not isinstance(e, OSError):
                     raise
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.retry_s
-                if now >= deadline:
-                    raise StoreUnavailable(f"Redis unreachable: {e}") from None
-                time.sleep(min(delay, max(0.0, deadline - now)))
-                delay = min(delay * 2, 1.0)
+                backoff.wait(None, e)
 
     def _script(self, name: str, src: str) -> Any:
         """A registered Lua script (EVALSHA, reloaded by redis-py after a restart)."""

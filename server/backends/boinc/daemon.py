@@ -160,28 +160,29 @@ class WorkGeneratorDaemon:
         ``next_rpc_delay`` (docs/boinc.md, "Keeping hosts busy"). The check is one
         pipelined round trip of two ``HLEN`` per job.
         """
-        if not self.gens or self.r is None:
-            self.sleep(seconds)
-            return False
-        try:
-            before = self.progress()
-        except StoreUnavailable:
-            self.sleep(seconds)
-            return False
         end = time.monotonic() + seconds
+        before = self._progress_or_none() if self.gens and self.r is not None else None
+        if before is None:
+            self.sleep(seconds)
+            return False
         while not self.should_stop():
             left = end - time.monotonic()
             if left <= 0:
                 return False
             self.stop.wait(min(WAKE_S, left))
-            try:
-                if self.progress() != before:
-                    return True
-            except StoreUnavailable:
-                # the pass will find Redis down and back off; no reason to spin here
+            now = self._progress_or_none()
+            if now is None:  # Redis down: the next pass finds it and backs off
                 self.sleep(max(0.0, end - time.monotonic()))
                 return False
+            if now != before:
+                return True
         return False
+
+    def _progress_or_none(self) -> dict[str, tuple[int, int]] | None:
+        try:
+            return self.progress()
+        except StoreUnavailable:
+            return None
 
     # ---- passes ---------------------------------------------------------------------------
     def connect(self) -> None:
