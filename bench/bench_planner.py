@@ -16,7 +16,8 @@ calibration and the validation runs see the same noise.
 Reported per configuration: predicted (simulation, the planner's answer where queues
 form; closed form beside it), measured, error. Over all: MAPE, Spearman's rank
 correlation, the pairs of configurations ordered as measured among those whose measured
-times differ by more than their run-to-run spread (``--repeats``), and the regret of the
+times differ by more than their run-to-run spread (``--repeats``), the measurement's rank
+agreement with its own repeats (the ceiling of any model's), and the regret of the
 planner's recommendation — the cheapest predicted
 configuration meeting a deadline (the median predicted time, fixed before measuring),
 priced as simulated instance types — against the cheapest measured one that met it.
@@ -302,6 +303,24 @@ def main() -> None:
             ok += (a[key] < b[key]) == (a["measured_s"] < b["measured_s"])
         return {"ordered": ok, "of": n}
 
+    def self_agreement() -> dict[str, object]:
+        """The measurement against its own repeats: Spearman between repeat i's and repeat
+        j's times over all configurations, and whether they rank them identically. The
+        ceiling of any model's rank agreement with one measured run: ranks that differ
+        between two runs of the same configurations cannot all be predicted."""
+        k = min(len(r["measured_runs_s"]) for r in rows)
+        out: list[dict[str, object]] = []
+        for i, j in itertools.combinations(range(k), 2):
+            a = [r["measured_runs_s"][i] for r in rows]
+            b = [r["measured_runs_s"][j] for r in rows]
+            out.append({"runs": [i, j], "spearman": round(spearman(a, b), 4),
+                        "identical_ranks": list(np.argsort(a)) == list(np.argsort(b))})
+        return {"pairs_of_runs": out,
+                "identical": sum(bool(x["identical_ranks"]) for x in out), "of": len(out),
+                "model_spearman_per_run": [round(spearman([r["predicted_s"] for r in rows],
+                                                          [r["measured_runs_s"][i] for r in rows]), 4)
+                                           for i in range(k)]}
+
     # The recommendation: cheapest predicted within a deadline fixed before measuring.
     deadline = statistics.median(r["predicted_s"] for r in rows)
     cost = {r["config"]: (r["hourly"] * r["predicted_s"], r["hourly"] * r["measured_s"]) for r in rows}
@@ -324,6 +343,7 @@ def main() -> None:
          plain_closed_form_mape=mape("plain_closed_form_error"),
          spearman=rho("predicted_s"), closed_form_spearman=rho("closed_form_s"), plain_spearman=rho("plain_s"),
          pairs_beyond_noise=pairs("predicted_s"), plain_pairs_beyond_noise=pairs("plain_s"), repeats=args.repeats,
+         measured_self_agreement=self_agreement() if len(rows) > 2 and args.repeats > 1 else None,
          deadline_s=round(deadline, 2), recommended=pick["config"], best_measured=best["config"] if best else None,
          recommended_met_deadline=pick["measured_s"] <= deadline,
          regret=round(regret, 4) if regret is not None else None, fig3=fig3_out,
