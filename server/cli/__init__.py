@@ -5,7 +5,8 @@ One module per command group, mounted here on :data:`server.cli.app.app`:
 * :mod:`.jobs` — ``run``, ``submit``, ``status``, ``cancel``, ``validate``;
 * :mod:`.boinc` — ``boinc-dl boinc ...`` (install, daemons, validator/assimilator scripts);
 * :mod:`.fleet` — ``boinc-dl fleet ...`` (the spot fleet controller) and ``boinc-dl cost JOB``;
-* :mod:`.plan` — ``boinc-dl plan`` (predicted time and cost of fleets, the recommended one).
+* :mod:`.plan` — ``boinc-dl plan`` (predicted time and cost of fleets, the recommended one);
+* :mod:`.redis_admin` — ``boinc-dl redis ...`` (check a Redis's persistence, flush its AOF).
 
 Further groups go beside these: a module with its own ``typer.Typer`` added with
 ``app.add_typer`` below.
@@ -18,8 +19,10 @@ import sys
 from server.cli import jobs  # noqa: F401 - registers the job commands on ``app``
 from server.cli.app import app, err_console
 from server.cli.plan import plan
+from server.cli.redis_admin import redis_app
 
 app.command(name="plan")(plan)
+app.add_typer(redis_app, name="redis")
 
 
 def _mount_optional() -> None:

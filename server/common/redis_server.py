@@ -41,6 +41,7 @@ import redis
 
 from server.common.aof_sync import AofSyncer
 from server.common.errors import BoincDLError
+from server.common.redis_persistence import RECOMMENDED
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -134,8 +135,8 @@ class EmbeddedRedis:
             # then rewrite every two or three merges: a fork, copy-on-write faults on
             # the weights being merged, the dataset written again; that halved merge
             # throughput. Rewriting at 5x (at least 1 GB) amortises it to a few per cent.
-            "--auto-aof-rewrite-percentage", "400",
-            "--auto-aof-rewrite-min-size", "1gb",
+            "--auto-aof-rewrite-percentage", RECOMMENDED["auto-aof-rewrite-percentage"],
+            "--auto-aof-rewrite-min-size", RECOMMENDED["auto-aof-rewrite-min-size"],
             "--save", "",
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),

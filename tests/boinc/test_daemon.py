@@ -142,3 +142,24 @@ def test_waits_without_jobs_or_redis(installed) -> None:
     t0 = time.monotonic()
     assert d.wait_for_work(0.3) is False  # no job driven: a plain sleep
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_logs_once_what_in_its_redis_could_lose_merges(project, tmp_path, caplog) -> None:
+    """An admin's own Redis with ``everysec``: the daemon says so in its log (once, not
+    at every reconnect) and works on."""
+    import logging
+
+    from server.common.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path / "everysec", appendfsync="everysec") as srv:
+        install(project.root, InstallOptions(redis_url=srv.url, gpu=False,
+                                             command=[sys.executable, "-m", "server.backends.boinc"]))
+        d = WorkGeneratorDaemon(project, poll_s=0.1)
+        with caplog.at_level(logging.INFO, logger="server.backends.boinc.daemon"):
+            d.connect()
+            d.r = None
+            d.connect()
+            assert d.one_pass() == 0
+    warned = [r for r in caplog.records if "everysec" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    assert "boinc-dl redis sync-aof" in warned[0].getMessage()

@@ -85,6 +85,7 @@ class WorkGeneratorDaemon:
         self.backend: BoincJobSystem | None = None
         self.gens: dict[str, Any] = {}
         self._skipped: set[str] = set()
+        self._persistence_checked = False
 
     # ---- control --------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -189,6 +190,23 @@ class WorkGeneratorDaemon:
         if self.r is None:
             self.r = connect(self.project.redis_url(), timeout=5.0)
             self.backend = BoincJobSystem(self.project, self.r)
+            if not self._persistence_checked:
+                self._persistence_checked = True
+                self.report_persistence()
+
+    def report_persistence(self) -> None:
+        """Log, once per process, what in the Redis's persistence settings could lose
+        merges (``boinc-dl redis check`` says the same): an admin's own Redis often runs
+        without an AOF or with ``everysec``. Never fatal: the daemon works either way."""
+        from server.common.redis_persistence import check_persistence
+
+        try:
+            findings = check_persistence(self.r)
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the daemon
+            log.warning("could not check Redis's persistence settings: %s", e)
+            return
+        for f in findings:
+            (log.info if f.severity == "note" else log.warning)("Redis at %s (%s): %s", f.node, f.severity, f.message)
 
     def generator(self, store: JobStore, meta: dict[str, str]) -> Any:
         if store.job in self.gens:

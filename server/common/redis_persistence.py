@@ -1,0 +1,119 @@
+"""Does a Redis keep boinc-dl's promises when it crashes? Its persistence settings, checked.
+
+boinc-dl's guarantee "no acknowledged merge is lost when Redis dies" (docs/fault-tolerance.md)
+holds only with an append-only file written before each reply: ``appendonly yes`` with
+``appendfsync no`` (plus :mod:`server.common.aof_sync` flushing it once a second) or
+``always``. Redis's usual ``everysec`` replies before it writes while its previous fsync
+is slow, and a Redis without an AOF loses everything since its last snapshot. The private
+Redis of ``boinc-dl run`` and the docker stack are set up right; a Redis of the admin's
+own is checked here, by ``boinc-dl redis check`` and by the BOINC work generator when it
+connects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis
+
+#: What boinc-dl runs its own Redis with (``EmbeddedRedis``, ``docker/redis/redis.conf``).
+#: The rewrite thresholds: every merge appends the whole model to the AOF, and Redis's
+#: defaults (rewrite at 2x, at least 64 MB) rewrite it every two or three merges of a
+#: large model (a fork and the dataset written again: a quarter to a half of the merge rate).
+RECOMMENDED: dict[str, str] = {
+    "appendonly": "yes",
+    "appendfsync": "no",
+    "auto-aof-rewrite-percentage": "400",
+    "auto-aof-rewrite-min-size": "1gb",
+}
+_MIN_REWRITE_PERCENTAGE = 400
+_MIN_REWRITE_BYTES = 1 << 30
+_KEYS = ("appendonly", "appendfsync", "auto-aof-rewrite-percentage", "auto-aof-rewrite-min-size", "dir")
+
+Severity = Literal["error", "warning", "note"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing to fix or know about one Redis node (``node`` is ``host:port``)."""
+
+    node: str
+    severity: Severity
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.node}: {self.message}"
+
+
+def _nodes(client: Any) -> list[tuple[str, redis.Redis]]:
+    """Every master of a cluster client, or the one server of a plain client."""
+    if isinstance(client, redis.RedisCluster):
+        return [(f"{n.host}:{n.port}", client.get_redis_connection(n)) for n in client.get_primaries()]
+    kw = client.connection_pool.connection_kwargs
+    where = kw.get("path") or f"{kw.get('host', '?')}:{kw.get('port', '?')}"
+    return [(str(where), client)]
+
+
+def read_settings(client: Any) -> dict[str, dict[str, str] | str]:
+    """Per node, its persistence settings (``CONFIG GET``), or why they could not be read
+    (a ``CONFIG`` renamed away or not permitted to this user: common on managed Redis)."""
+    out: dict[str, dict[str, str] | str] = {}
+    for name, node in _nodes(client):
+        try:
+            raw = node.config_get("*aof*") | node.config_get("append*") | node.config_get("dir")
+        except redis.ResponseError as e:
+            out[name] = str(e)
+            continue
+        out[name] = {k: _text(raw.get(k, "")) for k in _KEYS}
+    return out
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def check_node(name: str, s: dict[str, str]) -> list[Finding]:
+    """What is wrong with one node's settings (all of it at once, so that one round of
+    changes fixes everything)."""
+    found: list[Finding] = []
+    if s.get("appendonly") != "yes":
+        found.append(Finding(name, "error", "no append-only file (appendonly no): a crash of Redis loses every "
+                                            "merge since its last snapshot, while BOINC has already counted those "
+                                            "units as assimilated. Set appendonly yes"))
+    fsync = s.get("appendfsync")
+    if fsync == "everysec":
+        found.append(Finding(name, "error", "appendfsync everysec can acknowledge a merge and then lose it when the "
+                                            "Redis process crashes (it postpones the AOF write while a slow fsync "
+                                            "runs). Set appendfsync no and run `boinc-dl redis sync-aof "
+                                            f"{s.get('dir') or 'DIR'}` beside Redis, or appendfsync always"))
+    elif fsync == "no":
+        found.append(Finding(name, "note", "appendfsync no: nothing acknowledged is lost when Redis crashes; make "
+                                           "sure `boinc-dl redis sync-aof "
+                                           f"{s.get('dir') or 'DIR'}` runs beside Redis, or an OS crash can lose "
+                                           "up to the kernel's writeback delay (about 30 s) of merges"))
+    try:
+        pct = int(s.get("auto-aof-rewrite-percentage") or 0)
+        min_size = int(s.get("auto-aof-rewrite-min-size") or 0)
+    except ValueError:
+        pct, min_size = _MIN_REWRITE_PERCENTAGE, _MIN_REWRITE_BYTES
+    if pct and (pct < _MIN_REWRITE_PERCENTAGE or min_size < _MIN_REWRITE_BYTES):
+        found.append(Finding(name, "warning", f"the AOF is rewritten at {pct}% growth, {min_size >> 20} MB at least: "
+                                              "with a large model that is every few merges and costs a quarter to "
+                                              "a half of the merge rate. Set auto-aof-rewrite-percentage 400 and "
+                                              "auto-aof-rewrite-min-size 1gb"))
+    return found
+
+
+def check_persistence(client: Any) -> list[Finding]:
+    """Findings for every node of ``client`` (a plain or a cluster client); a node whose
+    settings cannot be read gives a warning that says what to check by hand."""
+    found: list[Finding] = []
+    for name, s in read_settings(client).items():
+        if isinstance(s, str):
+            found.append(Finding(name, "warning", f"could not read the persistence settings ({s}); check by hand "
+                                                  "that appendonly is yes and appendfsync is no (with `boinc-dl "
+                                                  "redis sync-aof`) or always"))
+        else:
+            found.extend(check_node(name, s))
+    return found
