@@ -17,6 +17,7 @@ from server.common.redis_persistence import (
     RECOMMENDED,
     check_node,
     check_persistence,
+    findings,
     read_settings,
 )
 from server.common.redis_server import EmbeddedRedis, LocalRedisCluster
@@ -33,7 +34,7 @@ def _findings(tmp_path: Path, **kw) -> list:
 def test_boinc_dls_own_settings_pass_with_a_note_about_the_sync(tmp_path: Path) -> None:
     with EmbeddedRedis(tmp_path / "r") as srv:
         settings = read_settings(connect(srv.url))
-        found = check_persistence(connect(srv.url))
+    found = findings(settings)
     (node, s), = settings.items()
     assert s["appendonly"] == "yes" and s["appendfsync"] == "no"
     assert s["dir"] == str(tmp_path / "r")

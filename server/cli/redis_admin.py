@@ -25,7 +25,7 @@ def check(
     """Read the persistence settings of every master and say what would lose merges.
 
     Exits 1 when a setting can lose acknowledged merges in a crash, 0 otherwise."""
-    from server.common.redis_persistence import RECOMMENDED, check_persistence, read_settings
+    from server.common.redis_persistence import RECOMMENDED, SETTINGS, findings, read_settings
     from server.common.store import connect
 
     try:
@@ -37,22 +37,22 @@ def check(
             raise BoincDLError("give --redis-url (or BDL_REDIS_URL) or --project")
         r = connect(redis_url)
         settings = read_settings(r)
-        findings = check_persistence(r)
     except BoincDLError as e:
         fail(e)
         return
     # One column per node: settings down, nodes across (a cluster has several masters).
     table = Table("setting", *settings, "boinc-dl's own Redis")
-    for key in (*RECOMMENDED, "dir"):
+    for key in SETTINGS:
         table.add_row(key, *("?" if isinstance(s, str) else s.get(key, "") for s in settings.values()),
                       RECOMMENDED.get(key, ""))
     console.print(table)
+    found = findings(settings)
     colour = {"error": "red", "warning": "yellow", "note": "cyan"}
-    for f in findings:
+    for f in found:
         console.print(f"[{colour[f.severity]}]{f.severity}[/]: {f.node}: {f.message}", highlight=False)
-    if not findings:
+    if not found:
         console.print("[green]ok[/]: every node appends before it replies and fsyncs every write")
-    if any(f.severity == "error" for f in findings):
+    if any(f.severity == "error" for f in found):
         raise typer.Exit(1)
 
 

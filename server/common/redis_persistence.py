@@ -17,6 +17,9 @@ from typing import Any, Literal
 
 import redis
 
+_MIN_REWRITE_PERCENTAGE = 400
+_MIN_REWRITE_BYTES = 1 << 30
+
 #: What boinc-dl runs its own Redis with (``EmbeddedRedis``, ``docker/redis/redis.conf``).
 #: The rewrite thresholds: every merge appends the whole model to the AOF, and Redis's
 #: defaults (rewrite at 2x, at least 64 MB) rewrite it every two or three merges of a
@@ -24,12 +27,11 @@ import redis
 RECOMMENDED: dict[str, str] = {
     "appendonly": "yes",
     "appendfsync": "no",
-    "auto-aof-rewrite-percentage": "400",
-    "auto-aof-rewrite-min-size": "1gb",
+    "auto-aof-rewrite-percentage": str(_MIN_REWRITE_PERCENTAGE),
+    "auto-aof-rewrite-min-size": f"{_MIN_REWRITE_BYTES >> 30}gb",
 }
-_MIN_REWRITE_PERCENTAGE = 400
-_MIN_REWRITE_BYTES = 1 << 30
-_KEYS = ("appendonly", "appendfsync", "auto-aof-rewrite-percentage", "auto-aof-rewrite-min-size", "dir")
+#: The settings read from each node: the recommended ones and where the AOF lives.
+SETTINGS = (*RECOMMENDED, "dir")
 
 Severity = Literal["error", "warning", "note"]
 
@@ -42,9 +44,6 @@ class Finding:
     severity: Severity
     message: str
 
-    def __str__(self) -> str:
-        return f"{self.severity}: {self.node}: {self.message}"
-
 
 def _nodes(client: Any) -> list[tuple[str, redis.Redis]]:
     """Every master of a cluster client, or the one server of a plain client."""
@@ -56,16 +55,16 @@ def _nodes(client: Any) -> list[tuple[str, redis.Redis]]:
 
 
 def read_settings(client: Any) -> dict[str, dict[str, str] | str]:
-    """Per node, its persistence settings (``CONFIG GET``), or why they could not be read
-    (a ``CONFIG`` renamed away or not permitted to this user: common on managed Redis)."""
+    """Per node, its persistence settings (one ``CONFIG GET``), or why they could not be
+    read (a ``CONFIG`` renamed away or not permitted to this user: common on managed Redis)."""
     out: dict[str, dict[str, str] | str] = {}
     for name, node in _nodes(client):
         try:
-            raw = node.config_get("*aof*") | node.config_get("append*") | node.config_get("dir")
+            raw = node.config_get("*")  # Redis 6 takes one pattern per call: one call for all
         except redis.ResponseError as e:
             out[name] = str(e)
             continue
-        out[name] = {k: _text(raw.get(k, "")) for k in _KEYS}
+        out[name] = {k: _text(raw.get(k, "")) for k in SETTINGS}
     return out
 
 
@@ -77,6 +76,7 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     """What is wrong with one node's settings (all of it at once, so that one round of
     changes fixes everything)."""
     found: list[Finding] = []
+    sync_cmd = f"`boinc-dl redis sync-aof {s.get('dir') or 'DIR'}`"
     if s.get("appendonly") != "yes":
         found.append(Finding(name, "error", "no append-only file (appendonly no): a crash of Redis loses every "
                                             "merge since its last snapshot, while BOINC has already counted those "
@@ -85,12 +85,11 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     if fsync == "everysec":
         found.append(Finding(name, "error", "appendfsync everysec can acknowledge a merge and then lose it when the "
                                             "Redis process crashes (it postpones the AOF write while a slow fsync "
-                                            "runs). Set appendfsync no and run `boinc-dl redis sync-aof "
-                                            f"{s.get('dir') or 'DIR'}` beside Redis, or appendfsync always"))
+                                            f"runs). Set appendfsync no and run {sync_cmd} beside Redis, or "
+                                            "appendfsync always"))
     elif fsync == "no":
         found.append(Finding(name, "note", "appendfsync no: nothing acknowledged is lost when Redis crashes; make "
-                                           "sure `boinc-dl redis sync-aof "
-                                           f"{s.get('dir') or 'DIR'}` runs beside Redis, or an OS crash can lose "
+                                           f"sure {sync_cmd} runs beside Redis, or an OS crash can lose "
                                            "up to the kernel's writeback delay (about 30 s) of merges"))
     try:
         pct = int(s.get("auto-aof-rewrite-percentage") or 0)
@@ -98,18 +97,18 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     except ValueError:
         pct, min_size = _MIN_REWRITE_PERCENTAGE, _MIN_REWRITE_BYTES
     if pct and (pct < _MIN_REWRITE_PERCENTAGE or min_size < _MIN_REWRITE_BYTES):
+        rewrite = " and ".join(f"{k} {v}" for k, v in RECOMMENDED.items() if k.startswith("auto-aof"))
         found.append(Finding(name, "warning", f"the AOF is rewritten at {pct}% growth, {min_size >> 20} MB at least: "
                                               "with a large model that is every few merges and costs a quarter to "
-                                              "a half of the merge rate. Set auto-aof-rewrite-percentage 400 and "
-                                              "auto-aof-rewrite-min-size 1gb"))
+                                              f"a half of the merge rate. Set {rewrite}"))
     return found
 
 
-def check_persistence(client: Any) -> list[Finding]:
-    """Findings for every node of ``client`` (a plain or a cluster client); a node whose
-    settings cannot be read gives a warning that says what to check by hand."""
+def findings(settings: dict[str, dict[str, str] | str]) -> list[Finding]:
+    """Findings for every node of :func:`read_settings`' answer; a node whose settings
+    could not be read gives a warning that says what to check by hand."""
     found: list[Finding] = []
-    for name, s in read_settings(client).items():
+    for name, s in settings.items():
         if isinstance(s, str):
             found.append(Finding(name, "warning", f"could not read the persistence settings ({s}); check by hand "
                                                   "that appendonly is yes and appendfsync is no (with `boinc-dl "
@@ -117,3 +116,8 @@ def check_persistence(client: Any) -> list[Finding]:
         else:
             found.extend(check_node(name, s))
     return found
+
+
+def check_persistence(client: Any) -> list[Finding]:
+    """Findings for every node of ``client`` (a plain or a cluster client)."""
+    return findings(read_settings(client))

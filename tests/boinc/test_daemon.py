@@ -19,11 +19,16 @@ from server.common.errors import BoincDLError
 from tests.boinc.conftest import REPO, calls, fake_db, script_env
 
 
-@pytest.fixture
-def installed(project, redis_server):
-    install(project.root, InstallOptions(redis_url=redis_server.url, gpu=False,
+def install_with(project, redis_url: str):
+    """The project set up for boinc-dl with its daemons run by this Python, on ``redis_url``."""
+    install(project.root, InstallOptions(redis_url=redis_url, gpu=False,
                                          command=[sys.executable, "-m", "server.backends.boinc"]))
     return project
+
+
+@pytest.fixture
+def installed(project, redis_server):
+    return install_with(project, redis_server.url)
 
 
 def start_daemon(project) -> subprocess.Popen[str]:
@@ -152,9 +157,7 @@ def test_logs_once_what_in_its_redis_could_lose_merges(project, tmp_path, caplog
     from server.common.redis_server import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "everysec", appendfsync="everysec") as srv:
-        install(project.root, InstallOptions(redis_url=srv.url, gpu=False,
-                                             command=[sys.executable, "-m", "server.backends.boinc"]))
-        d = WorkGeneratorDaemon(project, poll_s=0.1)
+        d = WorkGeneratorDaemon(install_with(project, srv.url), poll_s=0.1)
         with caplog.at_level(logging.INFO, logger="server.backends.boinc.daemon"):
             d.connect()
             d.r = None
