@@ -27,11 +27,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, median  # noqa: E402
-from server.assimilator.core import assimilate_files  # noqa: E402
-from server.common.redis_server import EmbeddedRedis  # noqa: E402
-from server.common.spec import parse_spec  # noqa: E402
-from server.common.store import JobStore, connect  # noqa: E402
-from server.common.weights import WeightsFile, fingerprint_of, write_weights  # noqa: E402
+from boinc_dl.server.assimilator.core import assimilate_files  # noqa: E402
+from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.common.spec import parse_spec  # noqa: E402
+from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
+from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights  # noqa: E402
 
 PAPER_REDIS_S = 0.87
 PAPER_MYSQL_S = 1.29
@@ -144,8 +144,8 @@ def main() -> None:
             assert out.status == "merged", out
             path.unlink()
         # Where the time goes: the same steps, timed one by one.
-        from server.assimilator.core import merge_into
-        from server.common.weights import read_weights
+        from boinc_dl.server.assimilator.core import merge_into
+        from boinc_dl.server.common.weights import read_weights
 
         phases: dict[str, list[float]] = {"read+check file": [], "NaN/Inf scan": [], "merge+commit": []}
         read_v1: list[float] = []

@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, machine  # noqa: E402
-from server.common.redis_server import EmbeddedRedis  # noqa: E402
-from server.common.spec import JobSpec, load_spec  # noqa: E402
-from server.common.store import JobStore, connect  # noqa: E402
-from server.faults.audit import audit_job  # noqa: E402
-from server.faults.chaos import ChaosMonkey, ChaosPlan  # noqa: E402
-from server.work_generator.prepare import n_shards  # noqa: E402
+from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.common.spec import JobSpec, load_spec  # noqa: E402
+from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
+from boinc_dl.server.faults.audit import audit_job  # noqa: E402
+from boinc_dl.server.faults.chaos import ChaosMonkey, ChaosPlan  # noqa: E402
+from boinc_dl.server.work_generator.prepare import n_shards  # noqa: E402
 
 PLAN = ChaosPlan(kill_assimilators_at=[0.25, 0.6], restart_redis_at=[0.4], redis_down_s=1.0)
 
@@ -54,7 +54,7 @@ def run_once(spec: JobSpec, work: Path, label: str, search_path: Path, chaos: bo
     """One run of ``spec`` through run_job on its own Redis; returns its figures."""
     from rich.console import Console
 
-    from server.run import run_job
+    from boinc_dl.server.run import run_job
 
     srv = EmbeddedRedis(work / label / "redis").start()
     total = n_shards(spec) * spec.training.epochs

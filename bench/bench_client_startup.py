@@ -1,4 +1,4 @@
-"""Client start-up per BOINC task: a fresh ``python -m client_app`` per unit, before vs after.
+"""Client start-up per BOINC task: a fresh ``python -m boinc_dl.client_app`` per unit, before vs after.
 
 BOINC's wrapper starts a new process for every task, so whatever the client does
 before its first batch is paid once per unit. This runs a real small unit (scikit-
@@ -45,9 +45,9 @@ def make_unit(slot: Path) -> None:
     sys.path.insert(0, str(REPO / "examples"))
     from models import mlp
 
-    from server.common.keras_model import get_flat, model_fingerprint
-    from server.common.weights import WeightsFile, write_weights
-    from server.common.workunit import Workunit, unit_name
+    from boinc_dl.server.common.keras_model import get_flat, model_fingerprint
+    from boinc_dl.server.common.weights import WeightsFile, write_weights
+    from boinc_dl.server.common.workunit import Workunit, unit_name
 
     slot.mkdir(parents=True, exist_ok=True)
     keras.utils.set_random_seed(1)
@@ -81,7 +81,7 @@ def run_task(code: Path, unit: Path, slot: Path) -> dict[str, float]:
     """One task as BOINC runs it: a fresh process in a slot holding the unit's inputs."""
     shutil.rmtree(slot, ignore_errors=True)
     shutil.copytree(unit, slot)
-    wall = timed([sys.executable, "-m", "client_app", "--slot", str(slot), "--threads", "1", "-q"], code)
+    wall = timed([sys.executable, "-m", "boinc_dl.client_app", "--slot", str(slot), "--threads", "1", "-q"], code)
     m = json.loads((slot / "metrics.json").read_text())
     return {"wall_s": wall, "load_s": m["load_s"], "train_s": m["train_s"], "eval_s": m["eval_s"],
             "val_acc": m["val_acc"]}

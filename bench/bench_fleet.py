@@ -40,12 +40,12 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
 
 from bench._common import emit, machine  # noqa: E402
-from server.backends.boinc.jobsystem import BoincJobSystem, issued_key, reissue_now_key  # noqa: E402
-from server.common.redis_server import EmbeddedRedis  # noqa: E402
-from server.common.store import connect  # noqa: E402
-from server.fleet.aws import AwsProvider  # noqa: E402
-from server.fleet.boinchosts import BoincHosts  # noqa: E402
-from server.fleet.controller import FleetController  # noqa: E402
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, issued_key, reissue_now_key  # noqa: E402
+from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.common.store import connect  # noqa: E402
+from boinc_dl.server.fleet.aws import AwsProvider  # noqa: E402
+from boinc_dl.server.fleet.boinchosts import BoincHosts  # noqa: E402
+from boinc_dl.server.fleet.controller import FleetController  # noqa: E402
 
 DELAY_BOUND_S = 3600.0
 
@@ -84,7 +84,7 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
     requests.post(f"{url}/moto-api/reset", timeout=30)
     session = boto3.session.Session(region_name="us-east-1")
     project = make_project(tmp / f"project{n_hosts}")
-    from server.backends.boinc.install import InstallOptions, install
+    from boinc_dl.server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     store, units = boinc_job(r, project, f"bench{n_hosts}", 2 * n_hosts)
@@ -173,9 +173,9 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
 def cost_day(r) -> dict:
     from types import SimpleNamespace
 
-    from server.fleet.config import parse_config
-    from server.fleet.cost import cost_report
-    from server.fleet.prices import StepPriceBook
+    from boinc_dl.server.fleet.config import parse_config
+    from boinc_dl.server.fleet.cost import cost_report
+    from boinc_dl.server.fleet.prices import StepPriceBook
     from tests.fleet import test_cost as tc
 
     r.flushall()
@@ -185,8 +185,8 @@ def cost_day(r) -> dict:
         db = BoincDB(Path(d) / "b.sqlite")
         import numpy as np
 
-        from server.common.store import JobStore
-        from server.common.workunit import unit_name
+        from boinc_dl.server.common.store import JobStore
+        from boinc_dl.server.common.workunit import unit_name
         from tests.boinc.conftest import tiny_fp
         from tests.conftest import tiny_spec
 
@@ -202,7 +202,7 @@ def cost_day(r) -> dict:
         ctl = FleetController(cfg, SimpleNamespace(name="sim"), BoincHosts(db.conn, paramstyle="qmark"), r,
                               book=book, clock=lambda: clock[0])
         ctl.started = tc.DAY0
-        from server.fleet.provider import FleetShape, Instance, Interruption, Observation
+        from boinc_dl.server.fleet.provider import FleetShape, Instance, Interruption, Observation
 
         gone_seen: set[str] = set()
         for T in range(int(tc.DAY0) + tc.PERIOD, int(tc.DAY0) + 86400 + 1, tc.PERIOD):

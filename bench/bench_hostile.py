@@ -30,19 +30,19 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import emit  # noqa: E402
 from bench.bench_assimilation import resnet_like_shapes  # noqa: E402
-from server.common.redis_server import EmbeddedRedis  # noqa: E402
-from server.common.spec import parse_spec  # noqa: E402
-from server.common.store import JobStore, connect  # noqa: E402
-from server.common.weights import fingerprint_of  # noqa: E402
+from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.common.spec import parse_spec  # noqa: E402
+from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
+from boinc_dl.server.common.weights import fingerprint_of  # noqa: E402
 from tests.hostile_corpus import ATTACKS, valid  # noqa: E402
 
 # Runs in the subprocess: imports and the Redis connection first (the baseline RSS),
 # then one timed validation, then one under tracemalloc.
 PROBE = r"""
 import json, sys, time, tracemalloc
-from server.common.errors import ResultRejected
-from server.common.store import JobStore, connect
-from server.validator.checks import validate_result
+from boinc_dl.server.common.errors import ResultRejected
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.validator.checks import validate_result
 url, job, unit, path, bound = sys.argv[1:6]
 store = JobStore(connect(url), job)
 store.fingerprint("0"); store.unit_info(unit)

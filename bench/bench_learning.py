@@ -24,13 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit  # noqa: E402
-from server.common.datasets import load_dataset  # noqa: E402
-from server.common.spec import JobSpec, load_spec  # noqa: E402
+from boinc_dl.server.common.datasets import load_dataset  # noqa: E402
+from boinc_dl.server.common.spec import JobSpec, load_spec  # noqa: E402
 
 
 def single_process(spec: JobSpec, search_path: Path) -> tuple[list[float], float]:
     """Plain Keras: model.fit over the whole training split, one epoch at a time."""
-    from server.common.keras_model import build_model, configure_tf, make_optimizer
+    from boinc_dl.server.common.keras_model import build_model, configure_tf, make_optimizer
 
     tf = configure_tf(threads=2)
     tf.keras.utils.set_random_seed(spec.seed)
@@ -74,7 +74,7 @@ def main() -> None:
         spec = load_spec(spec_path)
         if args.epochs:
             spec = spec.model_copy(update={"training": spec.training.model_copy(update={"epochs": args.epochs})})
-        from server.run import run_job
+        from boinc_dl.server.run import run_job
 
         run_dir = Path(tempfile.mkdtemp(prefix="bdl-learn-")) / spec.name
         res = run_job(spec, run_dir, live=False, search_path=spec_path.parent)
@@ -96,7 +96,7 @@ def main() -> None:
              gap_points=gap * 100, meets_goal=gap * 100 <= 3.0, vcasgd_s=res.elapsed_s, single_s=single_s,
              vcasgd_curve=vc, single_curve=single, **{f"overhead_{k}": v for k, v in ov.items()})
         curves[spec.name] = (res.epochs, single)
-    from server.run.outputs import plot_learning_curve
+    from boinc_dl.server.run.outputs import plot_learning_curve
 
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot_in = {}

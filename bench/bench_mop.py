@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit  # noqa: E402
-from server.common.datasets import load_dataset  # noqa: E402
-from server.common.spec import JobSpec, load_spec  # noqa: E402
+from boinc_dl.server.common.datasets import load_dataset  # noqa: E402
+from boinc_dl.server.common.spec import JobSpec, load_spec  # noqa: E402
 
 
 def run(spec: JobSpec, search_path: Path) -> tuple[dict, list[dict], Path]:
-    from server.run import run_job
+    from boinc_dl.server.run import run_job
 
     run_dir = Path(tempfile.mkdtemp(prefix="bdl-mop-")) / spec.name
     res = run_job(spec, run_dir, live=False, search_path=search_path)
@@ -53,8 +53,8 @@ def moved_bytes(run_dir: Path, backend: dict) -> tuple[int, int]:
 
 
 def sequential(spec: JobSpec, params: dict, search_path: Path, shuffle_seed: int | None = None) -> float:
-    from server.common.keras_model import build_model, configure_tf, make_optimizer
-    from server.work_generator.mop_generator import split_params
+    from boinc_dl.server.common.keras_model import build_model, configure_tf, make_optimizer
+    from boinc_dl.server.work_generator.mop_generator import split_params
 
     tf = configure_tf(threads=2)
     tf.keras.utils.set_random_seed(spec.seed)

@@ -1,6 +1,6 @@
 """Redis SIGKILLed in the middle of ``boinc-dl run``: time from the kill to the next merge.
 
-Runs the real command line (``python -m server.cli run``: TensorFlow slots, two
+Runs the real command line (``python -m boinc_dl.server.cli run``: TensorFlow slots, two
 assimilators, its private supervised Redis) on a digits job, and SIGKILLs the run's
 redis-server ``--kills`` times, each right after an epoch closes. The supervisor
 restarts it on its append-only file; the clients reconnect and carry on.
@@ -74,7 +74,7 @@ def main() -> None:
         (tmp / "job.yaml").write_text(SPEC.format(epochs=args.epochs))
         run_dir = tmp / "run"
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "run", "job.yaml", "--run-dir", str(run_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "boinc_dl.server.cli", "run", "job.yaml", "--run-dir", str(run_dir),
                                  "-q"], cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         log = run_dir / "boinc-dl.log"
         kills: list[float] = []

@@ -4,8 +4,8 @@
 ``system()`` for every result, so each unit pays two fresh interpreters between the
 client's report and the merge. This measures, in the same run and interleaved:
 
-* ``fast``: ``python -m server.backends.boinc assimilate ...`` (the shims' command: the
-  argparse entry point, :mod:`server.backends.boinc.script_entry`);
+* ``fast``: ``python -m boinc_dl.server.backends.boinc assimilate ...`` (the shims' command: the
+  argparse entry point, :mod:`boinc_dl.server.backends.boinc.script_entry`);
 * ``typer``: the same command through the full ``boinc-dl boinc`` Typer app (the path
   every call took before);
 * ``bare``: ``python -c pass``, the interpreter's own floor.
@@ -30,9 +30,9 @@ from bench._common import emit, machine, median
 REPO = Path(__file__).resolve().parents[1]
 ARGS = ["assimilate", "--project", "/nonexistent-boinc-project", "--", "x"]
 COMMANDS = {
-    "fast": [sys.executable, "-m", "server.backends.boinc", *ARGS],
+    "fast": [sys.executable, "-m", "boinc_dl.server.backends.boinc", *ARGS],
     "typer": [sys.executable, "-c",
-              "import sys; from server.cli.boinc import boinc_app; boinc_app(sys.argv[1:], prog_name='boinc-dl boinc')",
+              "import sys; from boinc_dl.server.cli.boinc import boinc_app; boinc_app(sys.argv[1:], prog_name='boinc-dl boinc')",
               *ARGS],
     "bare": [sys.executable, "-c", "pass"],
 }

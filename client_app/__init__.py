@@ -1,5 +1,5 @@
 """The boinc-dl client app: trains one workunit in a BOINC slot directory.
 
-``python -m client_app`` (see :mod:`client_app.cli`) or, in-process,
-:func:`client_app.train.run_unit`.
+``python -m boinc_dl.client_app`` (see :mod:`boinc_dl.client_app.cli`) or, in-process,
+:func:`boinc_dl.client_app.train.run_unit`.
 """

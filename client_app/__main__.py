@@ -1,11 +1,11 @@
-"""Entry point: ``python -m client_app [--slot DIR] [--device N] [--threads N]``."""
+"""Entry point: ``python -m boinc_dl.client_app [--slot DIR] [--device N] [--threads N]``."""
 
 import logging
 import os
 import sys
 
-from client_app.cli import run_cli
-from client_app.lifeline import resume_after_notice
+from boinc_dl.client_app.cli import run_cli
+from boinc_dl.client_app.lifeline import resume_after_notice
 
 code, preempted = run_cli()
 # After a spot notice on a VM that lives on, this re-execs itself (same pid for BOINC's

@@ -27,7 +27,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from client_app.boinc_io import atomic_write_json
+from boinc_dl.client_app.boinc_io import atomic_write_json
 
 CKPT_H5 = "checkpoint.h5"
 CKPT_JSON = "checkpoint.json"

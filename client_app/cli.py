@@ -1,4 +1,4 @@
-"""``python -m client_app``: train the workunit of a BOINC slot directory.
+"""``python -m boinc_dl.client_app``: train the workunit of a BOINC slot directory.
 
 Exit codes:
 
@@ -30,8 +30,8 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
-from client_app.boinc_io import InitData, read_init_data
-from client_app.lifeline import tie_to_parent
+from boinc_dl.client_app.boinc_io import InitData, read_init_data
+from boinc_dl.client_app.lifeline import tie_to_parent
 
 EXIT_OK = 0
 EXIT_INPUT = 1
@@ -39,7 +39,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 75
 PREEMPTION_REASON = "preemption notice"
 
-log = logging.getLogger("client_app")
+log = logging.getLogger("boinc_dl.client_app")
 
 
 def _positive_int(text: str) -> int:
@@ -55,7 +55,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser."""
     p = argparse.ArgumentParser(
-        prog="python -m client_app",
+        prog="python -m boinc_dl.client_app",
         description="Train one boinc-dl workunit from the input files of a (BOINC slot) directory.",
     )
     p.add_argument("--slot", default=".", help="slot directory holding the unit's files (default: current directory)")
@@ -147,7 +147,7 @@ def install_signal_handlers(flag: StopFlag) -> None:
 def start_preemption_watcher(flag: StopFlag) -> object | None:
     """Start the cloud spot-interruption watcher if that module is installed."""
     try:
-        from client_app.preemption import start_watcher
+        from boinc_dl.client_app.preemption import start_watcher
     except ImportError:
         return None
     try:
@@ -173,7 +173,7 @@ def report_lost_if_boinc(slot: Path) -> bool:
     after the checkpoint is written: the abort makes the client stop this task.
     """
     try:
-        from client_app.preemption import boinc_task_from_slot, report_lost_to_boinc
+        from boinc_dl.client_app.preemption import boinc_task_from_slot, report_lost_to_boinc
     except ImportError:
         return False
     try:
@@ -211,8 +211,8 @@ def run_cli(argv: list[str] | None = None) -> tuple[int, bool]:
     install_signal_handlers(flag)
     watcher = start_preemption_watcher(flag)
     try:
-        from client_app.train import run_unit
-        from server.common.errors import BoincDLError
+        from boinc_dl.client_app.train import run_unit
+        from boinc_dl.server.common.errors import BoincDLError
 
         try:
             result = run_unit(slot, threads=threads, should_stop=flag.is_set, lean_import=True)

@@ -48,11 +48,11 @@ def hidden(names: Sequence[str] = KERAS_OPTIONAL) -> Iterator[None]:
 
 
 def import_tensorflow_lean() -> None:
-    """Import TensorFlow (quietly, as :func:`server.common.keras_model.configure_tf` does)
+    """Import TensorFlow (quietly, as :func:`boinc_dl.server.common.keras_model.configure_tf` does)
     and Keras with :data:`KERAS_OPTIONAL` hidden; a no-op once TensorFlow is loaded."""
     if "tensorflow" in sys.modules:
         return
-    from server.common.keras_model import configure_tf
+    from boinc_dl.server.common.keras_model import configure_tf
 
     with hidden():
         configure_tf(None, deterministic=False)

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-log = logging.getLogger("client_app")
+log = logging.getLogger("boinc_dl.client_app")
 
 PARENT_ENV = "BDL_PARENT_PID"
 RESUMES_ENV = "BDL_RESUMES"

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from client_app.unit_inputs import Settings, UnitInputError, one_line
-from server.common.weights import Fingerprint
-from server.common.workunit import MODEL, WU_JSON
+from boinc_dl.client_app.unit_inputs import Settings, UnitInputError, one_line
+from boinc_dl.server.common.weights import Fingerprint
+from boinc_dl.server.common.workunit import MODEL, WU_JSON
 
 
 class _Trainer:
@@ -23,7 +23,7 @@ class _Trainer:
         import keras
         import tensorflow as tf
 
-        from server.common.keras_model import make_optimizer
+        from boinc_dl.server.common.keras_model import make_optimizer
 
         try:
             loss_fn = keras.losses.get(settings.loss)
@@ -121,7 +121,7 @@ class ModelCache:
             return entry, True
         import keras
 
-        from server.common.keras_model import model_fingerprint
+        from boinc_dl.server.common.keras_model import model_fingerprint
 
         try:
             model = _load_keras_file(keras, path, sha, scratch_dir or path.parent)

@@ -1,6 +1,6 @@
 """Train one workunit in-process, from the input files of its slot directory only.
 
-The unit's inputs (see :mod:`server.common.workunit`) are resolved through BOINC
+The unit's inputs (see :mod:`boinc_dl.server.common.workunit`) are resolved through BOINC
 link files when present. Training is a manual loop over batches of a compiled
 train step, so that the loop controls checkpoints, progress and interruption:
 
@@ -11,7 +11,7 @@ train step, so that the loop controls checkpoints, progress and interruption:
   and a freshly zeroed optimizer: the same unit from the same inputs gives bitwise
   identical weights on CPU, in a fresh process or in a long-lived one;
 * checkpoints every ``checkpoint_every_s`` seconds and at each local-epoch end
-  (:mod:`client_app.checkpoint`); a restarted unit resumes from the last one;
+  (:mod:`boinc_dl.client_app.checkpoint`); a restarted unit resumes from the last one;
 * progress: ``fraction_done`` (for BOINC's wrapper) and ``progress.json`` (the
   position, used after a restart to count the batches redone), at most once a
   second, and the caller's ``progress`` callback at the same pace;
@@ -38,16 +38,16 @@ from typing import Any
 
 import numpy as np
 
-from client_app import checkpoint
-from client_app.boinc_io import (
+from boinc_dl.client_app import checkpoint
+from boinc_dl.client_app.boinc_io import (
     InitData,
     atomic_write_json,
     read_init_data,
     resolve,
     write_fraction_done,
 )
-from client_app.model_cache import ModelCache
-from client_app.unit_inputs import (
+from boinc_dl.client_app.model_cache import ModelCache
+from boinc_dl.client_app.unit_inputs import (
     Settings,
     UnitInputError,
     check_against_model,
@@ -56,14 +56,14 @@ from client_app.unit_inputs import (
     read_workunit,
     sha256_file,
 )
-from server.common.errors import WeightsFormatError
-from server.common.weights import (
+from boinc_dl.server.common.errors import WeightsFormatError
+from boinc_dl.server.common.weights import (
     OptimizerState,
     WeightsFile,
     read_weights,
     write_weights,
 )
-from server.common.workunit import (
+from boinc_dl.server.common.workunit import (
     DATA,
     METRICS,
     MODEL,
@@ -73,7 +73,7 @@ from server.common.workunit import (
     WU_JSON,
 )
 
-log = logging.getLogger("client_app")
+log = logging.getLogger("boinc_dl.client_app")
 
 PROGRESS_JSON = "progress.json"
 DONE = "done"
@@ -166,8 +166,8 @@ def run_unit(
     TensorFlow first runs in this process); ``should_stop`` is polled between batches
     and makes the unit checkpoint and return an ``interrupted`` result; ``progress``
     receives the fraction done (0..1) at most once a second. ``lean_import`` (for a
-    process that runs this one unit, as ``python -m client_app``) skips the optional
-    packages Keras imports and the client never uses (:mod:`client_app.lean_imports`).
+    process that runs this one unit, as ``python -m boinc_dl.client_app``) skips the optional
+    packages Keras imports and the client never uses (:mod:`boinc_dl.client_app.lean_imports`).
 
     Raises :class:`UnitInputError` for a permanent input problem (bad ``wu.json``,
     missing or unreadable inputs, weights that do not match the model).
@@ -215,10 +215,10 @@ class _Run:
         if self.should_stop():
             return self._interrupted(checkpointed=False)
 
-        from server.common.keras_model import configure_tf
+        from boinc_dl.server.common.keras_model import configure_tf
 
         if self.lean_import:
-            from client_app.lean_imports import import_tensorflow_lean
+            from boinc_dl.client_app.lean_imports import import_tensorflow_lean
 
             import_tensorflow_lean()
         configure_tf(self.threads)
@@ -237,7 +237,7 @@ class _Run:
             raise UnitInputError(f"{WEIGHTS_IN}: {msg}") from None
         if not np.isfinite(wf.flat).all():
             raise UnitInputError(f"{WEIGHTS_IN}: contains NaN or Inf")
-        from server.common.keras_model import set_flat
+        from boinc_dl.server.common.keras_model import set_flat
 
         set_flat(model, wf.flat)
         self.trainer = self.cache.trainer(self.entry, self.settings, self.x, self.y)
@@ -386,7 +386,7 @@ class _Run:
         return loss / len(self.xv), correct / len(self.xv)
 
     def _finish(self) -> UnitResult:
-        from server.common.keras_model import get_flat
+        from boinc_dl.server.common.keras_model import get_flat
 
         wu, pos = self.wu, self.pos
         t = time.perf_counter()

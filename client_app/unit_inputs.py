@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from server.common.errors import BoincDLError
-from server.common.workunit import WU_JSON, Workunit
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.workunit import WU_JSON, Workunit
 
 TRAINING_DEFAULTS: dict[str, Any] = {
     "batch_size": 32,

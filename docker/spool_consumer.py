@@ -5,8 +5,8 @@ BOINC's ``script_assimilator`` (in the old server image) calls the POSIX-sh shim
 ``bdl_assimilate_spool.sh``, which copies a result's files into
 ``SPOOL/assimilate/<entry>/`` atomically (tmp dir + rename) and exits 0. This daemon,
 running in boinc-dl's own container, takes each entry, validates and merges it into
-Redis with :func:`server.assimilator.core.assimilate_files` (or records a failed
-workunit with :func:`~server.assimilator.core.assimilate_error`), and deletes it.
+Redis with :func:`boinc_dl.server.assimilator.core.assimilate_files` (or records a failed
+workunit with :func:`~boinc_dl.server.assimilator.core.assimilate_error`), and deletes it.
 
 Delivery is at least once: a crash between the merge and the deletion makes the
 next pass find the entry again, and the merge's idempotency mark turns the re-run
@@ -58,12 +58,12 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
-from server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
-from server.backends.boinc.scripts import identity_from_names, result_name_of
-from server.common.errors import StoreUnavailable
-from server.common.store import JobStore, connect
-from server.common.workunit import parse_unit_name
-from server.validator.checks import unit_for_workunit
+from boinc_dl.server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
+from boinc_dl.server.backends.boinc.scripts import identity_from_names, result_name_of
+from boinc_dl.server.common.errors import StoreUnavailable
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.workunit import parse_unit_name
+from boinc_dl.server.validator.checks import unit_for_workunit
 
 DEFAULT_SPOOL = "/var/lib/boinc-dl/spool"
 QUEUE = "assimilate"

@@ -23,7 +23,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from server.common.weights import Fingerprint, OptimizerState, WeightsFile, write_weights
+from boinc_dl.server.common.weights import Fingerprint, OptimizerState, WeightsFile, write_weights
 
 SECRET = b"redis_url: redis://:hunter2-the-password@127.0.0.1:6379/0\n"
 HUGE = 2_000_000_000  # values a tiny file declares

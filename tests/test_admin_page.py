@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 import redis
 
-from server.common.redis_server import EmbeddedRedis
-from server.common.store import JobStore
-from server.common.weights import fingerprint_of
-from server.common.workunit import unit_name
+from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.common.weights import fingerprint_of
+from boinc_dl.server.common.workunit import unit_name
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "server" / "backends" / "boinc" / "html"
@@ -366,7 +366,7 @@ def test_screenshot_in_headless_chromium(page: PhpServer, tmp_path: Path) -> Non
 def test_page_reads_the_settings_install_writes(redis_tcp, tmp_path: Path) -> None:
     """``boinc-dl boinc install`` writes boinc-dl.yaml and the page; the page finds Redis
     there, like the daemons do, with no environment and no other file."""
-    from server.backends.boinc.install import InstallOptions, install
+    from boinc_dl.server.backends.boinc.install import InstallOptions, install
     from tests.boinc.conftest import make_project
 
     srv, r, _ = redis_tcp

@@ -28,11 +28,11 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from server.common.cluster import cluster_nodes
-from server.common.redis_server import EmbeddedRedis, LocalRedisCluster
-from server.common.store import JobStore, connect
-from server.common.weights import fingerprint_of
-from server.fleet.cost import summary_key
+from boinc_dl.server.common.cluster import cluster_nodes
+from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.weights import fingerprint_of
+from boinc_dl.server.fleet.cost import summary_key
 from tests.test_admin_page import (
     EVIL_JOB,
     EVIL_REASON,

@@ -18,7 +18,7 @@ import pytest
 
 from .conftest import REPO
 
-EXE = [sys.executable, "-m", "server.cli"]
+EXE = [sys.executable, "-m", "boinc_dl.server.cli"]
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "COLUMNS": "120"}
 
 

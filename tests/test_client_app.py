@@ -21,18 +21,24 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from client_app import boinc_io, checkpoint  # noqa: E402
-from client_app.cli import (  # noqa: E402
+from boinc_dl.client_app import boinc_io, checkpoint  # noqa: E402
+from boinc_dl.client_app.cli import (  # noqa: E402
     StopFlag,
     choose_threads,
     main,
     select_device,
     start_preemption_watcher,
 )
-from client_app.train import PROGRESS_JSON, ModelCache, UnitInputError, run_unit  # noqa: E402
-from server.common.keras_model import configure_tf, get_flat, model_fingerprint  # noqa: E402
-from server.common.weights import Fingerprint, WeightsFile, read_header, read_weights, write_weights  # noqa: E402
-from server.common.workunit import INPUT_NAMES, OUTPUT_NAMES, Workunit, unit_name  # noqa: E402
+from boinc_dl.client_app.train import PROGRESS_JSON, ModelCache, UnitInputError, run_unit  # noqa: E402
+from boinc_dl.server.common.keras_model import configure_tf, get_flat, model_fingerprint  # noqa: E402
+from boinc_dl.server.common.weights import (  # noqa: E402
+    Fingerprint,
+    WeightsFile,
+    read_header,
+    read_weights,
+    write_weights,
+)
+from boinc_dl.server.common.workunit import INPUT_NAMES, OUTPUT_NAMES, Workunit, unit_name  # noqa: E402
 
 THREADS = 1
 configure_tf(THREADS)  # before any test touches TensorFlow: one thread, deterministic ops
@@ -166,7 +172,7 @@ def test_val_accuracy_is_that_of_the_trained_weights(unit_dir: tuple[Path, Finge
     slot = copy_inputs(src, tmp_path / "slot")
     res = run_unit(slot, threads=THREADS)
     model = keras.models.load_model(slot / "model.keras", compile=False)
-    from server.common.keras_model import set_flat
+    from boinc_dl.server.common.keras_model import set_flat
 
     set_flat(model, weights_out(slot, fp))
     with np.load(slot / "val.npz") as z:
@@ -278,7 +284,7 @@ def test_corrupt_checkpoint_is_ignored(unit_dir: tuple[Path, Fingerprint], refer
     else:
         raw = bytearray()
     ck.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="client_app"):
+    with caplog.at_level(logging.WARNING, logger="boinc_dl.client_app"):
         m = run_unit(slot, threads=THREADS).metrics
     assert any("ignoring the checkpoint" in r.getMessage() for r in caplog.records)
     assert m["resumed"] is False and m["resumed_at_batch"] == 0
@@ -427,16 +433,16 @@ def test_preemption_notice_sets_the_stop_flag(monkeypatch: pytest.MonkeyPatch) -
         captured["cb"] = on_notice
         return types.SimpleNamespace(stop=lambda: captured.setdefault("stopped", True))
 
-    fake = types.ModuleType("client_app.preemption")
+    fake = types.ModuleType("boinc_dl.client_app.preemption")
     fake.start_watcher = start_watcher  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "client_app.preemption", fake)
+    monkeypatch.setitem(sys.modules, "boinc_dl.client_app.preemption", fake)
     flag = StopFlag()
     watcher = start_preemption_watcher(flag)
     assert watcher is not None and not flag.is_set()
     captured["cb"]("aws-spot: terminate at 2026-01-02T03:04:05Z")
     assert flag.is_set() and flag.reason.startswith("preemption notice")
 
-    monkeypatch.setitem(sys.modules, "client_app.preemption", None)  # module absent
+    monkeypatch.setitem(sys.modules, "boinc_dl.client_app.preemption", None)  # module absent
     assert start_preemption_watcher(StopFlag()) is None
 
 

@@ -1,4 +1,4 @@
-"""``python -m client_app`` as a real subprocess: SIGKILL and restart, SIGTERM, exit codes.
+"""``python -m boinc_dl.client_app`` as a real subprocess: SIGKILL and restart, SIGTERM, exit codes.
 
 Each TensorFlow subprocess costs several seconds of start-up on this machine, so the
 unit is sized to train for a few seconds and the tests wait on the slot's own files
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client_app import checkpoint
-from client_app.train import PROGRESS_JSON, ModelCache, run_unit
-from server.common.weights import Fingerprint
+from boinc_dl.client_app import checkpoint
+from boinc_dl.client_app.train import PROGRESS_JSON, ModelCache, run_unit
+from boinc_dl.server.common.weights import Fingerprint
 from tests.test_client_app import THREADS, copy_inputs, make_unit, weights_out
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def start_cli(slot: Path, log: Path, *args: str, env: dict[str, str] | None = No
                 "BDL_PREEMPT_PROVIDER": "none", **(env or {})}
     with open(log, "ab") as err:
         return subprocess.Popen(
-            [sys.executable, "-m", "client_app", "--slot", str(slot), "--threads", "1", *args],
+            [sys.executable, "-m", "boinc_dl.client_app", "--slot", str(slot), "--threads", "1", *args],
             cwd=REPO, env=full_env, stdout=subprocess.DEVNULL, stderr=err,
         )
 
@@ -172,7 +172,7 @@ def test_preemption_notice_checkpoints_and_exits_75(long_unit: tuple[Path, Finge
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "BDL_PREEMPT_PROVIDER": "none"}
-    return subprocess.run([sys.executable, "-m", "client_app", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "boinc_dl.client_app", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -1,4 +1,4 @@
-"""Client start-up: ``python -m client_app`` skips the packages Keras imports optionally.
+"""Client start-up: ``python -m boinc_dl.client_app`` skips the packages Keras imports optionally.
 
 Each BOINC task is a fresh process, so every module imported at start-up is paid per
 task. scikit-learn, matplotlib and IPython (about a quarter of ``import tensorflow``
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from client_app.lean_imports import KERAS_OPTIONAL, hidden
+from boinc_dl.client_app.lean_imports import KERAS_OPTIONAL, hidden
 from tests.test_client_app import make_unit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Runs the client's entry point on a slot, then reports what the process imported.
 PROBE = """
 import json, sys
-from client_app.cli import main
+from boinc_dl.client_app.cli import main
 rc = main(["--slot", sys.argv[1], "--threads", "1", "-q"])
 loaded = sorted(m for m in sys.modules if m.partition(".")[0] in {names!r})
 import sklearn  # still importable once the task's TensorFlow is loaded

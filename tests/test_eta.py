@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.run.eta import EtaEstimator, format_eta
+from boinc_dl.server.run.eta import EtaEstimator, format_eta
 
 
 def _waves(startup: float, wave_s: float, slots: int, total: int, spread: float = 0.05) -> list[tuple[float, int]]:

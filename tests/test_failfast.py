@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.run.failfast import FailFast, error_key
+from boinc_dl.server.run.failfast import FailFast, error_key
 
 
 def test_same_error_on_k_units_fails_the_job() -> None:

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from server.common.redis_server import EmbeddedRedis
-from server.common.spec import load_spec
-from server.common.store import JobStore, connect
-from server.faults.audit import audit_job
-from server.faults.chaos import ChaosMonkey, ChaosPlan
-from server.run import run_job
+from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.common.spec import load_spec
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.faults.audit import audit_job
+from boinc_dl.server.faults.chaos import ChaosMonkey, ChaosPlan
+from boinc_dl.server.run import run_job
 
 from .conftest import REPO
 

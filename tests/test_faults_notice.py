@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from client_app.checkpoint import CKPT_H5, CKPT_JSON
-from client_app.train import PROGRESS_JSON
-from server.backends.local import LocalJobSystem
-from server.common.store import JobStore, connect
-from server.faults.audit import audit_job
-from server.faults.harness import run_headless, small_spec
-from server.work_generator.vcasgd import VCASGDWorkGenerator
+from boinc_dl.client_app.checkpoint import CKPT_H5, CKPT_JSON
+from boinc_dl.client_app.train import PROGRESS_JSON
+from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.faults.audit import audit_job
+from boinc_dl.server.faults.harness import run_headless, small_spec
+from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
 from .conftest import REPO
 

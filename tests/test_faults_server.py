@@ -25,16 +25,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.backends.local import LocalJobSystem
-from server.common.store import JobStore, connect
-from server.common.workunit import unit_name
-from server.faults.audit import audit_job
-from server.faults.chaos import ChaosMonkey, ChaosPlan
-from server.faults.harness import run_headless, small_spec
-from server.run import run_job
-from server.run.status import job_status
-from server.work_generator.prepare import prepare_job
-from server.work_generator.vcasgd import VCASGDWorkGenerator
+from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.workunit import unit_name
+from boinc_dl.server.faults.audit import audit_job
+from boinc_dl.server.faults.chaos import ChaosMonkey, ChaosPlan
+from boinc_dl.server.faults.harness import run_headless, small_spec
+from boinc_dl.server.run import run_job
+from boinc_dl.server.run.status import job_status
+from boinc_dl.server.work_generator.prepare import prepare_job
+from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
 from .conftest import REPO
 
@@ -223,7 +223,7 @@ def test_run_process_group_sigkilled_mid_epoch_then_resumed(tmp_path: Path, redi
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "server.cli", "run", str(spec_file), "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "boinc_dl.server.cli", "run", str(spec_file), "--run-dir", str(run_dir),
            "--redis-url", redis_server.url, "-q"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True,

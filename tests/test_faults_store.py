@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import redis
 
-from server.assimilator.core import merge_into
-from server.common import shards as sh
-from server.common.errors import StoreUnavailable
-from server.common.redis_server import EmbeddedRedis
-from server.common.store import JobStore, connect
-from server.faults.audit import audit_job
-from server.faults.proxy import FaultyProxy
+from boinc_dl.server.assimilator.core import merge_into
+from boinc_dl.server.common import shards as sh
+from boinc_dl.server.common.errors import StoreUnavailable
+from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.faults.audit import audit_job
+from boinc_dl.server.faults.proxy import FaultyProxy
 
 from .conftest import tiny_fingerprint, tiny_spec
 

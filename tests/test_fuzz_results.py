@@ -10,7 +10,7 @@ reason recorded in Redis) and never raise; the server weights stay finite and th
 version moves only on a merge.
 
 The property is checked on the parameter server's entry point
-(:func:`server.backends.local.assimilate_guarded`, what each assimilator process runs
+(:func:`boinc_dl.server.backends.local.assimilate_guarded`, what each assimilator process runs
 per result), and on ``assimilate_files`` (what the BOINC scripts call) for an
 array-valued attribute, which once let a ``TypeError`` escape ``read_header``.
 """
@@ -33,13 +33,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.assimilator.core import assimilate_files
-from server.backends.local import assimilate_guarded
-from server.common.errors import ResultRejected
-from server.common.redis_server import EmbeddedRedis
-from server.common.store import JobStore, connect
-from server.common.weights import FORMAT, WeightsFile, write_weights
-from server.validator.checks import validate_result
+from boinc_dl.server.assimilator.core import assimilate_files
+from boinc_dl.server.backends.local import assimilate_guarded
+from boinc_dl.server.common.errors import ResultRejected
+from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.weights import FORMAT, WeightsFile, write_weights
+from boinc_dl.server.validator.checks import validate_result
 
 from .conftest import REPO, tiny_fingerprint, tiny_spec
 
@@ -342,7 +342,7 @@ def test_rejections_are_visible_in_boinc_dl_status(stores, tmp_path: Path) -> No
         assert assimilate_guarded(store, JOBS["fznorm"], "result", f"s{i}_0", unit, paths).status == "rejected"
     url = store.r.connection_pool.connection_kwargs
     redis_url = f"unix://{url['path']}" if "path" in url else f"redis://{url['host']}:{url['port']}"
-    res = subprocess.run([sys.executable, "-m", "server.cli", "status", "fznorm", "--redis-url", redis_url,
+    res = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "status", "fznorm", "--redis-url", redis_url,
                           "--json"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert res.returncode == 0, res.stderr
@@ -352,7 +352,7 @@ def test_rejections_are_visible_in_boinc_dl_status(stores, tmp_path: Path) -> No
     assert any("exceeds the bound" in r for r in reasons)
     assert any("unknown unit" in r for r in reasons)
     assert st["counters"]["rejected"] >= 3
-    table = subprocess.run([sys.executable, "-m", "server.cli", "status", "fznorm", "--redis-url", redis_url],
+    table = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "status", "fznorm", "--redis-url", redis_url],
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"})
     assert "rejected results" in table.stdout and "exceeds the bound" in table.stdout

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from server.common.errors import SpecError
-from server.common.spec import JobSpec, load_spec, parse_spec, spec_from_json, spec_to_json
-from server.work_generator.prepare import n_shards
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.common.spec import JobSpec, load_spec, parse_spec, spec_from_json, spec_to_json
+from boinc_dl.server.work_generator.prepare import n_shards
 
 FUZZ = settings(max_examples=1000, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

@@ -26,15 +26,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.assimilator.core import assimilate_error, assimilate_files
-from server.backends.local import assimilate_guarded
-from server.common import bounded
-from server.common.errors import ResultRejected, WeightsFormatError
-from server.common.paths import check_name, confined, is_safe_name
-from server.common.weights import WeightsFile, read_header, read_weights, write_weights
-from server.faults.audit import audit_job
-from server.validator import norms
-from server.validator.checks import read_metrics, validate_result
+from boinc_dl.server.assimilator.core import assimilate_error, assimilate_files
+from boinc_dl.server.backends.local import assimilate_guarded
+from boinc_dl.server.common import bounded
+from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
+from boinc_dl.server.common.paths import check_name, confined, is_safe_name
+from boinc_dl.server.common.weights import WeightsFile, read_header, read_weights, write_weights
+from boinc_dl.server.faults.audit import audit_job
+from boinc_dl.server.validator import norms
+from boinc_dl.server.validator.checks import read_metrics, validate_result
 
 from .conftest import REPO, tiny_fingerprint
 from .hostile_corpus import (
@@ -92,7 +92,7 @@ def test_valid_file_with_optimizer_state_reads(tmp_path: Path) -> None:
 
 
 def test_optimizer_state_is_bounded_by_the_model(tmp_path: Path) -> None:
-    from server.common.weights import OptimizerState
+    from boinc_dl.server.common.weights import OptimizerState
 
     flat = np.zeros(FP.n_params, np.float32)
     big = OptimizerState("adam", [np.zeros(4 * FP.n_params + 17, np.float32)])
@@ -139,7 +139,7 @@ def test_declared_size_peak_rss_in_a_subprocess(tmp_path: Path) -> None:
     BY_NAME["huge-optimizer"].build(path, FP, "j", "u", tmp_path)
     code = (
         "import sys\n"
-        "from server.common.weights import read_weights\n"
+        "from boinc_dl.server.common.weights import read_weights\n"
         "from tests.conftest import tiny_fingerprint\n"
         "def kib(k):\n"
         "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(k + ':'))\n"

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from server.common.store import JobStore, connect
-from server.common.workunit import unit_name
-from server.faults.harness import run_headless, small_spec
-from server.run import run_job
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.workunit import unit_name
+from boinc_dl.server.faults.harness import run_headless, small_spec
+from boinc_dl.server.run import run_job
 
 from .conftest import REPO
 

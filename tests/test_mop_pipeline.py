@@ -8,8 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from server.backends.base import JobSystem
-from server.work_generator.mop import MOPScheduler, SchedulerError, make_search
+from boinc_dl.server.backends.base import JobSystem
+from boinc_dl.server.work_generator.mop import MOPScheduler, SchedulerError, make_search
 
 from .conftest import REPO
 
@@ -99,9 +99,9 @@ def test_grid_job_pipelines_epochs_on_the_local_backend(tmp_path, redis_server) 
     results, visits and the leaderboard are complete."""
     import json
 
-    from server.common.store import JobStore, connect
-    from server.run import run_job
-    from server.run.mop import leaderboard
+    from boinc_dl.server.common.store import JobStore, connect
+    from boinc_dl.server.run import run_job
+    from boinc_dl.server.run.mop import leaderboard
     from tests.test_mop_run import _spec
 
     spec = _spec("pipe")
@@ -137,10 +137,10 @@ def test_restart_from_a_barrier_state_catches_up(tmp_path, redis_server, monkeyp
     finished their epoch are evaluated and go on at once instead of waiting forever."""
     import json
 
-    from server.common.store import JobStore, connect
-    from server.work_generator.mop.procedures import GridSearch
-    from server.work_generator.mop_generator import MOPWorkGenerator
-    from server.work_generator.prepare import prepare_job
+    from boinc_dl.server.common.store import JobStore, connect
+    from boinc_dl.server.work_generator.mop.procedures import GridSearch
+    from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator
+    from boinc_dl.server.work_generator.prepare import prepare_job
     from tests.test_mop_run import _spec
 
     spec = _spec("catchup")

@@ -11,14 +11,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from server.work_generator.mop import (
+from boinc_dl.server.work_generator.mop import (
     POLICIES,
     MOPScheduler,
     SchedulerError,
     round_robin_availability,
 )
-from server.work_generator.mop.milp import exhaustive_makespan, schedule_makespan, solve_milp
-from server.work_generator.mop.simulate import (
+from boinc_dl.server.work_generator.mop.milp import (
+    exhaustive_makespan,
+    schedule_makespan,
+    solve_milp,
+)
+from boinc_dl.server.work_generator.mop.simulate import (
     Failure,
     Instance,
     InvariantViolation,

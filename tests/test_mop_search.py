@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.common.errors import SpecError
-from server.work_generator.mop import (
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.work_generator.mop import (
     PBT,
     Config,
     GridSearch,

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.common.errors import ResultRejected
-from server.common.weights import OptimizerState, WeightsFile, read_weights, write_weights
-from server.validator.checks import validate_result
+from boinc_dl.server.common.errors import ResultRejected
+from boinc_dl.server.common.weights import OptimizerState, WeightsFile, read_weights, write_weights
+from boinc_dl.server.validator.checks import validate_result
 
 from .conftest import tiny_fingerprint
 

@@ -14,11 +14,27 @@ from types import SimpleNamespace
 
 import pytest
 
-from server.planner.calibrate import read_history
-from server.planner.model import Config, HostType, ServerCosts, Workload, closed_form, waves
-from server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
-from server.planner.search import Goal, Planner, Space, exact, genetic, greedy, pareto, regret
-from server.planner.sim import simulate, simulate_once
+from boinc_dl.server.planner.calibrate import read_history
+from boinc_dl.server.planner.model import (
+    Config,
+    HostType,
+    ServerCosts,
+    Workload,
+    closed_form,
+    waves,
+)
+from boinc_dl.server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
+from boinc_dl.server.planner.search import (
+    Goal,
+    Planner,
+    Space,
+    exact,
+    genetic,
+    greedy,
+    pareto,
+    regret,
+)
+from boinc_dl.server.planner.sim import simulate, simulate_once
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = HostType("fast", unit_s=1.0, cores=4, bandwidth_mbps=1e9)
@@ -320,7 +336,7 @@ def test_cli_plan_end_to_end(tmp_path):
         "costs: {merge_s: 0.05, speedup: {2: 1.5}}\n")
     png = tmp_path / "plan.png"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    out = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+    out = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
                           "--fleet", str(fleet), "--deadline", "10m", "--plot", str(png)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr + out.stdout
@@ -329,7 +345,7 @@ def test_cli_plan_end_to_end(tmp_path):
     assert "greedy:" in out.stdout and "genetic:" in out.stdout and "regret" in out.stdout
     assert "as of 2026-11-01" in out.stdout
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
-    bad = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+    bad = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
                           "--fleet", str(fleet)], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode != 0
 
@@ -337,7 +353,7 @@ def test_cli_plan_end_to_end(tmp_path):
 # ---- local backend knob ---------------------------------------------------------------------
 
 def test_local_backend_runs_per_host_synthetic_unit_times(redis_server, tmp_path):
-    from server.faults.harness import run_headless, small_spec
+    from boinc_dl.server.faults.harness import run_headless, small_spec
 
     spec = small_spec("perhost", training={"epochs": 1}, vcasgd={"n_subsets": 6},
                       backend={"local": {"workers": 2, "slots": 1, "assimilators": 1}})
@@ -348,7 +364,7 @@ def test_local_backend_runs_per_host_synthetic_unit_times(redis_server, tmp_path
     assert res.status == "done"
     times = sorted(box["b"].unit_times)
     assert times[0] < 0.6 and times[-1] >= 0.9  # both hosts ran units at their own speed
-    from server.backends.local import LocalJobSystem
+    from boinc_dl.server.backends.local import LocalJobSystem
 
     with pytest.raises(ValueError, match="one time per host"):
         LocalJobSystem(tmp_path / "x", redis_server.url, "j", workers=2, synthetic_unit_s=[0.1])
@@ -359,9 +375,9 @@ def test_fleet_controllers_price_book_plugs_in():
     and its PricePoints feed the table's spot column."""
     from decimal import Decimal
 
-    from server.fleet.prices import StepPriceBook
-    from server.fleet.provider import PricePoint
-    from server.planner.prices import ExternalPriceBook
+    from boinc_dl.server.fleet.prices import StepPriceBook
+    from boinc_dl.server.fleet.provider import PricePoint
+    from boinc_dl.server.planner.prices import ExternalPriceBook
 
     pts = [PricePoint("g4dn.xlarge", "us-east-1a", 100.0, Decimal("0.19")),
            PricePoint("g4dn.xlarge", "us-east-1a", 200.0, Decimal("0.23"))]
@@ -377,7 +393,7 @@ def test_fleet_controllers_price_book_plugs_in():
 # ---- one fleet file for the planner and the controller ---------------------------------------
 
 def test_planner_reads_the_controllers_fleet_file():
-    from server.fleet.config import load_planner_fleet
+    from boinc_dl.server.fleet.config import load_planner_fleet
 
     # The AWS example carries a planner section: its types and choices, and the
     # controller's on-demand prices on top of the shipped table.
@@ -400,8 +416,8 @@ def test_planner_reads_the_controllers_fleet_file():
 
 
 def test_a_bad_planner_section_fails_the_controller_too(tmp_path):
-    from server.fleet.config import FleetConfigError, load_config, load_planner_fleet
-    from server.planner.fleetfile import FleetFileError, load_fleet
+    from boinc_dl.server.fleet.config import FleetConfigError, load_config, load_planner_fleet
+    from boinc_dl.server.planner.fleetfile import FleetFileError, load_fleet
 
     good = (ROOT / "examples" / "fleet-aws.yaml").read_text()
     bad = tmp_path / "fleet.yaml"
@@ -432,7 +448,7 @@ def test_a_bad_planner_section_fails_the_controller_too(tmp_path):
 def test_cli_plan_with_the_example_controller_file():
     """A fresh user's command line: the shipped spec and the shipped fleet file."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
-    out = subprocess.run([sys.executable, "-m", "server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
+    out = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "plan", str(ROOT / "examples" / "digits-vcasgd.yaml"),
                           "--fleet", str(ROOT / "examples" / "fleet-aws.yaml"), "--deadline", "8h"],
                          capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr + out.stdout
@@ -443,8 +459,8 @@ def test_cli_plan_with_the_example_controller_file():
 def test_run_check_compares_the_pipeline_not_the_start_up():
     """``boinc-dl run``'s check: the actual epoch time runs from the first unit's start
     to the last merge; the start-up before it is reported apart, not blamed on the model."""
-    from server.common.spec import parse_spec
-    from server.planner.runcheck import predict_epoch
+    from boinc_dl.server.common.spec import parse_spec
+    from boinc_dl.server.planner.runcheck import predict_epoch
 
     spec = parse_spec({"name": "c", "mode": "vcasgd", "model": "models:mlp", "dataset": {"name": "digits"},
                        "training": {"epochs": 2}, "vcasgd": {"n_subsets": 4},

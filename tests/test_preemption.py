@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from client_app import preemption as pre
+from boinc_dl.client_app import preemption as pre
 
 
 class MetadataState:

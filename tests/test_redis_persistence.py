@@ -12,16 +12,16 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from server.cli import app
-from server.common.redis_persistence import (
+from boinc_dl.server.cli import app
+from boinc_dl.server.common.redis_persistence import (
     RECOMMENDED,
     check_node,
     check_persistence,
     findings,
     read_settings,
 )
-from server.common.redis_server import EmbeddedRedis, LocalRedisCluster
-from server.common.store import connect
+from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster
+from boinc_dl.server.common.store import connect
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_sync_aof_runs_until_sigterm_and_syncs_once_more(tmp_path: Path) -> None
     parts = tmp_path / "appendonlydir"
     parts.mkdir()
     (parts / "appendonly.aof.1.incr.aof").write_bytes(b"*1\r\n$4\r\nPING\r\n")
-    p = subprocess.Popen([sys.executable, "-m", "server.cli", "redis", "sync-aof", str(tmp_path),
+    p = subprocess.Popen([sys.executable, "-m", "boinc_dl.server.cli", "redis", "sync-aof", str(tmp_path),
                           "--interval", "0.1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env={**os.environ, "COLUMNS": "200"})
     try:

@@ -23,7 +23,7 @@ import pytest
 from .conftest import REPO
 
 pytestmark = pytest.mark.slow
-EXE = [sys.executable, "-m", "server.cli"]
+EXE = [sys.executable, "-m", "boinc_dl.server.cli"]
 ENV = {**os.environ, "COLUMNS": "120", "PYTHONPATH": str(REPO)}
 ENV.pop("TF_CPP_MIN_LOG_LEVEL", None)  # the command must keep TensorFlow quiet by itself
 

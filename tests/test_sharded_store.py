@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.assimilator.core import merge_into
-from server.common.cluster import cluster_nodes, is_cluster_url
-from server.common.redis_server import EmbeddedRedis, LocalRedisCluster
-from server.common.shards import ShardLayout, shards_for
-from server.common.store import JobStore, connect
-from server.common.weights import fingerprint_of
-from server.faults.audit import audit_job
+from boinc_dl.server.assimilator.core import merge_into
+from boinc_dl.server.common.cluster import cluster_nodes, is_cluster_url
+from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster
+from boinc_dl.server.common.shards import ShardLayout, shards_for
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.weights import fingerprint_of
+from boinc_dl.server.faults.audit import audit_job
 
 N = 2000            # parameters of the test model
 SHARD_BYTES = "800"  # -> 10 shards of 200 float32

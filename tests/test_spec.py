@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from server.common.errors import SpecError
-from server.common.spec import load_spec, parse_spec
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.common.spec import load_spec, parse_spec
 
 from .conftest import REPO
 

@@ -22,7 +22,7 @@ import pytest
 
 from .conftest import REPO
 
-EXE = [sys.executable, "-m", "server.cli"]
+EXE = [sys.executable, "-m", "boinc_dl.server.cli"]
 ENV = {**os.environ, "COLUMNS": "40", "PYTHONPATH": str(REPO)}
 BASE = "name: j\nmodel: models:mlp\nmodel_args: {input_dim: 64, hidden: 8, n_classes: 10}\n"
 DIGITS = BASE + "dataset: {name: digits}\n"
@@ -193,9 +193,9 @@ def test_without_tensorflow_one_line_names_the_extra(tmp_path: Path, command: st
 
 
 def test_resource_checks_against_a_given_machine() -> None:
-    from server.common.errors import SpecError
-    from server.common.spec import parse_spec
-    from server.common.spec_checks import check_resources
+    from boinc_dl.server.common.errors import SpecError
+    from boinc_dl.server.common.spec import parse_spec
+    from boinc_dl.server.common.spec_checks import check_resources
 
     spec = parse_spec({"name": "j", "model": "m:f", "dataset": {"name": "digits"},
                        "backend": {"local": {"workers": 20, "slots": 1, "assimilators": 2}}})

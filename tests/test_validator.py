@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.assimilator.core import assimilate_error, assimilate_files
-from server.common.errors import ResultRejected
-from server.common.weights import WeightsFile, fingerprint_of, write_weights
-from server.validator.checks import validate_result
+from boinc_dl.server.assimilator.core import assimilate_error, assimilate_files
+from boinc_dl.server.common.errors import ResultRejected
+from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
+from boinc_dl.server.validator.checks import validate_result
 
 
 def _result(tmp: Path, fp, flat=None, unit="u0", job="tiny", metrics: str | None = None, name="r") -> list[str]:

@@ -8,8 +8,8 @@ import h5py
 import numpy as np
 import pytest
 
-from server.common.errors import WeightsFormatError
-from server.common.weights import (
+from boinc_dl.server.common.errors import WeightsFormatError
+from boinc_dl.server.common.weights import (
     WeightsFile,
     fingerprint_of,
     read_header,

@@ -30,7 +30,7 @@ The package, by concern: :mod:`.notices` (the notice sources and cloud detection
 :mod:`.watcher` (the watcher thread) and :mod:`.boinc_client` (``boinccmd`` calls).
 """
 
-from client_app.preemption.boinc_client import (
+from boinc_dl.client_app.preemption.boinc_client import (
     BoincTask,
     boinc_task_from_slot,
     boinccmd_abort_argv,
@@ -38,7 +38,7 @@ from client_app.preemption.boinc_client import (
     escape_project_url,
     report_lost_to_boinc,
 )
-from client_app.preemption.notices import (
+from boinc_dl.client_app.preemption.notices import (
     ENV_METADATA_URL,
     ENV_NOTICE_FILE,
     ENV_PROVIDER,
@@ -52,7 +52,7 @@ from client_app.preemption.notices import (
     Signal,
     detect_provider,
 )
-from client_app.preemption.watcher import Watcher, start_watcher
+from boinc_dl.client_app.preemption.watcher import Watcher, start_watcher
 
 __all__ = [
     "ENV_METADATA_URL",

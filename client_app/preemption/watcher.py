@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from client_app.preemption.notices import (
+from boinc_dl.client_app.preemption.notices import (
     AWS_BASE_URL,
     ENV_METADATA_URL,
     ENV_NOTICE_FILE,

@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from server.common.errors import ResultRejected
-from server.common.spec import JobSpec, spec_from_json
-from server.common.store import JobStore
-from server.validator import norms
-from server.validator.checks import ValidResult, unit_for_workunit, validate_result
+from boinc_dl.server.common.errors import ResultRejected
+from boinc_dl.server.common.spec import JobSpec, spec_from_json
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.validator import norms
+from boinc_dl.server.validator.checks import ValidResult, unit_for_workunit, validate_result
 
 
 @dataclass
@@ -140,7 +140,7 @@ def assimilate_files(
     file); without it, the unit of the workunit named by ``result_name``
     (``<workunit>_<n>``, BOINC's result names). A rejected result is recorded in Redis
     and reported as ``rejected``; a transient fault (Redis down) propagates as
-    :class:`~server.common.errors.StoreUnavailable`.
+    :class:`~boinc_dl.server.common.errors.StoreUnavailable`.
     """
     if spec is None:
         spec = spec_from_json(store.spec_json())

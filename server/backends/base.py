@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from server.common.workunit import Workunit
+from boinc_dl.server.common.workunit import Workunit
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The ``boinc-dl`` command line: a thin layer over :mod:`server.run` and the backends.
+"""The ``boinc-dl`` command line: a thin layer over :mod:`boinc_dl.server.run` and the backends.
 
-One module per command group, mounted here on :data:`server.cli.app.app`:
+One module per command group, mounted here on :data:`boinc_dl.server.cli.app.app`:
 
 * :mod:`.jobs` — ``run``, ``submit``, ``status``, ``cancel``, ``validate``;
 * :mod:`.boinc` — ``boinc-dl boinc ...`` (install, daemons, validator/assimilator scripts);
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import sys
 
-from server.cli import jobs  # noqa: F401 - registers the job commands on ``app``
-from server.cli.app import app, err_console
-from server.cli.plan import plan
-from server.cli.redis_admin import redis_app
+from boinc_dl.server.cli import jobs  # noqa: F401 - registers the job commands on ``app``
+from boinc_dl.server.cli.app import app, err_console
+from boinc_dl.server.cli.plan import plan
+from boinc_dl.server.cli.redis_admin import redis_app
 
 app.command(name="plan")(plan)
 app.add_typer(redis_app, name="redis")
@@ -28,11 +28,11 @@ app.add_typer(redis_app, name="redis")
 def _mount_optional() -> None:
     """Sub-commands that live in optional parts of the package (BOINC integration)."""
     try:
-        from server.cli.boinc import boinc_app
+        from boinc_dl.server.cli.boinc import boinc_app
     except ImportError:
         return
     app.add_typer(boinc_app, name="boinc", help="BOINC server integration (install, daemons, scripts).")
-    from server.cli.fleet import cost, fleet_app
+    from boinc_dl.server.cli.fleet import cost, fleet_app
 
     app.add_typer(fleet_app, name="fleet")
     app.command("cost")(cost)

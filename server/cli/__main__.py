@@ -1,6 +1,6 @@
-"""``python -m server.cli ...``: the ``boinc-dl`` console script without installing it."""
+"""``python -m boinc_dl.server.cli ...``: the ``boinc-dl`` console script without installing it."""
 
-from server.cli import main
+from boinc_dl.server.cli import main
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,9 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from server.common.errors import BoincDLError
-from server.common.spec import one_line
-from server.common.tf_env import quiet_env
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.spec import one_line
+from boinc_dl.server.common.tf_env import quiet_env
 
 # TensorFlow's start-up lines flood the terminal from every worker process; keep them
 # in the run's log files instead (set TF_CPP_MIN_LOG_LEVEL yourself to see them).

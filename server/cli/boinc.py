@@ -2,8 +2,8 @@
 
 The validator and assimilator commands are what BOINC's daemons run through the
 shims in the project's ``bin/``; they take BOINC's arguments verbatim after ``--``
-(``--error`` included) and exit with BOINC's codes (see :mod:`server.backends.boinc.scripts`).
-The same app also runs as ``python -m server.backends.boinc``, which is how the shims call it.
+(``--error`` included) and exit with BOINC's codes (see :mod:`boinc_dl.server.backends.boinc.scripts`).
+The same app also runs as ``python -m boinc_dl.server.backends.boinc``, which is how the shims call it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from server.common.errors import BoincDLError
+from boinc_dl.server.common.errors import BoincDLError
 
 boinc_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="BOINC server integration: install, daemons, validator/assimilator scripts.")
@@ -32,7 +32,7 @@ def _fail(e: BoincDLError) -> None:
 
 
 def _project(path: Path | None):  # noqa: ANN202
-    from server.backends.boinc.project import BoincProject, find_project
+    from boinc_dl.server.backends.boinc.project import BoincProject, find_project
 
     return BoincProject(path).require() if path else find_project()
 
@@ -48,7 +48,7 @@ def install(
     min_quorum: Annotated[int | None, typer.Option(help="replicas per unit (2+ for untrusted volunteer hosts)")] = None,
     gzip_outputs: Annotated[bool | None, typer.Option(help="clients gzip their outputs before upload")] = None,
     command: Annotated[str | None, typer.Option(
-        help="how the shims start boinc-dl (default: this Python with -m server.backends.boinc)")] = None,
+        help="how the shims start boinc-dl (default: this Python with -m boinc_dl.server.backends.boinc)")] = None,
     db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions when needed")] = True,
     force_db: Annotated[bool, typer.Option(help="run bin/xadd and bin/update_versions even if nothing changed")] = False,
     next_rpc_delay: Annotated[float, typer.Option(
@@ -64,8 +64,8 @@ def install(
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
 
-    from server.backends.boinc.install import InstallOptions
-    from server.backends.boinc.install import install as do_install
+    from boinc_dl.server.backends.boinc.install import InstallOptions
+    from boinc_dl.server.backends.boinc.install import install as do_install
 
     opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
@@ -93,7 +93,7 @@ def work_generator(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """The work generator daemon (exits on the stop_daemons file, SIGHUP, SIGTERM)."""
-    from server.backends.boinc.daemon import WorkGeneratorDaemon, setup_logging
+    from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon, setup_logging
 
     try:
         proj = _project(project)
@@ -116,7 +116,7 @@ def work_generator(
 
 
 def _script(kind: str, project: Path | None, tokens: str | None, args: list[str]) -> None:
-    from server.backends.boinc import scripts
+    from boinc_dl.server.backends.boinc import scripts
 
     scripts.setup_logging(f"bdl_{kind}")
     try:
@@ -169,8 +169,8 @@ def submit(
     resume: Annotated[bool, typer.Option("--resume", help="continue a job already recorded")] = False,
 ) -> None:
     """Submit a job to a BOINC project (the work generator daemon picks it up)."""
-    from server.backends.boinc.submit import submit_job
-    from server.common.spec import load_spec
+    from boinc_dl.server.backends.boinc.submit import submit_job
+    from boinc_dl.server.common.spec import load_spec
 
     try:
         spec = load_spec(spec_file)
@@ -187,7 +187,7 @@ def cancel(
     project: Annotated[Path, typer.Option("--project", help="BOINC project directory")],
 ) -> None:
     """Cancel a job and its workunits in BOINC."""
-    from server.backends.boinc.submit import cancel_job
+    from boinc_dl.server.backends.boinc.submit import cancel_job
 
     try:
         n = cancel_job(project, job)
@@ -204,7 +204,7 @@ def restart(
 ) -> None:
     """Restart the project's daemons safely: bin/stop, wait until they exited, bin/start,
     then check that every boinc-dl daemon runs (bin/start skips one still exiting)."""
-    from server.backends.boinc.restart import restart as do_restart
+    from boinc_dl.server.backends.boinc.restart import restart as do_restart
 
     try:
         proj = _project(project)

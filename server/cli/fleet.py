@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from server.common.errors import BoincDLError
+from boinc_dl.server.common.errors import BoincDLError
 
 fleet_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Spot/preemptible cloud fleets: size, replace, re-issue early, fall back.")
@@ -40,8 +40,8 @@ def watch(
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """The fleet controller daemon (one control period every period_s)."""
-    from server.fleet.config import load_config
-    from server.fleet.factory import build_controller
+    from boinc_dl.server.fleet.config import load_config
+    from boinc_dl.server.fleet.factory import build_controller
 
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s [%(levelname)s] %(name)s: %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
@@ -74,10 +74,10 @@ def watch(
 @fleet_app.command()
 def status(config: ConfigOpt) -> None:
     """The controller's last period as it published it in Redis."""
-    from server.backends.boinc.project import BoincProject
-    from server.common.store import connect
-    from server.fleet.config import load_config
-    from server.fleet.controller import STATUS_KEY
+    from boinc_dl.server.backends.boinc.project import BoincProject
+    from boinc_dl.server.common.store import connect
+    from boinc_dl.server.fleet.config import load_config
+    from boinc_dl.server.fleet.controller import STATUS_KEY
 
     try:
         cfg = load_config(config)
@@ -111,13 +111,13 @@ def cost(
     """What a job's fleet time cost: by instance type and market, lost to reclaims, saved."""
     import os
 
-    from server.common.errors import UnknownJob
-    from server.common.store import JobStore, connect
-    from server.fleet.cost import cost_report
+    from boinc_dl.server.common.errors import UnknownJob
+    from boinc_dl.server.common.store import JobStore, connect
+    from boinc_dl.server.fleet.cost import cost_report
 
     try:
         if project is not None:
-            from server.backends.boinc.project import BoincProject
+            from boinc_dl.server.backends.boinc.project import BoincProject
 
             redis_url = BoincProject(project).require().redis_url()
         url = redis_url or os.environ.get("BDL_REDIS_URL", "")

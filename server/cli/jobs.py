@@ -14,9 +14,9 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from server.cli.app import app, console, error_line
-from server.cli.app import fail as _fail
-from server.common.errors import BoincDLError, UnknownJob
+from boinc_dl.server.cli.app import app, console, error_line
+from boinc_dl.server.cli.app import fail as _fail
+from boinc_dl.server.common.errors import BoincDLError, UnknownJob
 
 
 @app.command()
@@ -33,11 +33,11 @@ def run(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no live progress view")] = False,
 ) -> None:
     """Run a job on the embedded local backend (private Redis, N hosts x T slots)."""
-    from server.common.spec import load_spec
-    from server.common.spec_checks import check_resources
-    from server.common.tf_env import require_tensorflow
-    from server.run import run_job, summary_table
-    from server.run.signals import stop_on_signals
+    from boinc_dl.server.common.spec import load_spec
+    from boinc_dl.server.common.spec_checks import check_resources
+    from boinc_dl.server.common.tf_env import require_tensorflow
+    from boinc_dl.server.run import run_job, summary_table
+    from boinc_dl.server.run.signals import stop_on_signals
 
     try:
         spec = load_spec(spec_file)
@@ -70,7 +70,7 @@ def submit(
     resume: Annotated[bool, typer.Option("--resume", help="continue a job already recorded")] = False,
 ) -> None:
     """Submit a job to a BOINC project; its work generator daemon creates the workunits."""
-    from server.common.spec import load_spec
+    from boinc_dl.server.common.spec import load_spec
 
     try:
         if backend == "local":
@@ -79,7 +79,7 @@ def submit(
             raise BoincDLError(f"unknown backend {backend!r}; choose boinc (or 'boinc-dl run' for local)")
         if project is None:
             raise BoincDLError("--project is required with --backend boinc")
-        from server.backends.boinc.submit import submit_job
+        from boinc_dl.server.backends.boinc.submit import submit_job
 
         spec = load_spec(spec_file)
         job_dir = submit_job(spec, project, resume=resume, search_path=spec_file.resolve().parent)
@@ -91,7 +91,7 @@ def submit(
 
 
 def _project_redis_url(project: Path) -> str:
-    from server.backends.boinc.project import BoincProject
+    from boinc_dl.server.backends.boinc.project import BoincProject
 
     return BoincProject(project).require().redis_url()
 
@@ -99,8 +99,8 @@ def _project_redis_url(project: Path) -> str:
 @contextlib.contextmanager
 def _open_store_redis(run_dir: Path | None, redis_url: str | None) -> Iterator[Any]:
     """A Redis client: the given URL, a live run's socket, or the run's saved state."""
-    from server.common.redis_server import EmbeddedRedis
-    from server.common.store import connect
+    from boinc_dl.server.common.redis_server import EmbeddedRedis
+    from boinc_dl.server.common.store import connect
 
     if redis_url:
         yield connect(redis_url)
@@ -129,7 +129,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Show a job's state: epoch, units per state, latest accuracy, rejected results."""
-    from server.run.status import job_status, render_status
+    from boinc_dl.server.run.status import job_status, render_status
 
     try:
         if project is not None:
@@ -148,7 +148,7 @@ def status(
         found = False
         for d in dirs:
             with _open_store_redis(d, redis_url) as r:
-                from server.common.store import JobStore
+                from boinc_dl.server.common.store import JobStore
 
                 names = [job] if job else JobStore.list_jobs(r)
                 for name in names:
@@ -174,11 +174,11 @@ def cancel(
     project: Annotated[Path | None, typer.Option(help="BOINC project: also cancel its workunits")] = None,
 ) -> None:
     """Cancel a job: no new units are created; a running generator stops at its next step."""
-    from server.common.store import JobStore
+    from boinc_dl.server.common.store import JobStore
 
     try:
         if project is not None:
-            from server.backends.boinc.submit import cancel_job
+            from boinc_dl.server.backends.boinc.submit import cancel_job
 
             n = cancel_job(project, job)
             console.print(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")
@@ -194,9 +194,9 @@ def cancel(
 @app.command()
 def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")]) -> None:
     """Check a job spec (and that its dataset and model can be loaded) without running it."""
-    from server.common.datasets import load_dataset
-    from server.common.spec import load_spec
-    from server.common.spec_checks import check_model_fits, check_resources, check_split
+    from boinc_dl.server.common.datasets import load_dataset
+    from boinc_dl.server.common.spec import load_spec
+    from boinc_dl.server.common.spec_checks import check_model_fits, check_resources, check_split
 
     try:
         spec = load_spec(spec_file)
@@ -204,7 +204,7 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
         # boinc-dl's own dataset loader (bandit takes it for Hugging Face's load_dataset)
         data = load_dataset(spec.dataset, spec.seed)  # nosec B615
         check_split(spec, len(data.x_train))
-        from server.common.keras_model import build_model, model_fingerprint
+        from boinc_dl.server.common.keras_model import build_model, model_fingerprint
 
         model = build_model(spec.model, spec.model_args, spec_file.resolve().parent)
         fp = model_fingerprint(model)

@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from server.cli.app import console, err_console, fail
-from server.common.errors import BoincDLError
+from boinc_dl.server.cli.app import console, err_console, fail
+from boinc_dl.server.common.errors import BoincDLError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 
@@ -26,7 +26,7 @@ def parse_duration(text: str) -> float:
 
 
 def _model_params(spec, spec_file: Path) -> int:
-    from server.common.keras_model import build_model
+    from boinc_dl.server.common.keras_model import build_model
 
     model = build_model(spec.model, spec.model_args, search_path=spec_file.parent)
     return int(model.count_params())
@@ -35,17 +35,17 @@ def _model_params(spec, spec_file: Path) -> int:
 def calibrate_on_host(spec, spec_file: Path) -> tuple[float, float | None]:
     """Run the spec's units for one epoch on this host (1 slot, 1 assimilator, the real
     client app) and return (median unit wall time, median merge gap)."""
-    from server.common.redis_server import EmbeddedRedis
-    from server.faults.harness import run_headless
-    from server.planner.calibrate import read_history
-    from server.run.outputs import collect_history, write_history
+    from boinc_dl.server.common.redis_server import EmbeddedRedis
+    from boinc_dl.server.faults.harness import run_headless
+    from boinc_dl.server.planner.calibrate import read_history
+    from boinc_dl.server.run.outputs import collect_history, write_history
 
     data = spec.model_dump()
     data["training"]["epochs"] = 1
     data["backend"]["local"].update(workers=1, slots=1, assimilators=1, preempt_prob=0.0)
     data["name"] = f"{spec.name}-calibration"
-    from server.common.spec import parse_spec
-    from server.common.store import JobStore, connect
+    from boinc_dl.server.common.spec import parse_spec
+    from boinc_dl.server.common.store import JobStore, connect
 
     cal = parse_spec(data, base_dir=spec_file.parent)
     with tempfile.TemporaryDirectory(prefix="bdl-plan-cal-") as tmp:
@@ -75,14 +75,14 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     """Candidates (types x counts x market, T, P, unit size): time, dollars, saving; the pick."""
     from dataclasses import replace
 
-    from server.common.spec import load_spec
-    from server.fleet.config import load_planner_fleet
-    from server.planner.calibrate import read_history
-    from server.planner.fleetfile import FleetFileError
-    from server.planner.model import Workload
-    from server.planner.plot import plot_plan
-    from server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
-    from server.planner.search import (
+    from boinc_dl.server.common.spec import load_spec
+    from boinc_dl.server.fleet.config import load_planner_fleet
+    from boinc_dl.server.planner.calibrate import read_history
+    from boinc_dl.server.planner.fleetfile import FleetFileError
+    from boinc_dl.server.planner.model import Workload
+    from boinc_dl.server.planner.plot import plot_plan
+    from boinc_dl.server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
+    from boinc_dl.server.planner.search import (
         Goal,
         Planner,
         Space,

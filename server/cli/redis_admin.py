@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from server.cli.app import console, fail
-from server.common.errors import BoincDLError
+from boinc_dl.server.cli.app import console, fail
+from boinc_dl.server.common.errors import BoincDLError
 
 redis_app = typer.Typer(no_args_is_help=True, help="Check and look after the Redis that holds the job state.")
 
@@ -25,12 +25,17 @@ def check(
     """Read the persistence settings of every master and say what would lose merges.
 
     Exits 1 when a setting can lose acknowledged merges in a crash, 0 otherwise."""
-    from server.common.redis_persistence import RECOMMENDED, SETTINGS, findings, read_settings
-    from server.common.store import connect
+    from boinc_dl.server.common.redis_persistence import (
+        RECOMMENDED,
+        SETTINGS,
+        findings,
+        read_settings,
+    )
+    from boinc_dl.server.common.store import connect
 
     try:
         if project is not None:
-            from server.backends.boinc.project import BoincProject
+            from boinc_dl.server.backends.boinc.project import BoincProject
 
             redis_url = BoincProject(project).require().redis_url()
         if not redis_url:
@@ -66,7 +71,7 @@ def sync_aof(
     Run it beside a Redis with ``appendfsync no`` (as a service of its own, with read
     access to the data dir): an OS crash then loses at most about INTERVAL seconds of
     merges, and a crash of Redis itself none."""
-    from server.common.aof_sync import AofSyncer, aof_files
+    from boinc_dl.server.common.aof_sync import AofSyncer, aof_files
 
     if not data_dir.is_dir():
         fail(BoincDLError(f"{data_dir} is not a directory (give Redis's `dir`)"))

@@ -7,7 +7,7 @@
 * a comma-separated list of ``redis://host:port`` URLs.
 
 Every key of a job's bookkeeping carries the hash tag ``{job}`` (one slot), every
-weights shard its own tag (spread over the masters): see :mod:`server.common.shards`.
+weights shard its own tag (spread over the masters): see :mod:`boinc_dl.server.common.shards`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from server.common.errors import DatasetError
-from server.common.spec import DatasetSpec
+from boinc_dl.server.common.errors import DatasetError
+from boinc_dl.server.common.spec import DatasetSpec
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Keras glue shared by the work generator, the evaluator and the client app.
 
-The only module of ``server.common`` that imports TensorFlow (lazily): merging never
+The only module of ``boinc_dl.server.common`` that imports TensorFlow (lazily): merging never
 needs it. A model's tensors are its ``model.weights`` in order (trainable and
 non-trainable, e.g. batch-norm statistics), named by their Keras paths.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from server.common.errors import ModelError
-from server.common.tf_env import quiet_python_logging, require_tensorflow
-from server.common.weights import Fingerprint, fingerprint_of
+from boinc_dl.server.common.errors import ModelError
+from boinc_dl.server.common.tf_env import quiet_python_logging, require_tensorflow
+from boinc_dl.server.common.weights import Fingerprint, fingerprint_of
 
 
 def configure_tf(threads: int | None = None, deterministic: bool = True) -> Any:
@@ -65,14 +65,27 @@ def _import_tf_quietly() -> Any:
 
 def resolve_builder(ref: str, search_path: str | Path | None = None) -> Any:
     """The builder function of ``module:function``, imported without loading TensorFlow
-    (unless the module itself imports it); ``search_path`` and the cwd are importable."""
+    (unless the module itself imports it).
+
+    The module is looked up in ``search_path`` (the spec's folder) first, then in the
+    working directory: a same-named module in the directory a user happens to run from
+    never replaces the one beside the spec. boinc-dl's own import name cannot be taken.
+    """
     mod_name, _, fn_name = ref.partition(":")
-    for p in (search_path, os.getcwd()):
-        # kept on sys.path: later calls (evaluation) import the same module
-        if p is not None and str(p) not in sys.path:
-            sys.path.insert(0, str(p))
+    if mod_name.split(".")[0] == "boinc_dl":
+        raise ModelError(f"model module {mod_name!r}: 'boinc_dl' is boinc-dl's own package name; "
+                         "give your module another name")
+    # Kept on sys.path: later calls (evaluation) import the same module. Put in order:
+    # the spec's folder at the front, the working directory right behind it.
+    wanted = [str(p) for p in (search_path, os.getcwd()) if p is not None]
+    for p in reversed(wanted):
+        while p in sys.path:
+            sys.path.remove(p)
+        sys.path.insert(0, p)
     try:
         mod = importlib.import_module(mod_name)
+    except SystemExit as e:
+        raise ModelError(f"model module {mod_name!r} called sys.exit({e.code!r}) while being imported") from None
     except Exception as e:  # noqa: BLE001 - report any import failure in one line
         raise ModelError(f"cannot import model module {mod_name!r}: {type(e).__name__}: {e}") from None
     fn = getattr(mod, fn_name, None)
@@ -101,6 +114,8 @@ def build_model(ref: str, args: dict[str, Any] | None = None, search_path: str |
         tf.keras.utils.set_random_seed(seed)
     try:
         model = fn(**(args or {}))
+    except SystemExit as e:
+        raise ModelError(f"model builder {ref} called sys.exit({e.code!r})") from None
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"model builder {ref} failed: {type(e).__name__}: {e}") from None
     if not isinstance(model, tf.keras.Model):

@@ -1,10 +1,10 @@
 """Merging a result into a model's sharded weights, exactly once per shard.
 
-The merge half of :class:`~server.common.store.JobStore` (mixed into it): strict merges
+The merge half of :class:`~boinc_dl.server.common.store.JobStore` (mixed into it): strict merges
 commit each shard with ``WATCH``/``MULTI``/``EXEC`` on one held connection, eventual
 merges with the ``CAS_SHARD`` Lua script, and one ``FINALIZE`` script sets the unit's
 global mark with its accounting. The protocol and its guarantees:
-``docs/parameter-server.md``; the keys: :mod:`server.common.shards`.
+``docs/parameter-server.md``; the keys: :mod:`boinc_dl.server.common.shards`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from server.common import shards as sh
-from server.common.errors import StoreUnavailable, UnknownJob
-from server.common.redis_faults import Backoff, is_redirect, is_transient
+from boinc_dl.server.common import shards as sh
+from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
+from boinc_dl.server.common.redis_faults import Backoff, is_redirect, is_transient
 
 # A shard read fetched ahead: (the cache entry popped for it, the read script's reply).
 _ReadAhead = tuple[tuple[bytes, np.ndarray] | None, list[Any]]
@@ -40,7 +40,7 @@ class MergeOutcome:
 
 
 class ShardMerging:
-    """``merge`` and its machinery, mixed into :class:`~server.common.store.JobStore`,
+    """``merge`` and its machinery, mixed into :class:`~boinc_dl.server.common.store.JobStore`,
     which provides the connection, the keys (``k``, ``_shard_keys``), ``layout``,
     ``version``, ``call`` and ``_script``, and the caches annotated here."""
 

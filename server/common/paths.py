@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from server.common.errors import ResultRejected
+from boinc_dl.server.common.errors import ResultRejected
 
 # The job-name rule (spec.JOB_NAME_RE), long enough for unit and result names, which
 # are built from a job name plus model/epoch/shard/attempt/replica suffixes.

@@ -6,7 +6,7 @@ import time
 
 import redis
 
-from server.common.errors import StoreUnavailable
+from boinc_dl.server.common.errors import StoreUnavailable
 
 # Error replies Redis gives while it cannot serve writes for a while (loading the
 # AOF, AOF write failing, failover): transient, like a dropped connection.

@@ -6,7 +6,7 @@ under its own Redis hash tag, so in a Redis Cluster the shards of one model spre
 over the masters and two assimilators on different shards never meet, while a
 shard's bytes, its version and its "unit applied" marks share one slot and change
 together in one transaction (strict mode: ``WATCH``/``MULTI``/``EXEC`` in
-:meth:`server.common.store.JobStore.merge`; eventual mode: the Lua script below). The
+:meth:`boinc_dl.server.common.store.JobStore.merge`; eventual mode: the Lua script below). The
 float math runs in numpy in the assimilator; Redis only stores bytes.
 
 Keys of shard ``i`` of model ``M`` of job ``J`` (``B = bdl:J:s:{J/M/i}``):

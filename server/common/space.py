@@ -4,10 +4,10 @@ Search spaces are dicts ``name -> values``. A list means a finite set of choices
 search takes the Cartesian product of the lists). Random search and PBT also accept
 distributions: ``{"uniform": [a, b]}``, ``{"loguniform": [a, b]}`` (a > 0) and
 ``{"randint": [a, b]}`` (integers, both ends included). Malformed spaces raise
-:class:`~server.common.errors.SpecError` naming the offending key.
+:class:`~boinc_dl.server.common.errors.SpecError` naming the offending key.
 
-It lives in :mod:`server.common` because the job spec validates a space when it is loaded;
-the procedures that search it are in :mod:`server.work_generator.mop`.
+It lives in :mod:`boinc_dl.server.common` because the job spec validates a space when it is loaded;
+the procedures that search it are in :mod:`boinc_dl.server.work_generator.mop`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from server.common.errors import SpecError
+from boinc_dl.server.common.errors import SpecError
 
 DISTRIBUTIONS = ("uniform", "loguniform", "randint")
 

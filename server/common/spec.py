@@ -13,8 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from server.common.errors import SpecError
-from server.common.space import parse_space
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.common.space import parse_space
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BUILTIN_DATASETS = ("digits", "mnist")

@@ -4,7 +4,7 @@ What a run would otherwise find late (after TensorFlow started in every slot, or
 unit failing on every host): more subsets or partitions than training examples,
 labels beyond the model's outputs, features the model cannot take, and a local
 backend far larger than the machine. ``boinc-dl validate`` and ``boinc-dl run`` call
-the same functions; each raises a one-line :class:`~server.common.errors.SpecError`.
+the same functions; each raises a one-line :class:`~boinc_dl.server.common.errors.SpecError`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from server.common.errors import SpecError
-from server.common.spec import JobSpec, local_options
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.common.spec import JobSpec, local_options
 
 #: Resident memory of one slot or assimilator process with TensorFlow loaded (measured:
 #: 350-450 MB on CPU builds): the unit of the memory estimate.

@@ -19,12 +19,12 @@ Keys of job J:
 ``bdl:J:rejections``           stream: rejected results with their reasons
 =============================  ===================================================
 
-Weights are sharded (:mod:`server.common.shards`) and merged by
-:class:`~server.common.merging.ShardMerging` (mixed in): shard by shard, each shard's
+Weights are sharded (:mod:`boinc_dl.server.common.shards`) and merged by
+:class:`~boinc_dl.server.common.merging.ShardMerging` (mixed in): shard by shard, each shard's
 bytes and its "unit applied" mark committed together, then one script sets the unit's
 global "assimilated" mark with the epoch accounting. Weights written by earlier
 releases as one value (``bdl:J:w:M``) are cut into shards on first use. In a Redis
-Cluster (:mod:`server.common.cluster`) the job's bookkeeping keys are ``bdl:{J}:...``
+Cluster (:mod:`boinc_dl.server.common.cluster`) the job's bookkeeping keys are ``bdl:{J}:...``
 (one slot), each shard its own slot.
 
 Reconnection: every :class:`JobStore` call retries while Redis is unreachable (a
@@ -43,7 +43,7 @@ applied it, so every write is idempotent or made so:
   marked by *its own* token reports the merge as applied, not as a duplicate.
 
 Every Redis key of a job and the Lua scripts that change them together are one
-contract, kept in this module; the merge protocol is in :mod:`server.common.merging`.
+contract, kept in this module; the merge protocol is in :mod:`boinc_dl.server.common.merging`.
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ from typing import Any
 import numpy as np
 import redis
 
-from server.common import shards as sh
-from server.common.cluster import cluster_client, is_cluster, is_cluster_url
-from server.common.errors import StoreUnavailable, UnknownJob
-from server.common.merging import ShardMerging
-from server.common.redis_faults import Backoff, is_transient
-from server.common.shards import ShardLayout, Snapshot
-from server.common.weights import Fingerprint
+from boinc_dl.server.common import shards as sh
+from boinc_dl.server.common.cluster import cluster_client, is_cluster, is_cluster_url
+from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
+from boinc_dl.server.common.merging import ShardMerging
+from boinc_dl.server.common.redis_faults import Backoff, is_transient
+from boinc_dl.server.common.shards import ShardLayout, Snapshot
+from boinc_dl.server.common.weights import Fingerprint
 
 PREFIX = "bdl"
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from server.common.errors import BoincDLError
+from boinc_dl.server.common.errors import BoincDLError
 
 #: Set for this process and inherited by every child (slots, assimilators, evaluators).
 QUIET_ENV = {

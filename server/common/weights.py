@@ -38,7 +38,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from server.common.errors import WeightsFormatError
+from boinc_dl.server.common.errors import WeightsFormatError
 
 FORMAT = "boinc-dl-weights"
 FORMAT_VERSION = 2
@@ -79,7 +79,7 @@ class Fingerprint:
     @classmethod
     def from_json(cls, text: str) -> Fingerprint:
         try:
-            from server.common import bounded
+            from boinc_dl.server.common import bounded
 
             rows = bounded.loads(text, max_bytes=MAX_ATTR_BYTES, max_depth=3)
             fp = cls(tuple(TensorSpec(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in rows))
@@ -453,7 +453,7 @@ def read_header(path: str | Path, max_bytes: int | None = None) -> WeightsFile:
 
 
 def _header(root: Any, expected: Fingerprint | None = None) -> WeightsFile:
-    from server.common import bounded
+    from boinc_dl.server.common import bounded
 
     _check_attr_names(root, ROOT_ATTRS, "the file")
     if _attr_str(root, "format") != FORMAT:

@@ -10,7 +10,7 @@ A client needs nothing but its input files (it never talks to Redis)::
 
 and writes::
 
-    weights_out.h5   trained weights (see :mod:`server.common.weights`)
+    weights_out.h5   trained weights (see :mod:`boinc_dl.server.common.weights`)
     metrics.json     train loss/accuracy, validation accuracy, examples seen, wall time
 
 Physical file names (in the download hierarchy / the local backend's file store) are

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from server.backends.local import LocalJobSystem
-from server.common.spec import JobSpec, parse_spec
-from server.common.store import JobStore, connect
-from server.work_generator.prepare import prepare_job
-from server.work_generator.vcasgd import VCASGDWorkGenerator
+from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common.spec import JobSpec, parse_spec
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.work_generator.prepare import prepare_job
+from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
 
 def small_spec(name: str, **over: Any) -> JobSpec:

@@ -15,7 +15,7 @@ The client follows BOINC 7.20's rules (``client/cs_scheduler.cpp``, ``client/wor
   is not backed off;
 * every RPC waits for ``min_rpc_time``: the reply's ``request_delay``, 7 s with
   ``make_project --production``'s ``min_sendwork_interval`` of 6 s, none with the 0 that
-  ``boinc-dl boinc install`` sets (:func:`server.backends.boinc.host_contact.request_delay_s`);
+  ``boinc-dl boinc install`` sets (:func:`boinc_dl.server.backends.boinc.host_contact.request_delay_s`);
   a finished task waits for it too, ``report_immediately`` or not
   (``find_project_with_overdue_results`` skips a project inside ``min_rpc_time``);
 * a task's upload finishing clears the work-fetch backoff (``clear_backoffs`` in
@@ -44,9 +44,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from server.backends.boinc.boincdb import HostRow
-from server.backends.boinc.hosts import active_window
-from server.work_generator.mop.scheduler import Assignment, MOPScheduler
+from boinc_dl.server.backends.boinc.boincdb import HostRow
+from boinc_dl.server.backends.boinc.hosts import active_window
+from boinc_dl.server.work_generator.mop.scheduler import Assignment, MOPScheduler
 
 WF_MIN_BACKOFF_INTERVAL = 600.0
 WF_MAX_BACKOFF_INTERVAL = 86400.0

@@ -24,8 +24,14 @@ from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from server.fleet.config import AwsSettings
-from server.fleet.provider import FleetShape, Instance, Interruption, Observation, PricePoint
+from boinc_dl.server.fleet.config import AwsSettings
+from boinc_dl.server.fleet.provider import (
+    FleetShape,
+    Instance,
+    Interruption,
+    Observation,
+    PricePoint,
+)
 
 log = logging.getLogger("boinc-dl.fleet.aws")
 
@@ -68,7 +74,7 @@ def parse_event(body: str) -> Interruption | None:
 
 
 class AwsProvider:
-    """The :class:`~server.fleet.provider.FleetProvider` of an AWS auto scaling group."""
+    """The :class:`~boinc_dl.server.fleet.provider.FleetProvider` of an AWS auto scaling group."""
 
     name = "aws"
 

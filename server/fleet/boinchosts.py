@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from server.fleet.provider import Instance
+from boinc_dl.server.fleet.provider import Instance
 
 UNSENT, IN_PROGRESS = 2, 4
 
@@ -54,9 +54,9 @@ class BoincHosts:
     @classmethod
     def from_project(cls, project: Any) -> BoincHosts:
         """A read-only session with the credentials of the project's ``config.xml``
-        (:class:`~server.backends.boinc.boincdb.BoincDB`: db_host/db_port/db_socket as BOINC reads them)."""
-        from server.backends.boinc.boincdb import BoincDB
-        from server.backends.boinc.project import APP_NAME
+        (:class:`~boinc_dl.server.backends.boinc.boincdb.BoincDB`: db_host/db_port/db_socket as BOINC reads them)."""
+        from boinc_dl.server.backends.boinc.boincdb import BoincDB
+        from boinc_dl.server.backends.boinc.project import APP_NAME
 
         return cls(BoincDB.connect(project, timeout_s=30).conn, APP_NAME, "format")
 

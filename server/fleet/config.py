@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from server.common.errors import BoincDLError
-from server.planner.fleetfile import FleetFile, FleetFileError, parse_fleet, read_yaml
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.planner.fleetfile import FleetFile, FleetFileError, parse_fleet, read_yaml
 
 
 class FleetConfigError(BoincDLError):

@@ -4,8 +4,8 @@ One :meth:`FleetController.step` per period (``period_s`` of fleet.yaml):
 
 1. **Interruptions first** (they are the latency-critical part): each reclaim warning
    or preemption of one of our instances is mapped to its BOINC host(s)
-   (:class:`~server.fleet.boinchosts.BoincHosts`), and the results in progress there are
-   filed for re-issue now (:func:`~server.fleet.reissue.request_reissue`); the work
+   (:class:`~boinc_dl.server.fleet.boinchosts.BoincHosts`), and the results in progress there are
+   filed for re-issue now (:func:`~boinc_dl.server.fleet.reissue.request_reissue`); the work
    generator regenerates them on its next pass instead of waiting for the deadline.
    The doomed instance is replaced at once (the cloud keeps the group's size).
 2. **Fallback**: while the cloud refuses spot capacity, or reclaims per running host
@@ -15,7 +15,7 @@ One :meth:`FleetController.step` per period (``period_s`` of fleet.yaml):
 3. **Size**: ``ceil((unsent + in progress) / slots_per_host)`` hosts, within
    ``min_hosts``..``max_hosts`` and what ``budget_per_hour`` buys at current prices.
 4. **Cost**: every instance is charged for the period at the prices in force
-   (:class:`~server.fleet.cost.CostLedger`).
+   (:class:`~boinc_dl.server.fleet.cost.CostLedger`).
 
 Every decision is logged in words.
 """
@@ -33,13 +33,19 @@ from typing import Any
 
 import redis
 
-from server.common.workunit import parse_unit_name
-from server.fleet.boinchosts import BoincHosts, QueueDemand
-from server.fleet.config import FleetConfig
-from server.fleet.cost import CostLedger, job_shares, known_jobs
-from server.fleet.prices import StepPriceBook, UnknownPrice
-from server.fleet.provider import FleetProvider, FleetShape, Instance, Interruption, Observation
-from server.fleet.reissue import request_reissue
+from boinc_dl.server.common.workunit import parse_unit_name
+from boinc_dl.server.fleet.boinchosts import BoincHosts, QueueDemand
+from boinc_dl.server.fleet.config import FleetConfig
+from boinc_dl.server.fleet.cost import CostLedger, job_shares, known_jobs
+from boinc_dl.server.fleet.prices import StepPriceBook, UnknownPrice
+from boinc_dl.server.fleet.provider import (
+    FleetProvider,
+    FleetShape,
+    Instance,
+    Interruption,
+    Observation,
+)
+from boinc_dl.server.fleet.reissue import request_reissue
 
 log = logging.getLogger("boinc-dl.fleet")
 

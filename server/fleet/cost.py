@@ -2,7 +2,7 @@
 
 Every control period the controller charges each instance for the seconds since it
 was last charged (from its launch the first time, up to its end once it is gone) at
-the prices in force (:func:`server.fleet.prices.cost_between`), and splits the charge
+the prices in force (:func:`boinc_dl.server.fleet.prices.cost_between`), and splits the charge
 over the jobs by their results in progress at that moment (time with nothing in
 flight goes to ``_unattributed``). Alongside, the same seconds at the on-demand list
 price: the on-demand equivalent. A reclaim adds "lost" compute: the instance time
@@ -21,9 +21,9 @@ from typing import Any
 
 import redis
 
-from server.common.store import PREFIX, JobStore
-from server.fleet.prices import PriceBook, cost_between
-from server.fleet.provider import Instance
+from boinc_dl.server.common.store import PREFIX, JobStore
+from boinc_dl.server.fleet.prices import PriceBook, cost_between
+from boinc_dl.server.fleet.provider import Instance
 
 UNATTRIBUTED = "_unattributed"
 NANO = Decimal(10) ** 9
@@ -136,7 +136,7 @@ def cost_report(r: redis.Redis, job: str) -> dict[str, Any]:
 
 def job_shares(workunits: list[str], jobs: set[str]) -> dict[str, int]:
     """Results in flight per known job, from BOINC workunit names."""
-    from server.common.workunit import parse_unit_name
+    from boinc_dl.server.common.workunit import parse_unit_name
 
     c: Counter[str] = Counter()
     for name in workunits:

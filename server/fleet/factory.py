@@ -4,24 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from server.fleet.boinchosts import BoincHosts
-from server.fleet.config import FleetConfig
-from server.fleet.controller import FleetController
+from boinc_dl.server.fleet.boinchosts import BoincHosts
+from boinc_dl.server.fleet.config import FleetConfig
+from boinc_dl.server.fleet.controller import FleetController
 
 
 def build_controller(cfg: FleetConfig) -> FleetController:
     """Provider, BOINC database, Redis and controller for a validated config."""
-    from server.backends.boinc.project import BoincProject
-    from server.common.store import connect
+    from boinc_dl.server.backends.boinc.project import BoincProject
+    from boinc_dl.server.common.store import connect
 
     project = BoincProject(cfg.project).require()
     provider: Any
     if cfg.provider == "aws":
-        from server.fleet.aws import AwsProvider
+        from boinc_dl.server.fleet.aws import AwsProvider
 
         provider = AwsProvider(cfg.aws)
     else:
-        from server.fleet.gcp import GcpProvider
+        from boinc_dl.server.fleet.gcp import GcpProvider
 
         provider = GcpProvider(cfg.gcp)
     return FleetController(cfg, provider, BoincHosts.from_project(project), connect(project.redis_url()))

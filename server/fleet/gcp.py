@@ -23,8 +23,8 @@ import re
 from datetime import datetime
 from typing import Any
 
-from server.fleet.config import GcpSettings
-from server.fleet.provider import (
+from boinc_dl.server.fleet.config import GcpSettings
+from boinc_dl.server.fleet.provider import (
     FleetShape,
     Instance,
     Interruption,
@@ -53,7 +53,7 @@ def _last(url: str) -> str:
 
 
 class GcpProvider:
-    """The :class:`~server.fleet.provider.FleetProvider` of GCP managed instance groups."""
+    """The :class:`~boinc_dl.server.fleet.provider.FleetProvider` of GCP managed instance groups."""
 
     name = "gcp"
 

@@ -18,13 +18,13 @@ import bisect
 from decimal import Decimal
 from typing import Protocol
 
-from server.fleet.provider import Market, PricePoint
-from server.planner.prices import DEFAULT_TABLE, TablePriceBook
+from boinc_dl.server.fleet.provider import Market, PricePoint
+from boinc_dl.server.planner.prices import DEFAULT_TABLE, TablePriceBook
 
 
 def _shipped_on_demand() -> tuple[str, dict[str, Decimal]]:
     """The on-demand column of the project's one price table (the planner's, read through
-    its :class:`~server.planner.prices.TablePriceBook`), as exact Decimals."""
+    its :class:`~boinc_dl.server.planner.prices.TablePriceBook`), as exact Decimals."""
     book = TablePriceBook.load(DEFAULT_TABLE)
     # repr() of the float read from YAML is the shortest decimal that reads back as the
     # same float: the digits written in the table, so a bill adds up to the cent.

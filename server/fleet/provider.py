@@ -1,8 +1,8 @@
 """The one interface the controller sees of a cloud: instances, size, reclaims, prices.
 
-Implementations: :class:`server.fleet.aws.AwsProvider` (an auto scaling group with a
+Implementations: :class:`boinc_dl.server.fleet.aws.AwsProvider` (an auto scaling group with a
 mixed instances policy, an SQS queue fed by EventBridge) and
-:class:`server.fleet.gcp.GcpProvider` (a SPOT managed instance group, optionally an
+:class:`boinc_dl.server.fleet.gcp.GcpProvider` (a SPOT managed instance group, optionally an
 on-demand one). Nothing cloud-specific lives outside those two modules.
 """
 
@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Literal, Protocol
 
-from server.planner.prices import Market  # one definition of the markets for fleet and planner
+from boinc_dl.server.planner.prices import (
+    Market,  # one definition of the markets for fleet and planner
+)
 
 #: The states the controller distinguishes (each cloud's own are mapped onto these).
 State = Literal["pending", "running", "stopping", "gone"]

@@ -1,7 +1,7 @@
 """The fleet controller's one hook into re-issue: "re-issue these workunits now".
 
 The controller adds the workunit names of a reclaimed host to the job's
-``reissue_now`` set (:func:`server.backends.boinc.reissue_now_key`); the work
+``reissue_now`` set (:func:`boinc_dl.server.backends.boinc.reissue_now_key`); the work
 generator daemon's next pass regenerates them from the freshest weights exactly as it
 does for a unit past its deadline (VC-ASGD ``reissue: fresh``). The regeneration logic
 stays in one place; this module only files requests, each workunit once.
@@ -13,9 +13,9 @@ import time
 
 import redis
 
-from server.backends.boinc.jobsystem import reissue_now_key
-from server.common.store import PREFIX, JobStore
-from server.common.workunit import parse_unit_name
+from boinc_dl.server.backends.boinc.jobsystem import reissue_now_key
+from boinc_dl.server.common.store import PREFIX, JobStore
+from boinc_dl.server.common.workunit import parse_unit_name
 
 #: Workunit names already requested (a warning then a preemption of the same host, or
 #: two controllers, must not ask twice); entries expire after a week.

@@ -11,6 +11,6 @@
   ``planner:`` section of the fleet controller's ``fleet.yaml``);
 * :mod:`.plot` — the time-versus-cost plot with its Pareto front.
 
-It uses only :mod:`server.common`; the CLI (``boinc-dl plan``), runs and the fleet
+It uses only :mod:`boinc_dl.server.common`; the CLI (``boinc-dl plan``), runs and the fleet
 controller use it.
 """

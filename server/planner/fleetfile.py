@@ -33,8 +33,13 @@ from typing import Any
 
 import yaml
 
-from server.planner.model import SHARED_MERGE_RATIO, HostType, ServerCosts, merge_estimate_s
-from server.planner.prices import MARKETS
+from boinc_dl.server.planner.model import (
+    SHARED_MERGE_RATIO,
+    HostType,
+    ServerCosts,
+    merge_estimate_s,
+)
+from boinc_dl.server.planner.prices import MARKETS
 
 
 class FleetFileError(ValueError):
@@ -74,7 +79,7 @@ class FleetFile:
 
     def server_costs(self, model_bytes: int, merge_s: float | None = None) -> ServerCosts:
         """Server-side costs: the file's, else a calibrated merge time, else an estimate
-        from the model size (:func:`~server.planner.model.merge_estimate_s`).
+        from the model size (:func:`~boinc_dl.server.planner.model.merge_estimate_s`).
 
         With a ``speedup`` table the plain model is used (P merges ``speedup[P]`` times
         as fast); without one, the resource-sharing model: P merges share the server's
@@ -118,7 +123,7 @@ def load_fleet(path: Path | str) -> FleetFile:
     raw = read_yaml(p)
     if isinstance(raw, dict) and "provider" in raw:
         raise FleetFileError(f"{p}: a fleet controller file (provider: ...): "
-                             "load it with server.fleet.config.load_planner_fleet")
+                             "load it with boinc_dl.server.fleet.config.load_planner_fleet")
     return parse_fleet(raw, p.parent, str(p))
 
 

@@ -33,7 +33,7 @@ with n_s units in the job and S = sum_h T_h slots (the paper's ``n*t_e + n*p*t_o
 ``n = n_s / S`` when R_c binds; HeterPS's throughput-limited provisioning when R_s
 binds). Where arrivals bunch up at few parameter servers — C x T much larger than P, all
 units of a wave finishing together — the mean rates hide the queue: the discrete-event
-simulation in :mod:`server.planner.sim` replays the same pieces unit by unit.
+simulation in :mod:`boinc_dl.server.planner.sim` replays the same pieces unit by unit.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server.planner.search import Scored, pareto
+from boinc_dl.server.planner.search import Scored, pareto
 
 
 def plot_plan(path: Path | str, scored: list[Scored], chosen: Scored | None, title: str,

@@ -15,8 +15,8 @@ import os
 import statistics
 from typing import Any
 
-from server.common.spec import JobSpec
-from server.planner.model import (
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.planner.model import (
     SHARED_MERGE_RATIO,
     Config,
     HostType,
@@ -24,7 +24,7 @@ from server.planner.model import (
     Workload,
     merge_estimate_s,
 )
-from server.planner.sim import simulate
+from boinc_dl.server.planner.sim import simulate
 
 
 def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elapsed_s: float,

@@ -17,9 +17,16 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from server.planner.model import Config, HostType, Prediction, ServerCosts, Workload, closed_form
-from server.planner.prices import Market, PriceBook
-from server.planner.sim import simulate
+from boinc_dl.server.planner.model import (
+    Config,
+    HostType,
+    Prediction,
+    ServerCosts,
+    Workload,
+    closed_form,
+)
+from boinc_dl.server.planner.prices import Market, PriceBook
+from boinc_dl.server.planner.sim import simulate
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ backend and BOINC alike):
   the next unit when a merge frees a place;
 * idle slots take the oldest unsent unit, in host order; a unit holds its slot for the
   dispatch latency plus the host type's unit time (processor sharing over T slots,
-  staging, transfer: :meth:`~server.planner.model.HostType.unit_time`);
+  staging, transfer: :meth:`~boinc_dl.server.planner.model.HostType.unit_time`);
 * each result goes to one of P parameter servers (``wu_id % P``: the unit's hash, so a
   random one) and waits there in FIFO order for ``merge_service_s``;
 * with resource sharing on (``ServerCosts.cpu_cores``), a merge is instead
@@ -31,7 +31,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from server.planner.model import (
+from boinc_dl.server.planner.model import (
     Config,
     Prediction,
     ServerCosts,

@@ -7,7 +7,7 @@
 * :mod:`.status` — ``boinc-dl status``: a job's state read from Redis.
 """
 
-from server.run.job import run_job
-from server.run.lifecycle import RunResult, default_run_dir, summary_table
+from boinc_dl.server.run.job import run_job
+from boinc_dl.server.run.lifecycle import RunResult, default_run_dir, summary_table
 
 __all__ = ["RunResult", "default_run_dir", "run_job", "summary_table"]

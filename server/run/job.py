@@ -1,7 +1,7 @@
 """``boinc-dl run``: a whole job on the embedded local backend, start to finish.
 
-Owns the private Redis (see :func:`~server.run.lifecycle.open_store`) for both modes and
-hands the job to :mod:`server.run.vcasgd` or :mod:`server.run.mop`.
+Owns the private Redis (see :func:`~boinc_dl.server.run.lifecycle.open_store`) for both modes and
+hands the job to :mod:`boinc_dl.server.run.vcasgd` or :mod:`boinc_dl.server.run.mop`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 from rich.console import Console
 
-from server.common.spec import JobSpec
-from server.run.lifecycle import RunResult, default_run_dir, open_store, setup_logging
-from server.run.vcasgd import run_vcasgd
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.run.lifecycle import RunResult, default_run_dir, open_store, setup_logging
+from boinc_dl.server.run.vcasgd import run_vcasgd
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, re
     server, redis_url, store = open_store(run_dir, redis_url, spec.name)
     try:
         if spec.mode != "vcasgd":
-            from server.run.mop import run_mop_job  # noqa: PLC0415 - MOP is optional
+            from boinc_dl.server.run.mop import run_mop_job  # noqa: PLC0415 - MOP is optional
 
             return run_mop_job(spec, run_dir, resume, redis_url, store, console, live, backend_opts,
                                search_path)

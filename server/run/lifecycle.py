@@ -16,13 +16,13 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from server.backends.local import LocalJobSystem
-from server.common.redis_server import EmbeddedRedis
-from server.common.spec import JobSpec, local_options
-from server.common.store import JobStore, connect
-from server.run.failfast import FailFastWatch
-from server.run.signals import RunStopped
-from server.work_generator.prepare import n_shards
+from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.common.spec import JobSpec, local_options
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.run.failfast import FailFastWatch
+from boinc_dl.server.run.signals import RunStopped
+from boinc_dl.server.work_generator.prepare import n_shards
 
 log = logging.getLogger(__name__)
 

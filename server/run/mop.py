@@ -17,13 +17,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from server.backends.local import LocalJobSystem
-from server.common.spec import JobSpec, local_options
-from server.common.store import JobStore
-from server.run.lifecycle import RunResult, RunWatch, drive, start_local_backend, stop_reason
-from server.work_generator.mop.assignment import round_robin_availability
-from server.work_generator.mop_generator import MOPWorkGenerator, model_file
-from server.work_generator.prepare import prepare_job
+from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common.spec import JobSpec, local_options
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.run.lifecycle import (
+    RunResult,
+    RunWatch,
+    drive,
+    start_local_backend,
+    stop_reason,
+)
+from boinc_dl.server.work_generator.mop.assignment import round_robin_availability
+from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
+from boinc_dl.server.work_generator.prepare import prepare_job
 
 
 def placement(n_hosts: int, slots: int, partitions: int, replication: int) -> tuple[dict[str, set[int]], dict[str, int]]:
@@ -87,11 +93,11 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
     out["learning_curves"] = str(png)
     best = next((r for r in rows if r["best_val_acc"] is not None), None)
     if best is not None:
-        from server.run.outputs import save_final_model
+        from boinc_dl.server.run.outputs import save_final_model
 
         flat, _ = store.get_weights(best["model"])
         files_dir = Path(store.meta().get("job_dir", run_dir))
-        from server.work_generator.prepare import JobFiles
+        from boinc_dl.server.work_generator.prepare import JobFiles
 
         saved = save_final_model(run_dir, model_file(JobFiles(files_dir, store.job), best["model"]), flat)
         target = run_dir / "best_model.keras"
@@ -128,7 +134,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
                 search_path: Path | None) -> RunResult:
     """Run a MOP job to completion on the local backend (see the module docstring).
 
-    ``store`` is on ``redis_url``; :func:`server.run.run_job` owns that Redis's lifetime."""
+    ``store`` is on ``redis_url``; :func:`boinc_dl.server.run.run_job` owns that Redis's lifetime."""
     assert spec.mop is not None
     backend: LocalJobSystem | None = None
     gen: MOPWorkGenerator | None = None

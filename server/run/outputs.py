@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from server.common.store import JobStore
+from boinc_dl.server.common.store import JobStore
 
 
 def collect_history(store: JobStore) -> dict[str, Any]:
@@ -80,7 +80,7 @@ def plot_learning_curve(path: Path, curves: dict[str, list[dict[str, Any]]], tit
 
 def save_final_model(run_dir: Path, model_file: Path, flat: np.ndarray) -> Path:
     """The job's model with the final server weights, as a Keras file."""
-    from server.common.keras_model import configure_tf, set_flat
+    from boinc_dl.server.common.keras_model import configure_tf, set_flat
 
     tf = configure_tf()
     model = tf.keras.models.load_model(model_file, compile=False)

@@ -1,6 +1,6 @@
 """``boinc-dl run`` of a VC-ASGD job on the embedded local backend, start to finish.
 
-On the store :func:`server.run.run_job` opens (a private Redis with its append-only
+On the store :func:`boinc_dl.server.run.run_job` opens (a private Redis with its append-only
 file in the run directory unless one is given), prepares the job, starts the local job system, drives the work generator until the job finishes,
 shows live progress, and writes the run directory: final model, history, learning
 curve and summary. Ctrl-C stops cleanly; ``--resume`` continues from Redis.
@@ -17,16 +17,27 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from server.backends.local import LocalJobSystem
-from server.common.errors import BoincDLError
-from server.common.spec import JobSpec
-from server.common.store import JobStore
-from server.planner.runcheck import predict_epoch
-from server.run.eta import EtaEstimator, format_eta
-from server.run.lifecycle import RunResult, RunWatch, drive, start_local_backend, stop_reason
-from server.run.outputs import collect_history, plot_learning_curve, save_final_model, write_history
-from server.work_generator.prepare import n_shards, prepare_job
-from server.work_generator.vcasgd import VCASGDWorkGenerator
+from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.planner.runcheck import predict_epoch
+from boinc_dl.server.run.eta import EtaEstimator, format_eta
+from boinc_dl.server.run.lifecycle import (
+    RunResult,
+    RunWatch,
+    drive,
+    start_local_backend,
+    stop_reason,
+)
+from boinc_dl.server.run.outputs import (
+    collect_history,
+    plot_learning_curve,
+    save_final_model,
+    write_history,
+)
+from boinc_dl.server.work_generator.prepare import n_shards, prepare_job
+from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ job system knows it (BOINC's workunit/result names, the local backend's record o
 a slot ran), never from inside the file: the caller passes the unit, and a file whose
 embedded job, unit or model disagrees is rejected with that reason. Rejects (with one
 clear reason each) a result whose files are missing or oversized, whose weights file
-is not exactly what ``write_weights`` writes (see :mod:`server.common.weights`: no
+is not exactly what ``write_weights`` writes (see :mod:`boinc_dl.server.common.weights`: no
 links, external storage, virtual datasets or filters, shapes and sizes checked before
 any read), whose tensors do not match the unit's model fingerprint, that contains
 NaN/Inf, or whose metrics file is not a bounded JSON object. The same function serves
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from server.common import bounded
-from server.common.errors import ResultRejected, UnknownJob, WeightsFormatError
-from server.common.paths import check_name, is_safe_name
-from server.common.store import JobStore
-from server.common.weights import WeightsFile, read_weights
-from server.common.workunit import parse_unit_name, unit_name
+from boinc_dl.server.common import bounded
+from boinc_dl.server.common.errors import ResultRejected, UnknownJob, WeightsFormatError
+from boinc_dl.server.common.paths import check_name, is_safe_name
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.common.weights import WeightsFile, read_weights
+from boinc_dl.server.common.workunit import parse_unit_name, unit_name
 
 MAX_METRICS_BYTES = 1 << 20
 MAX_METRICS_DEPTH = 16
@@ -121,7 +121,7 @@ def validate_result(
     """Check a result of ``expected_unit`` (known from the job system) against its job.
 
     Raises :class:`ResultRejected` with the reason, or
-    :class:`~server.common.errors.StoreUnavailable` (a transient fault, not a verdict)
+    :class:`~boinc_dl.server.common.errors.StoreUnavailable` (a transient fault, not a verdict)
     when Redis cannot be reached.
     """
     check_name(expected_unit, "unit")

@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-from server.common.spec import JobSpec
-from server.common.store import JobStore
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.store import JobStore
 
 WINDOW = 256
 MIN_RATIO = 4.0

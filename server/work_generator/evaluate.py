@@ -15,7 +15,7 @@ class Evaluator:
     """Loads the job's model file once and evaluates flat weight buffers on val data."""
 
     def __init__(self, model_file: Path, val_file: Path, loss: str, batch_size: int = 512):
-        from server.common.keras_model import configure_tf
+        from boinc_dl.server.common.keras_model import configure_tf
 
         tf = configure_tf()
         self.model = tf.keras.models.load_model(model_file, compile=False)
@@ -26,7 +26,7 @@ class Evaluator:
 
     def evaluate(self, flat: np.ndarray) -> tuple[float, float]:
         """(validation loss, validation accuracy) of the given weights."""
-        from server.common.keras_model import set_flat
+        from boinc_dl.server.common.keras_model import set_flat
 
         set_flat(self.model, flat)
         loss, acc = self.model.evaluate(self.x, self.y, batch_size=self.batch_size, verbose=0)

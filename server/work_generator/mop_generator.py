@@ -4,7 +4,7 @@ The set S of configurations comes from a search procedure (grid, random, success
 halving, Hyperband, PBT); the data is shuffled once and cut into ``p`` partitions; a
 workunit trains one model on one partition for one sub-epoch, starting from the model's
 latest weights, and the assimilator *replaces* the model's weights (a merge with a = 0).
-The :class:`~server.work_generator.mop.scheduler.MOPScheduler` decides which units may
+The :class:`~boinc_dl.server.work_generator.mop.scheduler.MOPScheduler` decides which units may
 exist (pull mode): never two units of one model in flight, each model visits each
 partition once per epoch, and a partition's units only run on hosts that hold it (a host
 hint for the local backend; sticky files plus locality scheduling on BOINC).
@@ -30,19 +30,27 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from server.backends.base import JobSystem, RetryLimits
-from server.common.errors import BoincDLError, ModelError
-from server.common.shards import load_shard_versions, save_shard_versions
-from server.common.spec import JobSpec
-from server.common.store import JobStore
-from server.common.weights import OptimizerState, WeightsFile, write_weights
-from server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON, Workunit, unit_name
-from server.work_generator.mop.assignment import Assignment
-from server.work_generator.mop.procedures import make_search
-from server.work_generator.mop.scheduler import MOPScheduler
-from server.work_generator.mop.search import Config, SearchProcedure
-from server.work_generator.prepare import JobFiles
-from server.work_generator.vcasgd import FINISHED, unit_seed
+from boinc_dl.server.backends.base import JobSystem, RetryLimits
+from boinc_dl.server.common.errors import BoincDLError, ModelError
+from boinc_dl.server.common.shards import load_shard_versions, save_shard_versions
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.common.weights import OptimizerState, WeightsFile, write_weights
+from boinc_dl.server.common.workunit import (
+    DATA,
+    MODEL,
+    VAL,
+    WEIGHTS_IN,
+    WU_JSON,
+    Workunit,
+    unit_name,
+)
+from boinc_dl.server.work_generator.mop.assignment import Assignment
+from boinc_dl.server.work_generator.mop.procedures import make_search
+from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
+from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
+from boinc_dl.server.work_generator.prepare import JobFiles
+from boinc_dl.server.work_generator.vcasgd import FINISHED, unit_seed
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +147,12 @@ class MOPWorkGenerator:
         A configuration whose model cannot be built is recorded as failed with its reason;
         the others go on.
         """
-        from server.common.keras_model import build_model, configure_tf, get_flat, model_fingerprint
+        from boinc_dl.server.common.keras_model import (
+            build_model,
+            configure_tf,
+            get_flat,
+            model_fingerprint,
+        )
 
         hyper, model_args = split_params(cfg.params)
         args = {**self.spec.model_args, **model_args}
@@ -173,7 +186,7 @@ class MOPWorkGenerator:
 
     def evaluator(self, model: str) -> Any:
         if model not in self._evaluators:
-            from server.work_generator.evaluate import Evaluator
+            from boinc_dl.server.work_generator.evaluate import Evaluator
 
             self._evaluators[model] = Evaluator(model_file(self.files, model), self.files.val,
                                                 self.spec.training.loss)

@@ -17,15 +17,23 @@ from pathlib import Path
 
 import numpy as np
 
-from server.common.store import JobStore
-from server.common.weights import read_weights
-from server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WEIGHTS_OUT, WU_JSON, unit_name
-from server.work_generator.prepare import JobFiles
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.common.weights import read_weights
+from boinc_dl.server.common.workunit import (
+    DATA,
+    MODEL,
+    VAL,
+    WEIGHTS_IN,
+    WEIGHTS_OUT,
+    WU_JSON,
+    unit_name,
+)
+from boinc_dl.server.work_generator.prepare import JobFiles
 
 
 def replay_model(store: JobStore, job_dir: Path, model: str, threads: int = 1) -> tuple[np.ndarray, list[str]]:
     """(weights after sequential retraining, the unit names replayed in order)."""
-    from client_app.train import ModelCache, run_unit
+    from boinc_dl.client_app.train import ModelCache, run_unit
 
     files = JobFiles(Path(job_dir).resolve(), store.job)
     log = [json.loads(x) for x in store.r.lrange(store.k("mop_log"), 0, -1)]

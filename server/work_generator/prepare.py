@@ -12,11 +12,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from server.common.datasets import Dataset, load_dataset, save_npz, split_shards
-from server.common.errors import BoincDLError
-from server.common.spec import JobSpec, spec_to_json
-from server.common.spec_checks import check_model_fits, check_split
-from server.common.store import JobStore
+from boinc_dl.server.common.datasets import Dataset, load_dataset, save_npz, split_shards
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.spec import JobSpec, spec_to_json
+from boinc_dl.server.common.spec_checks import check_model_fits, check_split
+from boinc_dl.server.common.store import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def build_initial_model(spec: JobSpec, files: JobFiles, search_path: Path | None
     Reloading makes tensor names those every client will see when it loads the same
     file, so fingerprints match across processes.
     """
-    from server.common.keras_model import build_model, configure_tf
+    from boinc_dl.server.common.keras_model import build_model, configure_tf
 
     tf = configure_tf()
     tf.keras.utils.set_random_seed(spec.seed)
@@ -96,7 +96,7 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
     A job that already exists in Redis is an error unless ``resume`` (then missing
     files are rebuilt from the spec, deterministically).
     """
-    from server.common.keras_model import get_flat, model_fingerprint
+    from boinc_dl.server.common.keras_model import get_flat, model_fingerprint
 
     files = JobFiles(Path(job_dir).resolve(), spec.name)
     if store.exists():
@@ -125,7 +125,7 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
         # cannot be built fails alone). A builder that cannot even be imported fails them
         # all: say so now, before any worker starts.
         if not spec.model.endswith((".keras", ".h5")):
-            from server.common.keras_model import resolve_builder
+            from boinc_dl.server.common.keras_model import resolve_builder
 
             resolve_builder(spec.model, search_path)
         store.create(spec_to_json(spec), spec.mode, {}, meta)

@@ -29,7 +29,7 @@ one result is merged per (epoch, subset): the first to reach an assimilator wins
 every later one, such as the late original, is a duplicate.
 
 Redis outages: store calls retry for the store's window; a step that still fails
-with :class:`~server.common.errors.StoreUnavailable` is retried with backoff by
+with :class:`~boinc_dl.server.common.errors.StoreUnavailable` is retried with backoff by
 :meth:`~VCASGDWorkGenerator.step` itself (up to ``max_outage_s``), which then
 re-submits any unit registered but not yet handed to the job system.
 """
@@ -44,14 +44,22 @@ from typing import Any
 
 import numpy as np
 
-from server.backends.base import JobSystem, RetryLimits
-from server.common.errors import StoreUnavailable
-from server.common.shards import load_shard_versions, save_shard_versions
-from server.common.spec import JobSpec
-from server.common.store import JobStore
-from server.common.weights import WeightsFile, write_weights
-from server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON, Workunit, unit_name
-from server.work_generator.prepare import JobFiles, n_shards
+from boinc_dl.server.backends.base import JobSystem, RetryLimits
+from boinc_dl.server.common.errors import StoreUnavailable
+from boinc_dl.server.common.shards import load_shard_versions, save_shard_versions
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.common.weights import WeightsFile, write_weights
+from boinc_dl.server.common.workunit import (
+    DATA,
+    MODEL,
+    VAL,
+    WEIGHTS_IN,
+    WU_JSON,
+    Workunit,
+    unit_name,
+)
+from boinc_dl.server.work_generator.prepare import JobFiles, n_shards
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +112,7 @@ class VCASGDWorkGenerator:
 
     def evaluator(self) -> Any:
         if self._evaluator is None:
-            from server.work_generator.evaluate import Evaluator
+            from boinc_dl.server.work_generator.evaluate import Evaluator
 
             self._evaluator = Evaluator(self.files.model, self.files.val, self.spec.training.loss)
         return self._evaluator

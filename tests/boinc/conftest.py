@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.backends.boinc.project import BoincProject, short_hostname
-from server.common.store import JobStore, connect
-from server.common.weights import WeightsFile, fingerprint_of, write_weights
+from boinc_dl.server.backends.boinc.project import BoincProject, short_hostname
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 
 FAKES = Path(__file__).resolve().parent / "fake_tools"
 REPO = Path(__file__).resolve().parents[2]
@@ -181,7 +181,7 @@ def make_result(dir_: Path, result: str, job: str, unit: str, flat: np.ndarray, 
     (``<result>_r<random>_<i>``), into ``dir_`` or the project's upload hierarchy."""
     import gzip as _gzip
 
-    from server.backends.boinc.project import dir_hier_path
+    from boinc_dl.server.backends.boinc.project import dir_hier_path
 
     names = [f"{result}_r123456_0", f"{result}_r123456_1"]
     paths = []

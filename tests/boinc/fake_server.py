@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from server.backends.boinc.project import BoincProject, dir_hier_path
+from boinc_dl.server.backends.boinc.project import BoincProject, dir_hier_path
 
 
 def _conn(project: BoincProject):  # noqa: ANN202

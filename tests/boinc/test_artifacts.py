@@ -8,8 +8,8 @@ import os
 import re
 import xml.etree.ElementTree as ET
 
-from server.backends.boinc import artifacts
-from server.common.workunit import INPUT_NAMES, OUTPUT_NAMES
+from boinc_dl.server.backends.boinc import artifacts
+from boinc_dl.server.common.workunit import INPUT_NAMES, OUTPUT_NAMES
 
 # elements process_file_info() reads; anything else is copied into the workunit
 FILE_INFO_READ = {"gzip", "physical_name", "url", "number", "md5_cksum", "nbytes", "gzipped_nbytes"}
@@ -157,7 +157,7 @@ def test_launcher_is_posix_sh() -> None:
 
     text = artifacts.launcher()
     assert text.startswith("#!/bin/sh\n")
-    assert "-m client_app --slot" in text
+    assert "-m boinc_dl.client_app --slot" in text
     sh = shutil.which("sh")
     assert subprocess.run([sh, "-n", "-c", text]).returncode == 0
     dash = shutil.which("dash")
@@ -168,9 +168,9 @@ def test_launcher_is_posix_sh() -> None:
 def test_shim() -> None:
     from pathlib import Path
 
-    s = artifacts.shim(["/usr/bin/python3", "-m", "server.backends.boinc"], Path("/home/boincadm/my project"), "assimilate")
+    s = artifacts.shim(["/usr/bin/python3", "-m", "boinc_dl.server.backends.boinc"], Path("/home/boincadm/my project"), "assimilate")
     assert s.startswith("#!/bin/sh\n")
-    assert "exec /usr/bin/python3 -m server.backends.boinc assimilate --project '/home/boincadm/my project' -- \"$@\"" in s
+    assert "exec /usr/bin/python3 -m boinc_dl.server.backends.boinc assimilate --project '/home/boincadm/my project' -- \"$@\"" in s
 
 
 def test_launcher_execs_python_with_the_wrappers_pid(tmp_path) -> None:
@@ -192,4 +192,4 @@ def test_launcher_execs_python_with_the_wrappers_pid(tmp_path) -> None:
     pid, ppid, parent, *args = (tmp_path / "seen").read_text().split()
     assert int(pid) == p.pid  # exec: the wrapper's child is Python itself
     assert int(ppid) == int(parent) == os.getpid()
-    assert args == ["-m", "client_app", "--slot", str(slot), "--threads", "2"]
+    assert args == ["-m", "boinc_dl.client_app", "--slot", str(slot), "--threads", "2"]

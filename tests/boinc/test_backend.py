@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.base import RetryLimits
-from server.backends.boinc.jobsystem import (
+from boinc_dl.server.backends.base import RetryLimits
+from boinc_dl.server.backends.boinc.jobsystem import (
     BoincJobSystem,
     BoincToolError,
     created_key,
     current_instance,
     issued_key,
 )
-from server.backends.boinc.project import BoincProject, BoincSettings, dir_hier_path
-from server.common.errors import BoincDLError
-from server.common.store import connect
-from server.common.workunit import Workunit
+from boinc_dl.server.backends.boinc.project import BoincProject, BoincSettings, dir_hier_path
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.store import connect
+from boinc_dl.server.common.workunit import Workunit
 from tests.boinc.conftest import calls, fake_db, seed_db_app
 
 LIMITS = RetryLimits(delay_bound_s=90.0, max_error_results=3, max_total_results=6)
@@ -51,7 +51,7 @@ def make_inputs(project: BoincProject, job: str, units: list[str], version: int 
 
 @pytest.fixture
 def setup(project, tiny_boinc_job, redis_server):
-    from server.backends.boinc.install import InstallOptions, install
+    from boinc_dl.server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     seed_db_app(project.root)

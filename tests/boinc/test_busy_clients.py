@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from server.faults.workfetch_sim import (
+from boinc_dl.server.faults.workfetch_sim import (
     NEED_WORK,
     PROJECT_REQ,
     RESULTS_DUE,
@@ -133,7 +133,10 @@ def test_request_delay_holds_back_reports_and_install_removes_it() -> None:
     finished meanwhile included. With make_project --production's 6 s (7 s delay) a
     4-slot host reports some tasks 5-10 s late; with the 0 that install sets every task
     is reported at the next 5 s poll, for about the same number of scheduler requests."""
-    from server.backends.boinc.host_contact import DEFAULT_MIN_SENDWORK_INTERVAL_S, request_delay_s
+    from boinc_dl.server.backends.boinc.host_contact import (
+        DEFAULT_MIN_SENDWORK_INTERVAL_S,
+        request_delay_s,
+    )
 
     def run(msi: float):  # noqa: ANN202
         return simulate(VCASGDGenerator(40, 3, None), hosts=2, slots=4, next_rpc_delay=60, unit_s=25,

@@ -11,18 +11,18 @@ import time
 import numpy as np
 import pytest
 
-from server.backends.boinc.daemon import WorkGeneratorDaemon, finalize_job, job_is_ours
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.jobsystem import created_key
-from server.backends.boinc.submit import cancel_job
-from server.common.errors import BoincDLError
+from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon, finalize_job, job_is_ours
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.jobsystem import created_key
+from boinc_dl.server.backends.boinc.submit import cancel_job
+from boinc_dl.server.common.errors import BoincDLError
 from tests.boinc.conftest import REPO, calls, fake_db, script_env
 
 
 def install_with(project, redis_url: str):
     """The project set up for boinc-dl with its daemons run by this Python, on ``redis_url``."""
     install(project.root, InstallOptions(redis_url=redis_url, gpu=False,
-                                         command=[sys.executable, "-m", "server.backends.boinc"]))
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
     return project
 
 
@@ -65,8 +65,8 @@ def test_exits_on_stop_daemons_file(installed) -> None:
 
 def test_refuses_to_start_without_redis_url(project) -> None:
     install(project.root, InstallOptions(gpu=False, run_db_tools=False,
-                                         command=[sys.executable, "-m", "server.backends.boinc"]))
-    p = subprocess.run([sys.executable, "-m", "server.backends.boinc", "work-generator", "--project", str(project.root),
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
+    p = subprocess.run([sys.executable, "-m", "boinc_dl.server.backends.boinc", "work-generator", "--project", str(project.root),
                         "--once"], cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "no Redis URL" in p.stderr
 
@@ -97,7 +97,7 @@ def test_finished_job_is_swept_and_cancel(installed, tiny_boinc_job) -> None:
     # the daemon sweeps a finished job again (late units), without error
     d = WorkGeneratorDaemon(installed, poll_s=0.1)
     assert d.one_pass() == 0
-    from server.backends.boinc.jobsystem import BoincJobSystem
+    from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 
     assert finalize_job(store, BoincJobSystem(installed, store.r)) == 0
 
@@ -154,11 +154,11 @@ def test_logs_once_what_in_its_redis_could_lose_merges(project, tmp_path, caplog
     at every reconnect) and works on."""
     import logging
 
-    from server.common.redis_server import EmbeddedRedis
+    from boinc_dl.server.common.redis_server import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "everysec", appendfsync="everysec") as srv:
         d = WorkGeneratorDaemon(install_with(project, srv.url), poll_s=0.1)
-        with caplog.at_level(logging.INFO, logger="server.backends.boinc.daemon"):
+        with caplog.at_level(logging.INFO, logger="boinc_dl.server.backends.boinc.daemon"):
             d.connect()
             d.r = None
             d.connect()

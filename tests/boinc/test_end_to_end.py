@@ -3,7 +3,7 @@
 The test plays BOINC: the work generator daemon creates workunits with the (fake)
 ``bin/create_work``; for each new workunit the test builds a slot directory with
 BOINC link files to the staged inputs and to the output locations, runs the app
-version's launcher there (which runs ``python -m client_app``), "uploads" the outputs
+version's launcher there (which runs ``python -m boinc_dl.client_app``), "uploads" the outputs
 into the upload hierarchy under BOINC's names, then calls the validator and the
 assimilator shims as script_validator/script_assimilator would.
 """
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.boinc import artifacts
-from server.backends.boinc.daemon import WorkGeneratorDaemon
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.project import dir_hier_path
-from server.backends.boinc.submit import submit_job
-from server.common.spec import parse_spec
-from server.common.store import JobStore, connect
+from boinc_dl.server.backends.boinc import artifacts
+from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.project import dir_hier_path
+from boinc_dl.server.backends.boinc.submit import submit_job
+from boinc_dl.server.common.spec import parse_spec
+from boinc_dl.server.common.store import JobStore, connect
 from tests.boinc.conftest import REPO, calls, fake_db, run_script, script_env
 
 
@@ -71,7 +71,7 @@ def install_with_wrapper(project, redis_url: str, tmp_path: Path, assimilators: 
     wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
     wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
     return install(project.root, InstallOptions(redis_url=redis_url, wrapper=wrapper, assimilators=assimilators,
-                                                command=[sys.executable, "-m", "server.backends.boinc"]))
+                                                command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
 
 
 def run_unit(project, wu: dict, validate: bool = True) -> list[str]:
@@ -158,7 +158,7 @@ def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
 def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     """MOP on BOINC (pull mode): at most one unit per model exists at a time, every model
     visits every partition once per epoch, partitions are shared sticky inputs."""
-    from server.common.workunit import parse_unit_name
+    from boinc_dl.server.common.workunit import parse_unit_name
 
     install_with_wrapper(project, redis_server.url, tmp_path)
     spec = parse_spec({

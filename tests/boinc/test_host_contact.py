@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.boinc.host_contact import (
+from boinc_dl.server.backends.boinc.host_contact import (
     DEFAULT_NEXT_RPC_DELAY_S,
     request_delay_s,
     requests_per_host_hour,
@@ -16,8 +16,8 @@ from server.backends.boinc.host_contact import (
     set_min_sendwork_interval,
     set_next_rpc_delay,
 )
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.project import BoincProjectError
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.project import BoincProjectError
 
 
 def _config(root: Path) -> dict[str, str]:

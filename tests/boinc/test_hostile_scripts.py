@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.scripts import copy_result
-from server.common.errors import ResultRejected
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.scripts import copy_result
+from boinc_dl.server.common.errors import ResultRejected
 from tests.boinc.conftest import make_result, run_script, script_env, tiny_fp
 from tests.hostile_corpus import gzip_bomb
 
@@ -22,7 +22,7 @@ N = tiny_fp().n_params
 @pytest.fixture
 def env(project, tiny_boinc_job, redis_server):
     install(project.root, InstallOptions(redis_url=redis_server.url, run_db_tools=False, gpu=False,
-                                         command=[sys.executable, "-m", "server.backends.boinc"]))
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
     store, spec = tiny_boinc_job
     return project, store, spec, script_env()
 

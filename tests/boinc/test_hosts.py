@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.base import JobSystem
-from server.backends.boinc.boincdb import HostRow
-from server.backends.boinc.hosts import (
+from boinc_dl.server.backends.base import JobSystem
+from boinc_dl.server.backends.boinc.boincdb import HostRow
+from boinc_dl.server.backends.boinc.hosts import (
     HostCensus,
     active_seconds,
     active_window,
     db_params,
 )
-from server.backends.boinc.project import BoincProject
+from boinc_dl.server.backends.boinc.project import BoincProject
 
 pymysql = pytest.importorskip("pymysql")
 DB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
@@ -107,8 +107,8 @@ class _Hosts(JobSystem):
 
 
 def test_vcasgd_window_follows_hosts_bounded_by_spec() -> None:
-    from server.common.spec import parse_spec
-    from server.work_generator.vcasgd import VCASGDWorkGenerator
+    from boinc_dl.server.common.spec import parse_spec
+    from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
     def window(live, spec_window=None, capacity=None, fixed=None):
         data = {"name": "w", "mode": "vcasgd", "model": "models:mlp", "dataset": {"name": "digits", "limit": 100},

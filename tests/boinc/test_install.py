@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.backends.boinc.install import InstallOptions, daemon_specs, install
-from server.backends.boinc.project import BoincProjectError
+from boinc_dl.server.backends.boinc.install import InstallOptions, daemon_specs, install
+from boinc_dl.server.backends.boinc.project import BoincProjectError
 from tests.boinc.conftest import REPO, calls, fake_db, script_env
 
 
@@ -40,7 +40,7 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     root = project.root
     original_config = (root / "config.xml").read_text()
     opts = InstallOptions(redis_url="redis://:pw@10.0.0.5:6379/0", assimilators=3, wrapper=wrapper,
-                          command=["/opt/bdl/bin/python", "-m", "server.backends.boinc"])
+                          command=["/opt/bdl/bin/python", "-m", "boinc_dl.server.backends.boinc"])
     rep = install(root, opts)
     assert rep.changes
     # daemons: ours added, every other one kept as it was
@@ -90,7 +90,7 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     assert [p.findtext("name") for p in pcs.findall("plan_class")] == ["bdl_nvidia"]
     assert (root / "templates/boincdl_in").is_file() and (root / "templates/boincdl_out").is_file()
     shim = (root / "bin/bdl_assimilate").read_text()
-    assert f"--project {root} -- \"$@\"" in shim and "/opt/bdl/bin/python -m server.backends.boinc assimilate" in shim
+    assert f"--project {root} -- \"$@\"" in shim and "/opt/bdl/bin/python -m boinc_dl.server.backends.boinc assimilate" in shim
     assert (root / "bin/bdl_assimilate").stat().st_mode & stat.S_IXUSR
     settings = root / "boinc-dl.yaml"
     assert yaml.safe_load(settings.read_text())["redis_url"] == "redis://:pw@10.0.0.5:6379/0"
@@ -98,7 +98,7 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     # second run: nothing changes, no tool runs again
     before = snapshot(root)
     n_calls = len(calls(root))
-    rep2 = install(root, InstallOptions(assimilators=3, command=["/opt/bdl/bin/python", "-m", "server.backends.boinc"]))
+    rep2 = install(root, InstallOptions(assimilators=3, command=["/opt/bdl/bin/python", "-m", "boinc_dl.server.backends.boinc"]))
     assert rep2.changes == []
     assert snapshot(root) == before
     assert len(calls(root)) == n_calls
@@ -175,7 +175,7 @@ def test_not_a_project(tmp_path) -> None:
 
 def test_cli_install(project, wrapper) -> None:
     env = script_env()
-    cmd = [sys.executable, "-m", "server.backends.boinc", "install", str(project.root), "--wrapper", str(wrapper),
+    cmd = [sys.executable, "-m", "boinc_dl.server.backends.boinc", "install", str(project.root), "--wrapper", str(wrapper),
            "--redis-url", "redis://localhost:6379/0", "--assimilators", "2"]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert p.returncode == 0, p.stderr
@@ -185,8 +185,8 @@ def test_cli_install(project, wrapper) -> None:
 
 
 def test_is_our_daemon() -> None:
-    from server.backends.boinc.install import is_our_daemon
-    from server.backends.boinc.xmlmerge import simple
+    from boinc_dl.server.backends.boinc.install import is_our_daemon
+    from boinc_dl.server.backends.boinc.xmlmerge import simple
 
     def d(cmd: str, out: str | None = None):
         return simple("daemon", [("cmd", cmd)] + ([("output", out)] if out else []))

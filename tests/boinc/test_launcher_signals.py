@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.boinc import artifacts
+from boinc_dl.server.backends.boinc import artifacts
 from tests.boinc.fake_wrapper import alive, descendants
 from tests.test_client_app import copy_inputs, make_unit
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from server.backends.boinc.script_entry import SCRIPT_COMMANDS, run_script
+from boinc_dl.server.backends.boinc.script_entry import SCRIPT_COMMANDS, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,10 +18,10 @@ PROBE = """
 import runpy, sys
 sys.argv = ["boinc", *sys.argv[1:]]
 try:
-    runpy.run_module("server.backends.boinc", run_name="__main__")
+    runpy.run_module("boinc_dl.server.backends.boinc", run_name="__main__")
 except SystemExit as e:
-    heavy = [m for m in ("typer", "click", "rich", "server.cli", "server.backends.boinc.daemon",
-                         "server.work_generator", "tensorflow", "keras") if m in sys.modules]
+    heavy = [m for m in ("typer", "click", "rich", "boinc_dl.server.cli", "boinc_dl.server.backends.boinc.daemon",
+                         "boinc_dl.server.work_generator", "tensorflow", "keras") if m in sys.modules]
     print("EXIT", e.code, "HEAVY", ",".join(heavy) or "-")
 """
 

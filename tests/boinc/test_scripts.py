@@ -11,15 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.scripts import (
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.scripts import (
     UNRESOLVED_KEY,
     parse_call,
     result_name_of,
     split_results,
     wu_name_of_result,
 )
-from server.common.store import JobStore, connect
+from boinc_dl.server.common.store import JobStore, connect
 from tests.boinc.conftest import make_result, run_script, script_env, tiny_fp
 
 N = tiny_fp().n_params
@@ -28,7 +28,7 @@ N = tiny_fp().n_params
 @pytest.fixture
 def env(project, tiny_boinc_job, redis_server):
     install(project.root, InstallOptions(redis_url=redis_server.url, run_db_tools=False, gpu=False,
-                                         command=[sys.executable, "-m", "server.backends.boinc"]))
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
     store, spec = tiny_boinc_job
     return project, store, spec, script_env()
 
@@ -281,7 +281,7 @@ def test_validate_compare(env) -> None:
     w0 = np.zeros(N)
     wi = project.job_dir(spec.name) / "files" / "w0.h5"
     wi.parent.mkdir(parents=True, exist_ok=True)
-    from server.common.weights import WeightsFile, write_weights
+    from boinc_dl.server.common.weights import WeightsFile, write_weights
 
     write_weights(wi, WeightsFile(w0.astype(np.float32), tiny_fp(), job=spec.name))
     info = store.unit_info(u)

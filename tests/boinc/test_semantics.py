@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server.backends.boinc.daemon import finalize_job
-from server.backends.boinc.install import InstallOptions, install
-from server.backends.boinc.jobsystem import BoincJobSystem, _Pending, issued_key
-from server.common.store import JobStore, connect
+from boinc_dl.server.backends.boinc.daemon import finalize_job
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, _Pending, issued_key
+from boinc_dl.server.common.store import JobStore, connect
 from tests.boinc import fake_server
 from tests.boinc.conftest import calls, make_result, run_script, script_env, seed_db_app
 from tests.boinc.test_backend import LIMITS, make_inputs, units_of
@@ -32,7 +32,7 @@ from tests.boinc.test_backend import LIMITS, make_inputs, units_of
 def job(db_project, tiny_boinc_job, redis_server):
     """A VC-ASGD job (re-issue ``fresh``, timeout 90 s) on the MariaDB-backed project."""
     install(db_project.root, InstallOptions(run_db_tools=False, gpu=False, redis_url=redis_server.url,
-                                            command=[sys.executable, "-m", "server.backends.boinc"]))
+                                            command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
     seed_db_app(db_project.root)
     store, spec = tiny_boinc_job
     return db_project, store, spec, connect(redis_server.url)
@@ -267,7 +267,7 @@ def wait_for(cond, timeout: float = 30.0):  # noqa: ANN001, ANN201
 def test_stop_then_start_brings_the_work_generator_back(db_project, redis_server) -> None:
     project = db_project
     install(project.root, InstallOptions(run_db_tools=False, gpu=False, redis_url=redis_server.url,
-                                         command=[sys.executable, "-m", "server.backends.boinc"]))
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
     env = script_env()
     subprocess.run(["bin/start"], cwd=project.root, env=env, check=True, timeout=30)
     first = wait_for(lambda: daemon_pid(project))
@@ -365,11 +365,11 @@ def test_fpops_estimate_keeps_queued_tasks_within_the_deadline(job) -> None:
 
 def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
     """``boinc-dl boinc restart``: stop, wait for the old daemon, start, check its lock."""
-    from server.backends.boinc.restart import lock_held, our_daemons
+    from boinc_dl.server.backends.boinc.restart import lock_held, our_daemons
 
     project = db_project
     install(project.root, InstallOptions(run_db_tools=False, gpu=False, redis_url=redis_server.url,
-                                         command=[sys.executable, "-m", "server.backends.boinc"]))
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
     # BOINC's own script_validator/script_assimilator binaries are not here: leave only ours
     text = project.config_xml.read_text().replace("<cmd>script_", "<disabled>1</disabled><cmd>script_")
     project.config_xml.write_text(text)
@@ -379,7 +379,7 @@ def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
     ((cmd, lock),) = our_daemons(project)
     assert cmd == "bdl_work_generator" and wait_for(lambda: lock_held(lock))
     try:
-        p = subprocess.run([sys.executable, "-m", "server.backends.boinc", "restart", "--project", str(project.root)],
+        p = subprocess.run([sys.executable, "-m", "boinc_dl.server.backends.boinc", "restart", "--project", str(project.root)],
                            env=env, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stdout + p.stderr
         assert "running: bdl_work_generator" in p.stdout
@@ -392,7 +392,7 @@ def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
 # ---- the read-only database module ---------------------------------------------------------
 
 def test_boincdb_is_read_only_and_bounded(db_project) -> None:
-    from server.backends.boinc.boincdb import BoincDB, BoincDBError, credentials
+    from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, credentials
 
     project = db_project
     now = int(time.time())

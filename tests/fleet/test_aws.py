@@ -11,14 +11,14 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
-from server.backends.boinc.jobsystem import BoincJobSystem, issued_key, live_key
-from server.common.store import JobStore, connect
-from server.common.workunit import unit_name
-from server.fleet.aws import AwsProvider, parse_event
-from server.fleet.boinchosts import BoincHosts
-from server.fleet.config import parse_config
-from server.fleet.controller import FleetController
-from server.fleet.provider import FleetShape
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, issued_key, live_key
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.workunit import unit_name
+from boinc_dl.server.fleet.aws import AwsProvider, parse_event
+from boinc_dl.server.fleet.boinchosts import BoincHosts
+from boinc_dl.server.fleet.config import parse_config
+from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.provider import FleetShape
 from tests.boinc.conftest import make_project, tiny_fp
 from tests.fleet.conftest import AMI, REGION, inject_spot_prices, make_fleet, put_interruptions
 
@@ -95,7 +95,7 @@ def test_reclaim_storm(aws_session, moto_url, boinc_db, redis_server, tmp_path) 
     """100 hosts x 2 units; 30% reclaimed within a simulated minute: the group is back at
     100 running, each lost unit is filed once and handed to the work generator once."""
     project = make_project(tmp_path / "project")
-    from server.backends.boinc.install import InstallOptions, install
+    from boinc_dl.server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     r = connect(redis_server.url)
@@ -176,7 +176,7 @@ def test_sizing_budget_and_fallback_back(aws_session, moto_url, boinc_db, redis_
 
     # the cloud refuses spot capacity: fallback; calm for hold_s: back (hysteresis)
     ctl.fallback.last_trouble = 0
-    from server.fleet.controller import decide
+    from boinc_dl.server.fleet.controller import decide
 
     assert ctl.provider._refusals() == []
     rep2 = decide(cfg, hosts_demand := ctl.hosts.demand(), 9, Decimal("0.2"), ctl.fallback, 0,
@@ -216,7 +216,7 @@ def test_spot_market_is_read_from_instance_lifecycle(aws_session, moto_url) -> N
       "aws": {"region": "r", "asg_name": "a", "queue_url": "q"}}, "budget: Extra inputs"),
 ])
 def test_config_errors_are_one_line_naming_the_field(bad, msg) -> None:
-    from server.fleet.config import FleetConfigError
+    from boinc_dl.server.fleet.config import FleetConfigError
 
     with pytest.raises(FleetConfigError) as e:
         parse_config(bad)
@@ -227,7 +227,7 @@ def test_config_errors_are_one_line_naming_the_field(bad, msg) -> None:
 def test_examples_are_valid(name) -> None:
     from pathlib import Path
 
-    from server.fleet.config import load_config
+    from boinc_dl.server.fleet.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "examples" / name)
     assert cfg.provider == name.split("-")[1].split(".")[0] and cfg.max_hosts >= 1

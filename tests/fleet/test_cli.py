@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from server.cli import app
-from server.common.store import connect
-from server.fleet.controller import STATUS_KEY
+from boinc_dl.server.cli import app
+from boinc_dl.server.common.store import connect
+from boinc_dl.server.fleet.controller import STATUS_KEY
 
 
 def test_watch_refuses_a_bad_config_in_one_line(tmp_path) -> None:

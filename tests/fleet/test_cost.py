@@ -11,14 +11,20 @@ from types import SimpleNamespace
 import numpy as np
 from typer.testing import CliRunner
 
-from server.common.store import JobStore, connect
-from server.common.workunit import unit_name
-from server.fleet.boinchosts import BoincHosts
-from server.fleet.config import parse_config
-from server.fleet.controller import FleetController
-from server.fleet.cost import cost_report
-from server.fleet.prices import ON_DEMAND_TABLE, StepPriceBook
-from server.fleet.provider import FleetShape, Instance, Interruption, Observation, PricePoint
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.common.workunit import unit_name
+from boinc_dl.server.fleet.boinchosts import BoincHosts
+from boinc_dl.server.fleet.config import parse_config
+from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.cost import cost_report
+from boinc_dl.server.fleet.prices import ON_DEMAND_TABLE, StepPriceBook
+from boinc_dl.server.fleet.provider import (
+    FleetShape,
+    Instance,
+    Interruption,
+    Observation,
+    PricePoint,
+)
 from tests.boinc.conftest import tiny_fp
 
 DAY0 = 1_795_000_000.0
@@ -135,11 +141,11 @@ def test_simulated_day_to_the_cent(redis_server, boinc_db) -> None:
     assert Decimal(40) < rep["saving_pct"] < Decimal(75)
     assert rep["reclaims"] == 0  # no reclaimed instance held a result of the job (no BOINC host)
 
-    out = CliRunner().invoke(__import__("server.cli", fromlist=["app"]).app,
+    out = CliRunner().invoke(__import__("boinc_dl.server.cli", fromlist=["app"]).app,
                              ["cost", "day", "--redis-url", redis_server.url])
     assert out.exit_code == 0, out.output
     assert f"{rep['total_usd']}" in out.output and "saved" in out.output
-    bad = CliRunner().invoke(__import__("server.cli", fromlist=["app"]).app,
+    bad = CliRunner().invoke(__import__("boinc_dl.server.cli", fromlist=["app"]).app,
                              ["cost", "nope", "--redis-url", redis_server.url])
     assert bad.exit_code != 0 and "no job named" in bad.output
 
@@ -147,10 +153,10 @@ def test_simulated_day_to_the_cent(redis_server, boinc_db) -> None:
 def test_step_price_book_and_split() -> None:
     book = StepPriceBook({"x.large": Decimal("1.00")})
     book.add_spot([PricePoint("x.large", "z", 100.0, Decimal("0.30")), PricePoint("x.large", "z", 200.0, Decimal("0.60"))])
-    from server.fleet.prices import cost_between
+    from boinc_dl.server.fleet.prices import cost_between
 
     assert cost_between(book, "x.large", "z", "spot", 150.0, 250.0) == Decimal("0.30") * 50 / 3600 + Decimal("0.60") * 50 / 3600
     assert cost_between(book, "x.large", "z", "on-demand", 0, 3600) == Decimal("1.00")
-    from server.fleet.cost import _split
+    from boinc_dl.server.fleet.cost import _split
 
     assert _split(10, {"a": 1, "b": 2}) == {"a": 3, "b": 7} and sum(_split(7, {"a": 1, "b": 1, "c": 1}).values()) == 7

@@ -10,13 +10,13 @@ from decimal import Decimal
 import pytest
 from google.auth.credentials import AnonymousCredentials
 
-from server.common.store import connect
-from server.fleet.boinchosts import BoincHosts
-from server.fleet.config import parse_config
-from server.fleet.controller import FleetController
-from server.fleet.gcp import GcpProvider
-from server.fleet.provider import FleetShape
-from server.fleet.reissue import REQUESTED_KEY
+from boinc_dl.server.common.store import connect
+from boinc_dl.server.fleet.boinchosts import BoincHosts
+from boinc_dl.server.fleet.config import parse_config
+from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.gcp import GcpProvider
+from boinc_dl.server.fleet.provider import FleetShape
+from boinc_dl.server.fleet.reissue import REQUESTED_KEY
 from tests.boinc.conftest import make_project
 from tests.fleet.gcp_standin import GcpStandin, World
 
@@ -103,7 +103,7 @@ def test_preemption_reissues_and_falls_back(gcp, boinc_db, redis_server, tmp_pat
     assert rep.on_demand_percent == 0 and (w.migs["bdl-spot"]["target"], w.migs["bdl-ondemand"]["target"]) == (4, 0)
     assert any("calm" in x for x in rep.reasons)
     # the preempted instance's time was charged at the SPOT price, the on-demand MIG's at list price
-    from server.fleet.cost import UNATTRIBUTED, cost_report
+    from boinc_dl.server.fleet.cost import UNATTRIBUTED, cost_report
 
     rep_job = cost_report(r, store.job)
     assert rep_job["total_usd"] > 0 and rep_job["reclaims"] == 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from server.fleet.prices import ON_DEMAND_TABLE, ON_DEMAND_TABLE_DATE, StepPriceBook
-from server.planner.prices import DEFAULT_TABLE, TablePriceBook
+from boinc_dl.server.fleet.prices import ON_DEMAND_TABLE, ON_DEMAND_TABLE_DATE, StepPriceBook
+from boinc_dl.server.planner.prices import DEFAULT_TABLE, TablePriceBook
 
 
 def test_on_demand_table_is_the_planners_digit_for_digit():

@@ -9,13 +9,13 @@ import time
 
 from google.auth.credentials import AnonymousCredentials
 
-from server.backends.boinc.daemon import WorkGeneratorDaemon
-from server.backends.boinc.submit import submit_job
-from server.common.spec import parse_spec
-from server.common.store import JobStore, connect
-from server.fleet.boinchosts import BoincHosts
-from server.fleet.controller import FleetController
-from server.fleet.gcp import GcpProvider
+from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
+from boinc_dl.server.backends.boinc.submit import submit_job
+from boinc_dl.server.common.spec import parse_spec
+from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.fleet.boinchosts import BoincHosts
+from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.gcp import GcpProvider
 from tests.boinc.conftest import REPO, calls, fake_db
 from tests.boinc.test_end_to_end import install_with_wrapper
 from tests.fleet.gcp_standin import GcpStandin, World

@@ -13,7 +13,7 @@
 * :mod:`.daemon` — the work generator daemon;
 * :mod:`.submit` — submit / cancel a job on a project.
 
-``python -m server.backends.boinc ...`` runs the ``boinc-dl boinc`` commands (the shims
+``python -m boinc_dl.server.backends.boinc ...`` runs the ``boinc-dl boinc`` commands (the shims
 in a project's ``bin/`` use it). Modules import each other in one direction:
 project <- xmlmerge <- artifacts <- install / jobsystem <- daemon <- submit; scripts
 uses project and jobsystem.

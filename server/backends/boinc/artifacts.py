@@ -24,8 +24,8 @@ import xml.etree.ElementTree as ET
 from importlib import resources
 from pathlib import Path
 
-from server.backends.boinc.project import APP_NAME
-from server.backends.boinc.xmlmerge import to_xml
+from boinc_dl.server.backends.boinc.project import APP_NAME
+from boinc_dl.server.backends.boinc.xmlmerge import to_xml
 
 #: Order of create_work's input files = order of <file_info>s in the input template.
 INPUT_ORDER = ("model.keras", "val.npz", "data.npz", "weights_in.h5", "wu.json")
@@ -46,7 +46,7 @@ CPU_PLATFORM = "x86_64-pc-linux-gnu"
 
 
 def _read(pkg_dir: str, name: str) -> str:
-    return resources.files("server.backends.boinc").joinpath(pkg_dir, name).read_text()
+    return resources.files("boinc_dl.server.backends.boinc").joinpath(pkg_dir, name).read_text()
 
 
 def input_template() -> str:

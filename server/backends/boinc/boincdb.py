@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.backends.boinc.project import BoincProject
-from server.common.errors import BoincDLError
+from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.common.errors import BoincDLError
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Declared in ``config.xml`` (``bin/start`` runs it from ``tmp_<host>`` with its o
 in ``log_<host>/bdl_work_generator.log``). Every pass it takes each running job of
 this project from Redis (submitted with ``boinc-dl submit --backend boinc``), lets the
 job's work generator close finished epochs and create units up to its window through
-:class:`~server.backends.boinc.BoincJobSystem`, then creates the batch with one
+:class:`~boinc_dl.server.backends.boinc.BoincJobSystem`, then creates the batch with one
 ``create_work --stdin`` call per job. It behaves like BOINC's own daemons: it exits
 when the project's ``stop_daemons`` file appears and on SIGHUP or SIGTERM, and it
 survives Redis or create_work failures (logged, retried next pass).
@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
-from server.backends.boinc.project import BoincProject
-from server.common.errors import BoincDLError, StoreUnavailable
-from server.common.spec import spec_from_json
-from server.common.store import JobStore, connect
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
+from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.common.errors import BoincDLError, StoreUnavailable
+from boinc_dl.server.common.spec import spec_from_json
+from boinc_dl.server.common.store import JobStore, connect
 
 log = logging.getLogger("boinc-dl.work_generator")
 
@@ -198,7 +198,7 @@ class WorkGeneratorDaemon:
         """Log, once per process, what in the Redis's persistence settings could lose
         merges (``boinc-dl redis check`` says the same): an admin's own Redis often runs
         without an AOF or with ``everysec``. Never fatal: the daemon works either way."""
-        from server.common.redis_persistence import check_persistence
+        from boinc_dl.server.common.redis_persistence import check_persistence
 
         try:
             findings = check_persistence(self.r)
@@ -211,8 +211,8 @@ class WorkGeneratorDaemon:
     def generator(self, store: JobStore, meta: dict[str, str]) -> Any:
         if store.job in self.gens:
             return self.gens[store.job]
-        from server.work_generator.mop_generator import MOPWorkGenerator
-        from server.work_generator.vcasgd import VCASGDWorkGenerator
+        from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator
+        from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
         spec = spec_from_json(store.spec_json())
         job_dir = Path(meta.get("job_dir") or self.project.job_dir(store.job))

@@ -60,8 +60,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from server.backends.boinc.project import BoincProjectError
-from server.backends.boinc.xmlmerge import XmlDoc, append_child, child_text, remove_child
+from boinc_dl.server.backends.boinc.project import BoincProjectError
+from boinc_dl.server.backends.boinc.xmlmerge import XmlDoc, append_child, child_text, remove_child
 
 #: Default ``<next_rpc_delay>`` set by ``boinc-dl boinc install`` (seconds).
 DEFAULT_NEXT_RPC_DELAY_S = 60.0

@@ -8,7 +8,7 @@ that reports a result in the same RPC as it asks for work finds its next unit al
 waiting instead of a "no tasks" reply (and a work-fetch backoff). The spec's
 ``vcasgd.window`` (or the project's ``capacity``) bounds the result.
 
-With ``<next_rpc_delay>`` set (:mod:`server.backends.boinc.host_contact`) every live host contacts
+With ``<next_rpc_delay>`` set (:mod:`boinc_dl.server.backends.boinc.host_contact`) every live host contacts
 the scheduler at least that often, so a host silent for three such periods is gone.
 """
 
@@ -18,8 +18,8 @@ import logging
 import time
 from collections.abc import Iterable
 
-from server.backends.boinc.boincdb import BoincDB, BoincDBError, HostRow, credentials
-from server.backends.boinc.project import BoincProject
+from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, HostRow, credentials
+from boinc_dl.server.backends.boinc.project import BoincProject
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def active_seconds(project: BoincProject) -> float:
 def db_params(project: BoincProject) -> dict[str, object] | None:
     """PyMySQL connection arguments from config.xml (``db_host[:port]``, ``db_port``,
     ``db_socket``, ``db_user``, ``db_passwd``, ``db_name``), as
-    :func:`~server.backends.boinc.boincdb.credentials` reads them; None when config.xml
+    :func:`~boinc_dl.server.backends.boinc.boincdb.credentials` reads them; None when config.xml
     names no database."""
     try:
         args: dict[str, object] = dict(credentials(project))
@@ -65,7 +65,7 @@ def db_params(project: BoincProject) -> dict[str, object] | None:
 
 def read_hosts(project: BoincProject, active_s: float) -> list[HostRow]:
     """Hosts of the project heard from within ``active_s`` seconds, through the read-only,
-    bounded :class:`~server.backends.boinc.boincdb.BoincDB`."""
+    bounded :class:`~boinc_dl.server.backends.boinc.boincdb.BoincDB`."""
     with BoincDB.connect(project, timeout_s=5.0) as db:
         return db.active_hosts(active_s)
 

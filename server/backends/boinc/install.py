@@ -20,7 +20,7 @@ What it does (each step reports what it changed; a second run changes nothing):
    work despite BOINC's work-fetch backoff), ``<maintenance_delay>`` and
    ``<min_sendwork_interval>`` (0: no ``request_delay`` between a host's scheduler
    requests, so finished tasks are reported promptly); see
-   :mod:`server.backends.boinc.host_contact`;
+   :mod:`boinc_dl.server.backends.boinc.host_contact`;
 10. ``bin/xadd`` and ``bin/update_versions`` when project.xml or the app versions
    changed (they need the database; ``--no-db`` skips them).
 
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import yaml
 
-from server.backends.boinc import artifacts
-from server.backends.boinc.host_contact import (
+from boinc_dl.server.backends.boinc import artifacts
+from boinc_dl.server.backends.boinc.host_contact import (
     DEFAULT_MAINTENANCE_DELAY_S,
     DEFAULT_MIN_SENDWORK_INTERVAL_S,
     DEFAULT_NEXT_RPC_DELAY_S,
@@ -51,8 +51,8 @@ from server.backends.boinc.host_contact import (
     set_min_sendwork_interval,
     set_next_rpc_delay,
 )
-from server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
-from server.backends.boinc.xmlmerge import (
+from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
+from boinc_dl.server.backends.boinc.xmlmerge import (
     XmlDoc,
     append_child,
     child_text,
@@ -61,7 +61,7 @@ from server.backends.boinc.xmlmerge import (
     same_element,
     simple,
 )
-from server.common.spec import UnitSpec
+from boinc_dl.server.common.spec import UnitSpec
 
 SHIMS = {
     "bdl_assimilate": "assimilate",
@@ -109,7 +109,7 @@ class InstallReport:
 
 def default_command() -> list[str]:
     """How shims start boinc-dl: this Python, module ``server.backends.boinc`` (works under cron)."""
-    return [sys.executable, "-m", "server.backends.boinc"]
+    return [sys.executable, "-m", "boinc_dl.server.backends.boinc"]
 
 
 def daemon_specs(n_assimilators: int, sleep_s: int | None = None) -> list[dict[str, str]]:
@@ -401,7 +401,7 @@ class Installer:
 
     def admin_page(self) -> None:
         try:
-            html = resources.files("server.backends.boinc").joinpath("html")
+            html = resources.files("boinc_dl.server.backends.boinc").joinpath("html")
             pages = [f for f in html.iterdir() if f.name.endswith(".php")] if html.is_dir() else []
         except (FileNotFoundError, NotADirectoryError):
             pages = []

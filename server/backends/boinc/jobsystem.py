@@ -23,7 +23,7 @@ Facts from BOINC's source that shape this driver (``tools/create_work.cpp``,
 Re-issue policy ``fresh`` (VC-ASGD's ``vcasgd.reissue``): BOINC itself only re-issues a
 lost result with the same inputs. For ``fresh`` this driver keeps, per unit, the name
 of its current workunit; a unit is lost only by BOINC's own account, read from its
-database (:mod:`server.backends.boinc.boincdb`): a *sent* result passed its report deadline
+database (:mod:`boinc_dl.server.backends.boinc.boincdb`): a *sent* result passed its report deadline
 (``report_deadline = sent_time + delay_bound``) or BOINC timed it out or saw it fail,
 and no result is back. A workunit still queued in BOINC is never late, and one whose
 result is back (waiting for the validator or the assimilator) is never regenerated.
@@ -67,15 +67,15 @@ from pathlib import Path
 
 import redis
 
-from server.backends.base import JobSystem, RetryLimits
-from server.backends.boinc import artifacts
-from server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
-from server.backends.boinc.hosts import HostCensus
-from server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
-from server.common.errors import BoincDLError
-from server.common.spec import JobSpec, spec_from_json
-from server.common.store import JobStore
-from server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit, parse_unit_name
+from boinc_dl.server.backends.base import JobSystem, RetryLimits
+from boinc_dl.server.backends.boinc import artifacts
+from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
+from boinc_dl.server.backends.boinc.hosts import HostCensus
+from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.spec import JobSpec, spec_from_json
+from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit, parse_unit_name
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from server.common.errors import BoincDLError
+from boinc_dl.server.common.errors import BoincDLError
 
 APP_NAME = "boincdl"
 SETTINGS_FILE = "boinc-dl.yaml"

@@ -19,10 +19,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.backends.boinc.install import is_our_daemon
-from server.backends.boinc.project import BoincProject
-from server.backends.boinc.xmlmerge import child_text
-from server.common.procs import pid_alive
+from boinc_dl.server.backends.boinc.install import is_our_daemon
+from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.backends.boinc.xmlmerge import child_text
+from boinc_dl.server.common.procs import pid_alive
 
 
 @dataclass

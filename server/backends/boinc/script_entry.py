@@ -5,7 +5,7 @@ validator's scripts) through ``system()`` once per result, so the interpreter's 
 is paid on every result, twice per unit (validate, then assimilate), between the
 client's report and the merge. This entry point parses the same options as
 ``boinc-dl boinc assimilate|validate-init|validate-compare`` with argparse and imports
-only :mod:`server.backends.boinc.scripts` (not Typer, the CLI package or the work
+only :mod:`boinc_dl.server.backends.boinc.scripts` (not Typer, the CLI package or the work
 generators). Options and exit codes are the same as the Typer commands'.
 """
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-#: command -> the kind :mod:`server.backends.boinc.scripts` knows it by
+#: command -> the kind :mod:`boinc_dl.server.backends.boinc.scripts` knows it by
 SCRIPT_COMMANDS = {"assimilate": "assimilate", "validate-init": "validate", "validate-compare": "compare"}
 
 
@@ -41,9 +41,9 @@ def run_script(command: str, argv: Sequence[str]) -> int:
     args, rest = _parser(command).parse_known_args(list(argv))
     if rest and rest[0] == "--":
         rest = rest[1:]
-    from server.backends.boinc import scripts
-    from server.backends.boinc.project import BoincProject, find_project
-    from server.common.errors import BoincDLError
+    from boinc_dl.server.backends.boinc import scripts
+    from boinc_dl.server.backends.boinc.project import BoincProject, find_project
+    from boinc_dl.server.common.errors import BoincDLError
 
     scripts.setup_logging(f"bdl_{kind}")
     try:

@@ -47,15 +47,20 @@ from typing import Any
 
 import numpy as np
 
-from server.backends.boinc.jobsystem import UNIT_DONE, forget_workunit, issued_key
-from server.backends.boinc.project import BoincProject
-from server.common import bounded
-from server.common.errors import ResultRejected, StoreUnavailable, UnknownJob, WeightsFormatError
-from server.common.paths import confined, is_safe_name
-from server.common.spec import JOB_NAME_RE
-from server.common.store import PREFIX, JobStore, connect
-from server.common.weights import read_weights
-from server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name, unit_name
+from boinc_dl.server.backends.boinc.jobsystem import UNIT_DONE, forget_workunit, issued_key
+from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.common import bounded
+from boinc_dl.server.common.errors import (
+    ResultRejected,
+    StoreUnavailable,
+    UnknownJob,
+    WeightsFormatError,
+)
+from boinc_dl.server.common.paths import confined, is_safe_name
+from boinc_dl.server.common.spec import JOB_NAME_RE
+from boinc_dl.server.common.store import PREFIX, JobStore, connect
+from boinc_dl.server.common.weights import read_weights
+from boinc_dl.server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name, unit_name
 
 log = logging.getLogger("boinc-dl.scripts")
 
@@ -382,9 +387,13 @@ def assimilate(project: BoincProject, argv: Sequence[str], tokens: Sequence[str]
 
 
 def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
-    from server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
-    from server.common.spec import spec_from_json
-    from server.validator.checks import unit_for_workunit
+    from boinc_dl.server.assimilator.core import (
+        AssimilationOutcome,
+        assimilate_error,
+        assimilate_files,
+    )
+    from boinc_dl.server.common.spec import spec_from_json
+    from boinc_dl.server.validator.checks import unit_for_workunit
 
     result = result_name_of(call.files[0])
     missing = check_files(call.files)
@@ -466,7 +475,7 @@ def _keep(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Pa
     results.mkdir(parents=True, exist_ok=True)
     dest = confined(results, unit)
     dest.mkdir(exist_ok=True)
-    from server.validator.checks import identify_files
+    from boinc_dl.server.validator.checks import identify_files
 
     try:
         files = identify_files(copies)
@@ -479,7 +488,7 @@ def _keep(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Pa
 
 
 def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
-    from server.assimilator.core import assimilate_error
+    from boinc_dl.server.assimilator.core import assimilate_error
 
     mask = int(call.error_mask or 0)
     wu = call.wu_name
@@ -521,7 +530,7 @@ def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
 def lookup_wu_name(project: BoincProject, wu_id: int) -> str | None:
     """A workunit's name from BOINC's database (read-only, credentials from config.xml);
     None when that is not possible."""
-    from server.backends.boinc.boincdb import BoincDB, BoincDBError
+    from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
 
     try:
         with BoincDB.connect(project) as db:
@@ -558,9 +567,9 @@ def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[s
 
 
 def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: ScriptCall) -> int:
-    from server.common.spec import spec_from_json
-    from server.validator import norms
-    from server.validator.checks import unit_for_workunit, validate_result
+    from boinc_dl.server.common.spec import spec_from_json
+    from boinc_dl.server.validator import norms
+    from boinc_dl.server.validator.checks import unit_for_workunit, validate_result
 
     result = result_name_of(paths[0])
     missing = check_files(paths)
@@ -628,8 +637,8 @@ def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequenc
 
 
 def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: ScriptCall) -> int:
-    from server.common.spec import spec_from_json
-    from server.validator.checks import identify_files, unit_for_workunit
+    from boinc_dl.server.common.spec import spec_from_json
+    from boinc_dl.server.validator.checks import identify_files, unit_for_workunit
 
     idents = {_identity(ScriptCall(), g) for g in groups}
     job, wu = idents.pop() if len(idents) == 1 else ("", "")

@@ -12,12 +12,12 @@ import logging
 import time
 from pathlib import Path
 
-from server.backends.boinc.daemon import FINISHED, finalize_job
-from server.backends.boinc.jobsystem import BoincJobSystem
-from server.backends.boinc.project import BoincProject
-from server.common.errors import BoincDLError
-from server.common.spec import JobSpec
-from server.common.store import JobStore, connect
+from boinc_dl.server.backends.boinc.daemon import FINISHED, finalize_job
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
+from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.store import JobStore, connect
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def submit_job(spec: JobSpec, project_dir: str | Path, resume: bool = False,
                search_path: Path | None = None) -> Path:
     """Prepare ``spec`` for the BOINC project at ``project_dir``; returns the job directory."""
-    from server.work_generator.prepare import prepare_job
+    from boinc_dl.server.work_generator.prepare import prepare_job
 
     project = BoincProject(project_dir).require()
     if not (project.root / "templates" / "boincdl_in").is_file():

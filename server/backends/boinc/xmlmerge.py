@@ -14,7 +14,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.backends.boinc.project import BoincProjectError
+from boinc_dl.server.backends.boinc.project import BoincProjectError
 
 _DECL = re.compile(r"^\s*<\?xml[^>]*\?>\s*")
 _EMPTY = re.compile(r"<([A-Za-z_][^<>!?]*?) />")

@@ -7,8 +7,8 @@
 * :mod:`.preemption` — simulated spot reclaims (kills, notices, crashes).
 """
 
-from server.backends.local.assimilators import assimilate_guarded
-from server.backends.local.jobsystem import PREEMPT_MODES, LocalJobSystem
-from server.backends.local.units import REISSUE_POLICIES
+from boinc_dl.server.backends.local.assimilators import assimilate_guarded
+from boinc_dl.server.backends.local.jobsystem import PREEMPT_MODES, LocalJobSystem
+from boinc_dl.server.backends.local.units import REISSUE_POLICIES
 
 __all__ = ["PREEMPT_MODES", "REISSUE_POLICIES", "LocalJobSystem", "assimilate_guarded"]

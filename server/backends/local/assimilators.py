@@ -10,14 +10,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.backends.local.slots import (
+from boinc_dl.server.backends.local.slots import (
     _FAST_DEATH_S,
     _FAST_DEATHS_FREE,
     _exit_with,
     _inbox,
     _respawn_delay,
 )
-from server.backends.local.units import _Unit
+from boinc_dl.server.backends.local.units import _Unit
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,12 @@ def assimilate_guarded(store: Any, spec: Any, kind: str, result: str, unit: str,
     provokes — a bug, a reader error no check foresaw — becomes a rejection with its
     reason recorded, never a dead daemon.
     """
-    from server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
-    from server.common.errors import StoreUnavailable
+    from boinc_dl.server.assimilator.core import (
+        AssimilationOutcome,
+        assimilate_error,
+        assimilate_files,
+    )
+    from boinc_dl.server.common.errors import StoreUnavailable
 
     try:
         if kind == "quarantine":
@@ -66,9 +70,9 @@ def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: in
     """One parameter-server process: validate + merge each result it is handed, then ack."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with(owner)
-    from server.common.errors import StoreUnavailable
-    from server.common.spec import spec_from_json
-    from server.common.store import JobStore, connect
+    from boinc_dl.server.common.errors import StoreUnavailable
+    from boinc_dl.server.common.spec import spec_from_json
+    from boinc_dl.server.common.store import JobStore, connect
 
     store: JobStore | None = None
     spec = None
@@ -134,7 +138,7 @@ class _Assimilator:
 class AssimilatorPool:
     """LocalJobSystem's assimilator side: spawn, feed and restart the assimilator processes.
 
-    A mixin of :class:`~server.backends.local.jobsystem.LocalJobSystem`, whose
+    A mixin of :class:`~boinc_dl.server.backends.local.jobsystem.LocalJobSystem`, whose
     ``__init__`` sets the state it uses."""
 
     def _spawn_assimilator(self, a: _Assimilator) -> None:

@@ -72,12 +72,12 @@ from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
-from server.backends.base import JobSystem, RetryLimits
-from server.backends.local.assimilators import AssimilatorPool, _Assimilator
-from server.backends.local.preemption import SimulatedPreemption
-from server.backends.local.slots import SlotPool, _Slot
-from server.backends.local.units import UnitBook, _Instance, _Unit
-from server.common.workunit import DATA, Workunit
+from boinc_dl.server.backends.base import JobSystem, RetryLimits
+from boinc_dl.server.backends.local.assimilators import AssimilatorPool, _Assimilator
+from boinc_dl.server.backends.local.preemption import SimulatedPreemption
+from boinc_dl.server.backends.local.slots import SlotPool, _Slot
+from boinc_dl.server.backends.local.units import UnitBook, _Instance, _Unit
+from boinc_dl.server.common.workunit import DATA, Workunit
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.capacity = workers * slots
         self.rng = random.Random(seed)
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["client_app.train", "tensorflow", "h5py", "numpy"])
+        self.ctx.set_forkserver_preload(["boinc_dl.client_app.train", "tensorflow", "h5py", "numpy"])
         self.assims: list[_Assimilator] = []
         self.slots: list[_Slot] = []
         self.units: dict[str, _Unit] = {}
@@ -162,7 +162,7 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         traceback, go there instead of the run's console."""
         from multiprocessing import forkserver
 
-        from server.common.tf_env import quiet_env, stdio_to
+        from boinc_dl.server.common.tf_env import quiet_env, stdio_to
 
         quiet_env()
         with stdio_to(self.log_file):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from server.backends.local.slots import _Slot, _slot_paths
+from boinc_dl.server.backends.local.slots import _Slot, _slot_paths
 
 
 class SimulatedPreemption:
     """LocalJobSystem's simulated spot reclaims: kills, notices and crashes of slots.
 
-    A mixin of :class:`~server.backends.local.jobsystem.LocalJobSystem`, whose
+    A mixin of :class:`~boinc_dl.server.backends.local.jobsystem.LocalJobSystem`, whose
     ``__init__`` sets the state it uses."""
 
     def crash_slot(self, host: int, slot: int, restart: bool = False) -> None:

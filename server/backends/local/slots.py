@@ -15,7 +15,7 @@ from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
-from server.common.workunit import (
+from boinc_dl.server.common.workunit import (
     METRICS,
     OUTPUT_NAMES,
     WEIGHTS_IN,
@@ -55,7 +55,7 @@ def _synthetic_unit(slot_dir: Path, seconds: float, should_stop: Callable[[], bo
     """
     import numpy as np
 
-    from server.common.weights import WeightsFile, read_weights, write_weights
+    from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weights
 
     t0 = time.monotonic()
     wu = Workunit.load(slot_dir / WU_JSON)
@@ -128,11 +128,11 @@ def _slot_main(host: int, slot: int, conn: Any, base: str, threads: int, synthet
     _exit_with(owner)
     os.environ["BDL_THREADS"] = str(threads)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from client_app.preemption import start_watcher
+    from boinc_dl.client_app.preemption import start_watcher
 
     cache: Any = None
     if synthetic_s is None:
-        from client_app.train import ModelCache, run_unit
+        from boinc_dl.client_app.train import ModelCache, run_unit
 
         cache = ModelCache(max_models=64)  # MOP models hop across slots: keep their traced steps
     slot_dir, notice_file = _slot_paths(Path(base), host, slot)
@@ -203,7 +203,7 @@ class _Slot:
 class SlotPool:
     """LocalJobSystem's slot side: spawn, drain and restart the slot processes.
 
-    A mixin of :class:`~server.backends.local.jobsystem.LocalJobSystem`, whose
+    A mixin of :class:`~boinc_dl.server.backends.local.jobsystem.LocalJobSystem`, whose
     ``__init__`` sets the state it uses."""
 
     def _spawn(self, slot: _Slot) -> None:

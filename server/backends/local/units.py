@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.backends.base import RetryLimits
-from server.common.workunit import Workunit
+from boinc_dl.server.backends.base import RetryLimits
+from boinc_dl.server.common.workunit import Workunit
 
 REISSUE_POLICIES = ("same", "fresh")
 
@@ -47,7 +47,7 @@ class _Unit:
 class UnitBook:
     """LocalJobSystem's unit bookkeeping: instances, deadlines, re-issue and regeneration.
 
-    A mixin of :class:`~server.backends.local.jobsystem.LocalJobSystem`, whose
+    A mixin of :class:`~boinc_dl.server.backends.local.jobsystem.LocalJobSystem`, whose
     ``__init__`` sets the state it uses."""
 
     def set_reissue_policy(self, policy: str) -> None:

@@ -5,7 +5,7 @@
   JSON-serialisable state; :mod:`.matching` its batch matching, :mod:`.assignment` what it
   hands out and the default partition placement.
 * :mod:`.search` -- configurations, grid/random sampling of a search space (its grammar is
-  :mod:`server.common.space`) and :class:`SearchProcedure`, the epoch-boundary template;
+  :mod:`boinc_dl.server.common.space`) and :class:`SearchProcedure`, the epoch-boundary template;
 * :mod:`.procedures` -- the AutoML procedures behind it (grid, random, successive halving,
   Hyperband, PBT) and :func:`make_search`.
 * :mod:`.simulate` -- discrete-event simulation of schedules, invariant checker, lower bound.
@@ -14,7 +14,7 @@
 Pure Python + numpy; ``highspy`` is only needed by :mod:`.milp`.
 """
 
-from server.common.space import parse_space
+from boinc_dl.server.common.space import parse_space
 
 from .assignment import Assignment, SchedulerError, round_robin_availability
 from .procedures import PBT, GridSearch, Hyperband, RandomSearch, SuccessiveHalving, make_search

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from server.common.errors import BoincDLError
+from boinc_dl.server.common.errors import BoincDLError
 
 
 class SchedulerError(BoincDLError):

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.common.errors import SpecError
-from server.common.space import parse_space
-from server.work_generator.mop.search import (
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.common.space import parse_space
+from boinc_dl.server.work_generator.mop.search import (
     DEFAULT_METRIC,
     Config,
     Decision,

@@ -105,11 +105,11 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 
-from server.work_generator.mop.assignment import (
+from boinc_dl.server.work_generator.mop.assignment import (
     Assignment,
     SchedulerError,
 )
-from server.work_generator.mop.matching import match_batch
+from boinc_dl.server.work_generator.mop.matching import match_batch
 
 STATE_FORMAT = 1
 POLICIES = ("random", "random-matching", "fifo")

@@ -20,12 +20,12 @@ Procedures are deterministic given their seed and the results fed to them: a res
 generator rebuilds one with the same arguments and :meth:`SearchProcedure.replay` s the
 recorded per-epoch results to reach the same state.
 
-Search spaces (grammar and validation in :mod:`server.common.space`) are dicts
+Search spaces (grammar and validation in :mod:`boinc_dl.server.common.space`) are dicts
 ``name -> values``. A list means a finite set of choices (grid
 search takes the Cartesian product of the lists). Random search and PBT also accept
 distributions: ``{"uniform": [a, b]}``, ``{"loguniform": [a, b]}`` (a > 0) and
 ``{"randint": [a, b]}`` (integers, both ends included). Malformed spaces raise
-:class:`~server.common.errors.SpecError` naming the offending key.
+:class:`~boinc_dl.server.common.errors.SpecError` naming the offending key.
 
 Procedures: :class:`GridSearch`, :class:`RandomSearch`, :class:`SuccessiveHalving`,
 :class:`Hyperband` (brackets trained together in one S -- more models to hop, which MOP
@@ -46,8 +46,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from server.common.errors import SpecError
-from server.common.space import canonical_json, parse_space
+from boinc_dl.server.common.errors import SpecError
+from boinc_dl.server.common.space import canonical_json, parse_space
 
 DEFAULT_METRIC = "val_acc"
 

@@ -27,4 +27,4 @@ fi
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 BDL_PARENT_PID=$PPID
 export BDL_PARENT_PID
-exec "$PY" -m client_app --slot "$PWD" "$@"
+exec "$PY" -m boinc_dl.client_app --slot "$PWD" "$@"
