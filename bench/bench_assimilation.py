@@ -27,10 +27,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, median  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import assimilate_files  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights  # noqa: E402
 
 PAPER_REDIS_S = 0.87

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit  # noqa: E402
-from boinc_dl.server.faults.workfetch_sim import MOPGenerator, VCASGDGenerator, simulate  # noqa: E402
+from tests.support.workfetch_sim import MOPGenerator, VCASGDGenerator, simulate  # noqa: E402
 
 
 def mop(hosts: int, pipelined: bool, delay: float, unit_s: float, seeds: int) -> dict[str, float]:

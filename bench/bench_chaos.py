@@ -39,12 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, machine  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import JobSpec, load_spec  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
-from boinc_dl.server.faults.audit import audit_job  # noqa: E402
-from boinc_dl.server.faults.chaos import ChaosMonkey, ChaosPlan  # noqa: E402
 from boinc_dl.server.work_generator.prepare import n_shards  # noqa: E402
+from tests.support.audit import audit_job  # noqa: E402
+from tests.support.chaos import ChaosMonkey, ChaosPlan  # noqa: E402
 
 PLAN = ChaosPlan(kill_assimilators_at=[0.25, 0.6], restart_redis_at=[0.4], redis_down_s=1.0)
 

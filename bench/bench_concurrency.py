@@ -38,10 +38,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit  # noqa: E402
+from boinc_dl.server.assimilator import shards as sh  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into  # noqa: E402
-from boinc_dl.server.common import shards as sh  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis, LocalRedisCluster  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.weights import fingerprint_of  # noqa: E402
 
 ALPHA = 0.99

@@ -48,10 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, machine  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
-from boinc_dl.server.faults.audit import audit_job  # noqa: E402
-from boinc_dl.server.faults.harness import run_headless, small_spec  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
+from tests.support.audit import audit_job  # noqa: E402
+from tests.support.harness import run_headless, small_spec  # noqa: E402
 
 HOSTS, SLOTS = 4, 2
 

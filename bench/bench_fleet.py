@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
 
 from bench._common import emit, machine  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, issued_key, reissue_now_key  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
-from boinc_dl.server.common.store import connect  # noqa: E402
 from boinc_dl.server.fleet.aws import AwsProvider  # noqa: E402
 from boinc_dl.server.fleet.boinchosts import BoincHosts  # noqa: E402
 from boinc_dl.server.fleet.controller import FleetController  # noqa: E402
@@ -185,7 +185,7 @@ def cost_day(r) -> dict:
         db = BoincDB(Path(d) / "b.sqlite")
         import numpy as np
 
-        from boinc_dl.server.common.store import JobStore
+        from boinc_dl.server.assimilator.store import JobStore
         from boinc_dl.server.common.workunit import unit_name
         from tests.boinc.conftest import tiny_fp
         from tests.conftest import tiny_spec

@@ -30,9 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import emit  # noqa: E402
 from bench.bench_assimilation import resnet_like_shapes  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
 from boinc_dl.server.common.weights import fingerprint_of  # noqa: E402
 from tests.hostile_corpus import ATTACKS, valid  # noqa: E402
 
@@ -41,7 +42,8 @@ from tests.hostile_corpus import ATTACKS, valid  # noqa: E402
 PROBE = r"""
 import json, sys, time, tracemalloc
 from boinc_dl.server.common.errors import ResultRejected
-from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.validator.checks import validate_result
 url, job, unit, path, bound = sys.argv[1:6]
 store = JobStore(connect(url), job)

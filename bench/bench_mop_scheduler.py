@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from boinc_dl.server.work_generator.mop.milp import solve_milp  # noqa: E402
 from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler  # noqa: E402
-from boinc_dl.server.work_generator.mop.simulate import (  # noqa: E402
+from tests.support.mop_milp import solve_milp  # noqa: E402
+from tests.support.mop_simulate import (  # noqa: E402
     Failure,
     Instance,
     check_trace,

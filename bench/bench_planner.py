@@ -45,11 +45,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, machine  # noqa: E402
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
-from boinc_dl.server.faults.harness import run_headless, small_spec  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.planner.model import Config, HostType, ServerCosts, Workload, closed_form  # noqa: E402
 from boinc_dl.server.planner.sim import simulate  # noqa: E402
+from tests.support.harness import run_headless, small_spec  # noqa: E402
 
 SIZES = {"small": 16, "large": 66303}  # MLP hidden units: 1,210 and 4,972,735 parameters
 PARAMS = {"small": 64 * 16 + 16 + 16 * 10 + 10, "large": 64 * 66303 + 66303 + 66303 * 10 + 10}
@@ -143,7 +144,7 @@ def measure_commit_s(work: Path, size: str, repeats: int = 16) -> float:
     merge it serves one at a time: the shards' ``SET``s in one ``MULTI``/``EXEC`` into a
     Redis with the local backend's settings (append-only file on), read from the Redis
     process's own CPU time (the client's packing and waiting are not Redis' work)."""
-    from boinc_dl.server.common.shards import ShardLayout, shards_for
+    from boinc_dl.server.assimilator.shards import ShardLayout, shards_for
 
     n = PARAMS[size]
     flat = np.random.default_rng(0).standard_normal(n).astype(np.float32)

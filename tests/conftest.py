@@ -12,9 +12,10 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("BDL_THREADS", "1")
 
-from boinc_dl.server.common.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec  # noqa: E402
-from boinc_dl.server.common.store import JobStore, connect  # noqa: E402
 from boinc_dl.server.common.weights import Fingerprint, fingerprint_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

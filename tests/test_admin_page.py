@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import redis
 
-from boinc_dl.server.common.redis_server import EmbeddedRedis
-from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
 from boinc_dl.server.common.workunit import unit_name
 

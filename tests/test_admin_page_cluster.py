@@ -28,9 +28,9 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from boinc_dl.server.common.cluster import cluster_nodes
-from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster
-from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.assimilator.connection import cluster_nodes, connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis, LocalRedisCluster
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
 from boinc_dl.server.fleet.cost import summary_key
 from tests.test_admin_page import (

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import redis
 
-from boinc_dl.server.common.aof_sync import AofSyncer, aof_files
-from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.aof_sync import AofSyncer, aof_files
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 
 
 def test_finds_both_aof_layouts(tmp_path: Path) -> None:
@@ -38,7 +38,7 @@ def test_syncs_every_interval_and_once_more_on_stop(tmp_path: Path) -> None:
 
 def test_a_file_removed_by_a_rewrite_is_skipped(tmp_path: Path, monkeypatch) -> None:
     gone = tmp_path / "appendonly.aof"
-    monkeypatch.setattr("boinc_dl.server.common.aof_sync.aof_files", lambda d: [gone])  # listed, then removed
+    monkeypatch.setattr("boinc_dl.server.assimilator.aof_sync.aof_files", lambda d: [gone])  # listed, then removed
     assert AofSyncer(tmp_path).sync_once() == 0
 
 

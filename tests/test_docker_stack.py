@@ -26,9 +26,9 @@ import pytest
 import redis
 import yaml
 
-from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import parse_spec, spec_to_json
-from boinc_dl.server.common.store import JobStore
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 from boinc_dl.server.common.workunit import unit_name
 
@@ -537,7 +537,7 @@ def test_shell_scripts_are_posix_and_clean() -> None:
 
 def test_redis_config_loads_with_password_and_aof(tmp_path: Path) -> None:
     """The stack's redis.conf, started by a real redis-server with the auth include."""
-    from boinc_dl.server.common.redis_server import redis_binary
+    from boinc_dl.server.assimilator.redis_server import redis_binary
 
     conf = (DOCKER / "redis" / "redis.conf").read_text()
     assert re.search(r"^appendonly yes$", conf, re.M) and re.search(r"^appendfsync no$", conf, re.M)

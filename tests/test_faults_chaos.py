@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from boinc_dl.server.common.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import load_spec
-from boinc_dl.server.common.store import JobStore, connect
-from boinc_dl.server.faults.audit import audit_job
-from boinc_dl.server.faults.chaos import ChaosMonkey, ChaosPlan
 from boinc_dl.server.run import run_job
+from tests.support.audit import audit_job
+from tests.support.chaos import ChaosMonkey, ChaosPlan
 
 from .conftest import REPO
 

@@ -22,11 +22,12 @@ import pytest
 
 from boinc_dl.client_app.checkpoint import CKPT_H5, CKPT_JSON
 from boinc_dl.client_app.train import PROGRESS_JSON
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
-from boinc_dl.server.common.store import JobStore, connect
-from boinc_dl.server.faults.audit import audit_job
-from boinc_dl.server.faults.harness import run_headless, small_spec
 from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
+from tests.support.audit import audit_job
+from tests.support.harness import run_headless, small_spec
 
 from .conftest import REPO
 

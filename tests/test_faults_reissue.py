@@ -13,15 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import assimilate_files
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit
-from boinc_dl.server.faults.audit import audit_job
-from boinc_dl.server.faults.harness import run_headless, small_spec
 from boinc_dl.server.work_generator.prepare import prepare_job
 from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
+from tests.support.audit import audit_job
+from tests.support.harness import run_headless, small_spec
 
 from .conftest import REPO
 

@@ -25,16 +25,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.workunit import unit_name
-from boinc_dl.server.faults.audit import audit_job
-from boinc_dl.server.faults.chaos import ChaosMonkey, ChaosPlan
-from boinc_dl.server.faults.harness import run_headless, small_spec
 from boinc_dl.server.run import run_job
 from boinc_dl.server.run.status import job_status
 from boinc_dl.server.work_generator.prepare import prepare_job
 from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
+from tests.support.audit import audit_job
+from tests.support.chaos import ChaosMonkey, ChaosPlan
+from tests.support.harness import run_headless, small_spec
 
 from .conftest import REPO
 

@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 import redis
 
+from boinc_dl.server.assimilator import shards as sh
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into
-from boinc_dl.server.common import shards as sh
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import StoreUnavailable
-from boinc_dl.server.common.redis_server import EmbeddedRedis
-from boinc_dl.server.common.store import JobStore, connect
-from boinc_dl.server.faults.audit import audit_job
-from boinc_dl.server.faults.proxy import FaultyProxy
+from tests.support.audit import audit_job
+from tests.support.proxy import FaultyProxy
 
 from .conftest import tiny_fingerprint, tiny_spec
 

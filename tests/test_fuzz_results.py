@@ -33,11 +33,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import assimilate_files
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import assimilate_guarded
 from boinc_dl.server.common.errors import ResultRejected
-from boinc_dl.server.common.redis_server import EmbeddedRedis
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.weights import FORMAT, WeightsFile, write_weights
 from boinc_dl.server.validator.checks import validate_result
 

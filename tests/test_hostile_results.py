@@ -26,15 +26,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from boinc_dl.server.assimilator import norms
 from boinc_dl.server.assimilator.core import assimilate_error, assimilate_files
 from boinc_dl.server.backends.local import assimilate_guarded
 from boinc_dl.server.common import bounded
 from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
 from boinc_dl.server.common.paths import check_name, confined, is_safe_name
 from boinc_dl.server.common.weights import WeightsFile, read_header, read_weights, write_weights
-from boinc_dl.server.faults.audit import audit_job
-from boinc_dl.server.validator import norms
 from boinc_dl.server.validator.checks import read_metrics, validate_result
+from tests.support.audit import audit_job
 
 from .conftest import REPO, tiny_fingerprint
 from .hostile_corpus import (

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.workunit import unit_name
-from boinc_dl.server.faults.harness import run_headless, small_spec
 from boinc_dl.server.run import run_job
+from tests.support.harness import run_headless, small_spec
 
 from .conftest import REPO
 

@@ -99,7 +99,8 @@ def test_grid_job_pipelines_epochs_on_the_local_backend(tmp_path, redis_server) 
     results, visits and the leaderboard are complete."""
     import json
 
-    from boinc_dl.server.common.store import JobStore, connect
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.store import JobStore
     from boinc_dl.server.run import run_job
     from boinc_dl.server.run.mop import leaderboard
     from tests.test_mop_run import _spec
@@ -137,7 +138,8 @@ def test_restart_from_a_barrier_state_catches_up(tmp_path, redis_server, monkeyp
     finished their epoch are evaluated and go on at once instead of waiting forever."""
     import json
 
-    from boinc_dl.server.common.store import JobStore, connect
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.store import JobStore
     from boinc_dl.server.work_generator.mop.procedures import GridSearch
     from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator
     from boinc_dl.server.work_generator.prepare import prepare_job

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import SpecError
 from boinc_dl.server.common.spec import parse_spec
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.weights import OptimizerState
 from boinc_dl.server.run import run_job
-from boinc_dl.server.work_generator.mop_replay import replay_model
+from tests.support.mop_replay import replay_model
 
 from .conftest import REPO
 

@@ -17,12 +17,12 @@ from boinc_dl.server.work_generator.mop import (
     SchedulerError,
     round_robin_availability,
 )
-from boinc_dl.server.work_generator.mop.milp import (
+from tests.support.mop_milp import (
     exhaustive_makespan,
     schedule_makespan,
     solve_milp,
 )
-from boinc_dl.server.work_generator.mop.simulate import (
+from tests.support.mop_simulate import (
     Failure,
     Instance,
     InvariantViolation,

@@ -353,7 +353,7 @@ def test_cli_plan_end_to_end(tmp_path):
 # ---- local backend knob ---------------------------------------------------------------------
 
 def test_local_backend_runs_per_host_synthetic_unit_times(redis_server, tmp_path):
-    from boinc_dl.server.faults.harness import run_headless, small_spec
+    from tests.support.harness import run_headless, small_spec
 
     spec = small_spec("perhost", training={"epochs": 1}, vcasgd={"n_subsets": 6},
                       backend={"local": {"workers": 2, "slots": 1, "assimilators": 1}})

@@ -12,16 +12,16 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from boinc_dl.server.cli import app
-from boinc_dl.server.common.redis_persistence import (
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.persistence import (
     RECOMMENDED,
     check_node,
     check_persistence,
     findings,
     read_settings,
 )
-from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster
-from boinc_dl.server.common.store import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis, LocalRedisCluster
+from boinc_dl.server.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import cluster_nodes, connect, is_cluster_url
 from boinc_dl.server.assimilator.core import merge_into
-from boinc_dl.server.common.cluster import cluster_nodes, is_cluster_url
-from boinc_dl.server.common.redis_server import EmbeddedRedis, LocalRedisCluster
-from boinc_dl.server.common.shards import ShardLayout, shards_for
-from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis, LocalRedisCluster
+from boinc_dl.server.assimilator.shards import ShardLayout, shards_for
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
-from boinc_dl.server.faults.audit import audit_job
+from tests.support.audit import audit_job
 
 N = 2000            # parameters of the test model
 SHARD_BYTES = "800"  # -> 10 shards of 200 float32
@@ -99,9 +99,11 @@ def _merge_ones(st: JobStore, unit: str) -> None:
 
 def _merger(url: str, job: str, units: list[str], alpha: float, strict: bool, acks: mp.Queue | None = None,
             kill_after: int | None = None) -> None:
-    if kill_after is not None:
-        os.environ["BDL_FAULT_KILL_AFTER_SHARDS"] = str(kill_after)
-    store = JobStore(connect(url, wait_s=30), job, retry_s=30)
+    def crash(n: int) -> None:  # a real crash right after the k-th shard's commit: no reply, no cleanup
+        if kill_after is not None and n >= kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    store = JobStore(connect(url, wait_s=30), job, retry_s=30, on_shard_applied=crash)
     wc = np.ones(N, np.float32)
     for u in units:
         out = store.merge("0", u, lambda ws, sl: merge_into(ws, wc[sl], alpha), {}, epoch=1, strict=strict)

@@ -7,8 +7,9 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into
-from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.assimilator.store import JobStore
 
 
 def test_merge_arithmetic_and_idempotency(tiny_job) -> None:

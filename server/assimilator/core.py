@@ -5,31 +5,29 @@ weights (a = 0). The merge is numpy on one flat float32 buffer: no TensorFlow he
 The weights are sharded: the merge applies shard by shard, each shard's update
 committed with its "unit applied" mark, and the unit's global mark once every shard
 has it (``JobStore.merge``). Each call is idempotent, so BOINC's at-least-once calls
-and a late original result of a re-issued unit never merge twice.
+and a late original result of a re-issued unit never merge twice. Results reach this
+module only through :mod:`boinc_dl.server.assimilator.framework`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.common.errors import ResultRejected
-from boinc_dl.server.common.spec import JobSpec, spec_from_json
-from boinc_dl.server.common.store import JobStore
-from boinc_dl.server.validator import norms
-from boinc_dl.server.validator.checks import ValidResult, unit_for_workunit, validate_result
+from boinc_dl.server.assimilator import norms
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.validator.checks import ValidResult
 
 
 @dataclass
 class AssimilationOutcome:
     """What happened to one result: merged, duplicate or rejected (with reason)."""
 
-    status: str  # "merged" | "duplicate" | "rejected" | "failed"
+    status: str  # "merged" | "duplicate" | "rejected" | "failed" | "late" | "ignored"
     unit: str
     version: int = 0
     reason: str = ""
@@ -48,15 +46,23 @@ def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
     return ws
 
 
-def _number(v: Any) -> float | None:
-    """A finite float from a host's metrics value, else None."""
+#: The range each host metric may take; a value outside it is recorded as None.
+METRIC_RANGES: dict[str, tuple[float, float]] = {
+    "val_acc": (0.0, 1.0), "train_acc": (0.0, 1.0),
+    "val_loss": (0.0, 1e6), "train_loss": (0.0, 1e6),
+    "train_s": (0.0, 30 * 86400.0), "wall_s": (0.0, 30 * 86400.0),
+}
+
+
+def _number(v: Any, lo: float = -math.inf, hi: float = math.inf) -> float | None:
+    """A finite float in [lo, hi] from a host's metrics value, else None."""
     if isinstance(v, bool) or not isinstance(v, int | float):
         return None
     try:
         f = float(v)
     except OverflowError:  # an int of 400 digits
         return None
-    return f if math.isfinite(f) else None
+    return f if math.isfinite(f) and lo <= f <= hi else None
 
 
 def alpha_for(spec: JobSpec, epoch: int) -> float:
@@ -105,7 +111,7 @@ def assimilate_valid(
         "examples_seen": res.weights.examples_seen,
         # A host's metrics are typed here: what the generator, status and reports read
         # from the merge record is a finite number or None, the host a short string.
-        **{k: _number(m.get(k)) for k in ("val_acc", "val_loss", "train_loss", "train_acc", "train_s", "wall_s")},
+        **{k: _number(m.get(k), *METRIC_RANGES[k]) for k in METRIC_RANGES},
         "host": str(m["host"])[:64] if isinstance(m.get("host"), str | int) else None,
     }
     if rejected:
@@ -122,47 +128,6 @@ def assimilate_valid(
         # MOP hops the optimizer state with the model. Tagged with the weights version it
         # belongs to: a crash before this write only means the next unit starts a fresh
         # optimizer (the generator ignores a blob of another version), never a wrong one.
-        store.r.set(store.k("opt", model), res.weights.optimizer.to_bytes(out.version))
+        store.set_optimizer_state(model, res.weights.optimizer.to_bytes(out.version))
     status = "merged" if out.applied else "duplicate"
     return AssimilationOutcome(status, unit, out.version, retries=out.retries)
-
-
-def assimilate_files(
-    store: JobStore,
-    paths: Sequence[str | Path],
-    spec: JobSpec | None = None,
-    result_name: str = "",
-    unit: str | None = None,
-) -> AssimilationOutcome:
-    """Validate then merge a result given by its files (the BOINC entry point's core).
-
-    ``unit`` is the unit the job system issued the result for (never read from the
-    file); without it, the unit of the workunit named by ``result_name``
-    (``<workunit>_<n>``, BOINC's result names). A rejected result is recorded in Redis
-    and reported as ``rejected``; a transient fault (Redis down) propagates as
-    :class:`~boinc_dl.server.common.errors.StoreUnavailable`.
-    """
-    if spec is None:
-        spec = spec_from_json(store.spec_json())
-    if unit is None:
-        wu, sep, seq = result_name.rpartition("_")
-        unit = (unit_for_workunit(store, wu) if sep and seq.isdigit() else None) or ""
-    try:
-        if not unit:
-            raise ResultRejected(f"result {result_name[:80]!r} is not a result of a known unit of {store.job!r}")
-        res = validate_result(paths, store, spec.units.max_upload_bytes, unit)
-    except ResultRejected as e:
-        store.record_rejection(unit, result_name, e.reason)
-        return AssimilationOutcome("rejected", unit, reason=e.reason)
-    if store.is_assimilated(res.unit):
-        return AssimilationOutcome("duplicate", res.unit, store.version(res.weights.model))
-    return assimilate_valid(store, spec, res)
-
-
-def assimilate_error(store: JobStore, unit: str, reason: str) -> AssimilationOutcome:
-    """A unit that failed for good (BOINC's ``--error`` call): record it, once."""
-    info = store.unit_info(unit)
-    if info is None:
-        return AssimilationOutcome("rejected", unit, reason=f"unknown unit {unit!r}")
-    store.mark_failed(unit, reason, int(info.get("epoch", 0)))
-    return AssimilationOutcome("failed", unit, reason=reason)

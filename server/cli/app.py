@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.console import Console
 from rich.text import Text
@@ -25,6 +27,18 @@ def error_line(message: str) -> None:
     wrapping; brackets in the message are not markup)."""
     err_console.print(Text.assemble(("error:", "red"), " ", one_line(str(message), limit=2000)),
                       soft_wrap=True, highlight=False)
+
+
+def redis_url_for(redis_url: str | None, project: Path | None = None) -> str:
+    """The Redis a command works on: ``--redis-url``, else ``$BDL_REDIS_URL``, else the
+    ``--project``'s ``boinc-dl.yaml`` (one resolution for every command)."""
+    if project is not None:
+        from boinc_dl.server.backends.boinc.project import BoincProject
+
+        return BoincProject(project).require().redis_url(redis_url)
+    from boinc_dl.server.assimilator.connection import resolve_url
+
+    return resolve_url(redis_url, where="--project's boinc-dl.yaml")
 
 
 def fail(e: BoincDLError) -> None:

@@ -198,6 +198,36 @@ def cancel(
 
 
 @boinc_app.command()
+def spool(
+    project: ProjectOpt = None,
+    spool_dir: Annotated[Path | None, typer.Option(
+        "--spool", help="spool directory (default: $BDL_SPOOL, else /var/lib/boinc-dl/spool)")] = None,
+    queue: Annotated[str, typer.Option(help="'assimilate' (results) or 'validate' (validation requests)")] = "assimilate",
+    mod: Annotated[tuple[int, int], typer.Option(help="N I: serve entries with crc32(name) % N == I")] = (1, 0),
+    poll: Annotated[float, typer.Option(help="seconds between passes over an empty queue")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="one pass, then exit (exit 3 if Redis is down)")] = False,
+) -> None:
+    """The docker stack's assimilator: take the results BOINC's shims put in the spool
+    through the one assimilation path (or answer validation requests with --queue validate)."""
+    import os
+
+    from boinc_dl.server.backends.boinc.spool import DEFAULT_SPOOL, serve
+
+    if queue not in ("assimilate", "validate"):
+        _fail(BoincDLError(f"--queue {queue!r}: choose assimilate or validate"))
+    n, i = mod
+    if not (n >= 1 and 0 <= i < n):
+        _fail(BoincDLError(f"--mod {n} {i}: need N >= 1 and 0 <= I < N"))
+    path = spool_dir or Path(os.environ.get("BDL_SPOOL") or DEFAULT_SPOOL)
+    try:
+        proj = _project(project) if queue == "assimilate" else None
+    except BoincDLError as e:
+        _fail(e)
+        return
+    raise typer.Exit(serve(path, proj, queue, (n, i), poll, once))
+
+
+@boinc_app.command()
 def restart(
     project: ProjectOpt = None,
     wait: Annotated[float, typer.Option(help="seconds to wait for the old daemons to exit")] = 120.0,

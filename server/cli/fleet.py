@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from boinc_dl.server.cli.app import redis_url_for
 from boinc_dl.server.common.errors import BoincDLError
 
 fleet_app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -74,8 +75,8 @@ def watch(
 @fleet_app.command()
 def status(config: ConfigOpt) -> None:
     """The controller's last period as it published it in Redis."""
+    from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.backends.boinc.project import BoincProject
-    from boinc_dl.server.common.store import connect
     from boinc_dl.server.fleet.config import load_config
     from boinc_dl.server.fleet.controller import STATUS_KEY
 
@@ -109,21 +110,14 @@ def cost(
     project: Annotated[Path | None, typer.Option(help="BOINC project whose Redis holds the job")] = None,
 ) -> None:
     """What a job's fleet time cost: by instance type and market, lost to reclaims, saved."""
-    import os
 
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.store import JobStore
     from boinc_dl.server.common.errors import UnknownJob
-    from boinc_dl.server.common.store import JobStore, connect
     from boinc_dl.server.fleet.cost import cost_report
 
     try:
-        if project is not None:
-            from boinc_dl.server.backends.boinc.project import BoincProject
-
-            redis_url = BoincProject(project).require().redis_url()
-        url = redis_url or os.environ.get("BDL_REDIS_URL", "")
-        if not url:
-            raise BoincDLError("no Redis URL: pass --redis-url or --project, or set BDL_REDIS_URL")
-        r = connect(url)
+        r = connect(redis_url_for(redis_url, project))
         if not JobStore(r, job).exists():
             raise UnknownJob(f"no job named {job!r}")
         rep = cost_report(r, job)

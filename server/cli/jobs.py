@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from boinc_dl.server.cli.app import app, console, error_line
+from boinc_dl.server.cli.app import app, console, error_line, redis_url_for
 from boinc_dl.server.cli.app import fail as _fail
 from boinc_dl.server.common.errors import BoincDLError, UnknownJob
 
@@ -90,17 +90,11 @@ def submit(
                   f"follow it with: boinc-dl status {spec.name} --project {project}")
 
 
-def _project_redis_url(project: Path) -> str:
-    from boinc_dl.server.backends.boinc.project import BoincProject
-
-    return BoincProject(project).require().redis_url()
-
-
 @contextlib.contextmanager
 def _open_store_redis(run_dir: Path | None, redis_url: str | None) -> Iterator[Any]:
     """A Redis client: the given URL, a live run's socket, or the run's saved state."""
-    from boinc_dl.server.common.redis_server import EmbeddedRedis
-    from boinc_dl.server.common.store import connect
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 
     if redis_url:
         yield connect(redis_url)
@@ -133,7 +127,7 @@ def status(
 
     try:
         if project is not None:
-            redis_url = _project_redis_url(project)
+            redis_url = redis_url_for(redis_url, project)
         dirs: list[Path | None]
         if redis_url:
             dirs = [None]
@@ -148,7 +142,7 @@ def status(
         found = False
         for d in dirs:
             with _open_store_redis(d, redis_url) as r:
-                from boinc_dl.server.common.store import JobStore
+                from boinc_dl.server.assimilator.store import JobStore
 
                 names = [job] if job else JobStore.list_jobs(r)
                 for name in names:
@@ -174,7 +168,7 @@ def cancel(
     project: Annotated[Path | None, typer.Option(help="BOINC project: also cancel its workunits")] = None,
 ) -> None:
     """Cancel a job: no new units are created; a running generator stops at its next step."""
-    from boinc_dl.server.common.store import JobStore
+    from boinc_dl.server.assimilator.store import JobStore
 
     try:
         if project is not None:

@@ -35,28 +35,24 @@ def _model_params(spec, spec_file: Path) -> int:
 def calibrate_on_host(spec, spec_file: Path) -> tuple[float, float | None]:
     """Run the spec's units for one epoch on this host (1 slot, 1 assimilator, the real
     client app) and return (median unit wall time, median merge gap)."""
-    from boinc_dl.server.common.redis_server import EmbeddedRedis
-    from boinc_dl.server.faults.harness import run_headless
+    import io
+
+    from rich.console import Console
+
+    from boinc_dl.server.common.spec import parse_spec
     from boinc_dl.server.planner.calibrate import read_history
-    from boinc_dl.server.run.outputs import collect_history, write_history
+    from boinc_dl.server.run.job import run_job
 
     data = spec.model_dump()
     data["training"]["epochs"] = 1
     data["backend"]["local"].update(workers=1, slots=1, assimilators=1, preempt_prob=0.0)
     data["name"] = f"{spec.name}-calibration"
-    from boinc_dl.server.common.spec import parse_spec
-    from boinc_dl.server.common.store import JobStore, connect
-
     cal = parse_spec(data, base_dir=spec_file.parent)
     with tempfile.TemporaryDirectory(prefix="bdl-plan-cal-") as tmp:
-        srv = EmbeddedRedis(Path(tmp) / "redis").start()
-        try:
-            run_headless(cal, Path(tmp) / "run", srv.url, search_path=spec_file.parent, timeout_s=1800)
-            hist = collect_history(JobStore(connect(srv.url), cal.name))
-            write_history(Path(tmp) / "run", hist)
-            h = read_history(Path(tmp) / "run" / "units.csv")
-        finally:
-            srv.stop()
+        # The real run path (private Redis, the local backend, the report files), quiet.
+        run_job(cal, Path(tmp) / "run", console=Console(file=io.StringIO()), live=False,
+                search_path=spec_file.parent)
+        h = read_history(Path(tmp) / "run" / "units.csv")
     if h.wall_s is None:
         raise BoincDLError("calibration: no unit was merged")
     return h.wall_s, h.merge_gap_s

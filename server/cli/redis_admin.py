@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from boinc_dl.server.cli.app import console, fail
+from boinc_dl.server.cli.app import console, fail, redis_url_for
 from boinc_dl.server.common.errors import BoincDLError
 
 redis_app = typer.Typer(no_args_is_help=True, help="Check and look after the Redis that holds the job state.")
@@ -25,22 +25,16 @@ def check(
     """Read the persistence settings of every master and say what would lose merges.
 
     Exits 1 when a setting can lose acknowledged merges in a crash, 0 otherwise."""
-    from boinc_dl.server.common.redis_persistence import (
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.persistence import (
         RECOMMENDED,
         SETTINGS,
         findings,
         read_settings,
     )
-    from boinc_dl.server.common.store import connect
 
     try:
-        if project is not None:
-            from boinc_dl.server.backends.boinc.project import BoincProject
-
-            redis_url = BoincProject(project).require().redis_url()
-        if not redis_url:
-            raise BoincDLError("give --redis-url (or BDL_REDIS_URL) or --project")
-        r = connect(redis_url)
+        r = connect(redis_url_for(redis_url, project))
         settings = read_settings(r)
     except BoincDLError as e:
         fail(e)
@@ -71,7 +65,7 @@ def sync_aof(
     Run it beside a Redis with ``appendfsync no`` (as a service of its own, with read
     access to the data dir): an OS crash then loses at most about INTERVAL seconds of
     merges, and a crash of Redis itself none."""
-    from boinc_dl.server.common.aof_sync import AofSyncer, aof_files
+    from boinc_dl.server.assimilator.aof_sync import AofSyncer, aof_files
 
     if not data_dir.is_dir():
         fail(BoincDLError(f"{data_dir} is not a directory (give Redis's `dir`)"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from boinc_dl.server.common.store import PREFIX, JobStore
+from boinc_dl.server.assimilator.store import PREFIX, JobStore
 from boinc_dl.server.fleet.prices import PriceBook, cost_between
 from boinc_dl.server.fleet.provider import Instance
 

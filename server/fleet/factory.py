@@ -11,8 +11,8 @@ from boinc_dl.server.fleet.controller import FleetController
 
 def build_controller(cfg: FleetConfig) -> FleetController:
     """Provider, BOINC database, Redis and controller for a validated config."""
+    from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.backends.boinc.project import BoincProject
-    from boinc_dl.server.common.store import connect
 
     project = BoincProject(cfg.project).require()
     provider: Any

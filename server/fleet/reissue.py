@@ -13,8 +13,8 @@ import time
 
 import redis
 
+from boinc_dl.server.assimilator.store import PREFIX, JobStore
 from boinc_dl.server.backends.boinc.jobsystem import reissue_now_key
-from boinc_dl.server.common.store import PREFIX, JobStore
 from boinc_dl.server.common.workunit import parse_unit_name
 
 #: Workunit names already requested (a warning then a preemption of the same host, or

@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
-from boinc_dl.server.common.redis_server import EmbeddedRedis
 from boinc_dl.server.common.spec import JobSpec, local_options
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.run.failfast import FailFastWatch
 from boinc_dl.server.run.signals import RunStopped
 from boinc_dl.server.work_generator.prepare import n_shards

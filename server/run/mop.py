@@ -17,9 +17,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.spec import JobSpec, local_options
-from boinc_dl.server.common.store import JobStore
 from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
@@ -28,6 +28,7 @@ from boinc_dl.server.run.lifecycle import (
     stop_reason,
 )
 from boinc_dl.server.work_generator.mop.assignment import round_robin_availability
+from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from boinc_dl.server.work_generator.prepare import prepare_job
 
@@ -46,8 +47,9 @@ def placement(n_hosts: int, slots: int, partitions: int, replication: int) -> tu
 
 def leaderboard(store: JobStore) -> list[dict[str, Any]]:
     """One row per configuration, best validation accuracy first."""
-    configs = {k.decode(): json.loads(v) for k, v in store.r.hgetall(store.k("configs")).items()}
-    results = {int(k): json.loads(v) for k, v in store.r.hgetall(store.k("mop_results")).items()}
+    state = MopState(store)
+    configs = state.configs()
+    results = state.results()
     rows = []
     for cid, c in configs.items():
         curve = [results[e][cid]["val_acc"] for e in sorted(results) if cid in results[e]]
@@ -105,7 +107,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
         out["best_model"] = str(target)
     hist = {"job": store.job, "meta": store.meta(), "leaderboard": rows,
             "epochs": [{"epoch": e, **s} for e, s in store.epochs().items()],
-            "schedule": [json.loads(x) for x in store.r.lrange(store.k("mop_log"), 0, -1)],
+            "schedule": MopState(store).schedule_log(),
             "visit_orders": gen.visit_orders() if gen else {}, "counters": store.counters(),
             "rejections": store.rejections(100)}
     (run_dir / "history.json").write_text(json.dumps(hist, indent=1, default=str))

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.assimilator.store import JobStore
 
 
 def collect_history(store: JobStore) -> dict[str, Any]:

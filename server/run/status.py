@@ -10,8 +10,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.procs import pid_alive
-from boinc_dl.server.common.store import JobStore
 
 #: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
 #: second; one older than this means the process that ran it is gone (crashed,

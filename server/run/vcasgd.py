@@ -17,10 +17,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.common.store import JobStore
 from boinc_dl.server.planner.runcheck import predict_epoch
 from boinc_dl.server.run.eta import EtaEstimator, format_eta
 from boinc_dl.server.run.lifecycle import (

@@ -2,8 +2,11 @@
 
 A result's identity (job, unit) comes from the workunit it was uploaded for, as the
 job system knows it (BOINC's workunit/result names, the local backend's record of what
-a slot ran), never from inside the file: the caller passes the unit, and a file whose
-embedded job, unit or model disagrees is rejected with that reason. Rejects (with one
+a slot ran), never from inside the file: the caller passes what it expects
+(:class:`Expected`: job, unit, model and the model's fingerprint, read from the job's
+state by the assimilation framework), and a file whose embedded job, unit or model
+disagrees is rejected with that reason. Nothing here reads Redis: the checks are pure
+functions of the files and the expectation. Rejects (with one
 clear reason each) a result whose files are missing or oversized, whose weights file
 is not exactly what ``write_weights`` writes (see :mod:`boinc_dl.server.common.weights`: no
 links, external storage, virtual datasets or filters, shapes and sizes checked before
@@ -22,15 +25,23 @@ from typing import Any
 import numpy as np
 
 from boinc_dl.server.common import bounded
-from boinc_dl.server.common.errors import ResultRejected, UnknownJob, WeightsFormatError
-from boinc_dl.server.common.paths import check_name, is_safe_name
-from boinc_dl.server.common.store import JobStore
-from boinc_dl.server.common.weights import WeightsFile, read_weights
-from boinc_dl.server.common.workunit import parse_unit_name, unit_name
+from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
+from boinc_dl.server.common.paths import check_name
+from boinc_dl.server.common.weights import Fingerprint, WeightsFile, read_weights
 
 MAX_METRICS_BYTES = 1 << 20
 MAX_METRICS_DEPTH = 16
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a result must be, from the job system's names and the job's own records."""
+
+    job: str
+    unit: str
+    model: str
+    fingerprint: Fingerprint
 
 
 @dataclass
@@ -97,62 +108,28 @@ def read_metrics(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def unit_for_workunit(store: JobStore, wu_name: str) -> str | None:
-    """The unit a workunit name stands for: itself when registered (MOP's attempts are
-    units of their own), else the unit it regenerates (``<unit>_r<n>``); None if neither."""
-    if not is_safe_name(wu_name):
-        return None
-    if store.unit_info(wu_name) is not None:
-        return wu_name
-    p = parse_unit_name(wu_name)
-    if p and p["attempt"] and p["job"] == store.job:
-        base = unit_name(p["job"], p["epoch"], p["shard"], p["model"])
-        if store.unit_info(base) is not None:
-            return base
-    return None
+def validate_result(paths: Sequence[str | Path], expected: Expected, max_bytes: int) -> ValidResult:
+    """Check a result of ``expected.unit`` (known from the job system) against it.
 
-
-def validate_result(
-    paths: Sequence[str | Path],
-    store: JobStore,
-    max_bytes: int,
-    expected_unit: str,
-) -> ValidResult:
-    """Check a result of ``expected_unit`` (known from the job system) against its job.
-
-    Raises :class:`ResultRejected` with the reason, or
-    :class:`~boinc_dl.server.common.errors.StoreUnavailable` (a transient fault, not a verdict)
-    when Redis cannot be reached.
+    Raises :class:`ResultRejected` with the reason.
     """
-    check_name(expected_unit, "unit")
+    check_name(expected.unit, "unit")
     files = identify_files(paths)
     for p in (files.weights, files.metrics):
         if p is not None and p.stat().st_size > max_bytes:
             raise ResultRejected(f"{p.name} is {p.stat().st_size} bytes, over the {max_bytes}-byte bound")
     metrics = read_metrics(files.metrics)
     try:
-        store.require()
-    except UnknownJob as e:
-        raise ResultRejected(str(e)) from None
-    info = store.unit_info(expected_unit)
-    if info is None:
-        raise ResultRejected(f"unknown unit {expected_unit!r} for job {store.job!r}")
-    model = str(info.get("model", "0"))
-    try:
-        expected = store.fingerprint(model)
-    except UnknownJob as e:
-        raise ResultRejected(str(e)) from None
-    try:
         # Structure, sizes and the unit's fingerprint checked before any data is read.
-        wf = read_weights(files.weights, expected, max_bytes)
+        wf = read_weights(files.weights, expected.fingerprint, max_bytes)
     except WeightsFormatError as e:
         raise ResultRejected(str(e)) from None
-    if wf.job != store.job:
-        raise ResultRejected(f"result embeds job {wf.job[:80]!r}, but was uploaded for a unit of {store.job!r}")
-    if wf.unit != expected_unit:
-        raise ResultRejected(f"result embeds unit {wf.unit[:80]!r}, but was uploaded for {expected_unit!r}")
-    if wf.model != model:
-        raise ResultRejected(f"result is for model {wf.model[:40]!r}, unit trains model {model!r}")
+    if wf.job != expected.job:
+        raise ResultRejected(f"result embeds job {wf.job[:80]!r}, but was uploaded for a unit of {expected.job!r}")
+    if wf.unit != expected.unit:
+        raise ResultRejected(f"result embeds unit {wf.unit[:80]!r}, but was uploaded for {expected.unit!r}")
+    if wf.model != expected.model:
+        raise ResultRejected(f"result is for model {wf.model[:40]!r}, unit trains model {expected.model!r}")
     if wf.optimizer is not None:
         if not all(np.isfinite(a).all() for a in wf.optimizer.arrays if a.dtype.kind == "f"):
             raise ResultRejected("optimizer state contains NaN/Inf values")

@@ -23,18 +23,17 @@ Configuration parameters split into training settings (``learning_rate``/``lr``,
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import zlib
 from pathlib import Path
 from typing import Any
 
+from boinc_dl.server.assimilator.shards import load_shard_versions, save_shard_versions
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.common.errors import BoincDLError, ModelError
-from boinc_dl.server.common.shards import load_shard_versions, save_shard_versions
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.common.store import JobStore
 from boinc_dl.server.common.weights import OptimizerState, WeightsFile, write_weights
 from boinc_dl.server.common.workunit import (
     DATA,
@@ -49,6 +48,7 @@ from boinc_dl.server.work_generator.mop.assignment import Assignment
 from boinc_dl.server.work_generator.mop.procedures import make_search
 from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
 from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
+from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.prepare import JobFiles
 from boinc_dl.server.work_generator.vcasgd import FINISHED, unit_seed
 
@@ -83,6 +83,7 @@ class MOPWorkGenerator:
                  availability: dict[str, set[int]] | None, host_of: dict[str, int] | None = None,
                  search_path: Path | None = None):
         self.store, self.spec, self.backend = store, spec, backend
+        self.state = MopState(store)
         self.files = JobFiles(Path(job_dir).resolve(), spec.name)
         assert spec.mop is not None
         self.p = spec.mop.partitions
@@ -101,32 +102,26 @@ class MOPWorkGenerator:
 
     # ---- Redis state ---------------------------------------------------------------------
     def _configs(self) -> dict[str, dict[str, Any]]:
-        raw = self.store.r.hgetall(self.store.k("configs"))
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return self.state.configs()
 
     def _config(self, cid: str) -> dict[str, Any]:
-        """One configuration's record (a single HGET: this is on the unit-creation path)."""
-        cur = self.store.r.hget(self.store.k("configs"), cid)
-        return json.loads(cur) if cur else {}
+        return self.state.config(cid)
 
     def _set_config(self, cid: str, **fields: Any) -> None:
-        d = self._config(cid)
-        d.update(fields)
-        self.store.r.hset(self.store.k("configs"), cid, json.dumps(d))
+        self.state.update_config(cid, **fields)
 
     def _results(self) -> dict[int, dict[str, dict[str, Any]]]:
-        raw = self.store.r.hgetall(self.store.k("mop_results"))
-        return dict(sorted((int(k), json.loads(v)) for k, v in raw.items()))
+        return self.state.results()
 
     def _save(self, pipe: Any | None = None) -> None:
-        (pipe or self.store.r).set(self.store.k("mop_sched"), json.dumps(self.sched.to_state()))
+        self.state.save_sched(self.sched.to_state(), pipe)
 
     def _load_or_start(self) -> MOPScheduler:
-        raw = self.store.r.get(self.store.k("mop_sched"))
-        if raw is not None:
+        saved = self.state.sched()
+        if saved is not None:
             # Restart: rebuild the search by replaying the recorded epoch results.
             self.search.replay(self._results().items())
-            return MOPScheduler.from_state(json.loads(raw))
+            return MOPScheduler.from_state(saved)
         configs = self.search.initial()
         live = [c.id for c in configs if self._add_model(c, None)]
         if not live:
@@ -197,7 +192,7 @@ class MOPWorkGenerator:
         return unit_name(self.spec.name, a.epoch, a.partition, a.model, a.attempt - 1)
 
     def _optimizer_state(self, model: str, version: int) -> OptimizerState | None:
-        blob = self.store.r.get(self.store.k("opt", model))
+        blob = self.store.optimizer_state(model)
         if blob is None:
             return None
         try:
@@ -245,18 +240,16 @@ class MOPWorkGenerator:
         if not flight:
             return
         names = [self._unit(a) for a in flight]
-        done = self.store.r.hmget(self.store.k("assimilated"), names)
-        failed = self.store.r.hmget(self.store.k("failed"), names)
         changed = False
-        for a, name, d, f in zip(flight, names, done, failed, strict=True):
+        for a, name, (d, f) in zip(flight, names, self.store.settled_of(names), strict=True):
             if d is not None:
                 ok = self.sched.complete(a.model, a.partition, a.attempt, a.epoch)
                 changed |= ok
-                self.store.r.rpush(self.store.k("mop_log"), json.dumps(a.to_json()))
+                self.state.log_assignment(a.to_json())
                 if ok and self.pipelined and self.sched.model_finished(a.model):
                     self._model_epoch_end(a.model, a.epoch)
             elif f is not None:
-                log.warning("unit %s failed for good (%s): back to the queue", name, f.decode())
+                log.warning("unit %s failed for good (%s): back to the queue", name, f)
                 changed |= self.sched.fail(a.model, a.partition, a.attempt, a.epoch)
         if changed:
             self._save()
@@ -272,18 +265,15 @@ class MOPWorkGenerator:
         if not new:
             return
         wus = [self._describe(a) for a in new]
-        with self.store.r.pipeline(transaction=True) as p:
-            for a, wu in zip(new, wus, strict=True):
-                Path(wu.files[WU_JSON]).write_text(wu.to_json())
-                info = {"epoch": a.epoch, "shard": a.partition, "model": a.model, "attempt": a.attempt,
-                        "weights_version": wu.weights_version, "created_at": time.time(), "files": wu.files,
-                        "hosts": wu.hosts}
-                p.hsetnx(self.store.k("units"), wu.unit, json.dumps(info))
-                p.hset(self.store.k("unit_state"), wu.unit, "created")
-                p.hincrby(self.store.k("epoch", a.epoch), "created", 1)
-                p.hsetnx(self.store.k("epoch", a.epoch), "started_at", time.time())
-            self._save(p)
-            p.execute()
+        items = []
+        for a, wu in zip(new, wus, strict=True):
+            Path(wu.files[WU_JSON]).write_text(wu.to_json())
+            info = {"epoch": a.epoch, "shard": a.partition, "model": a.model, "attempt": a.attempt,
+                    "weights_version": wu.weights_version, "created_at": time.time(), "files": wu.files,
+                    "hosts": wu.hosts}
+            items.append((wu.unit, info, a.epoch))
+        # The units and the scheduler state that issued them land together, or not at all.
+        self.store.register_units(items, also=self._save)
         for wu in wus:
             self.backend.submit(wu, self.limits)
             self.store.transition_unit(wu.unit, "created", "in_progress")
@@ -321,9 +311,8 @@ class MOPWorkGenerator:
         model's weights at the end of ``epoch``. The result is kept per (epoch, model)
         until every model of the epoch has one; the epoch then closes (:meth:`_close_ready`).
         """
-        field = f"{epoch}:{model}"
-        if not self.store.r.hexists(self.store.k("mop_model_results"), field):
-            self.store.r.hset(self.store.k("mop_model_results"), field, json.dumps(self._evaluate(model, epoch)))
+        if not self.state.has_model_result(epoch, model):
+            self.state.put_model_result(epoch, model, self._evaluate(model, epoch))
         if epoch < self.spec.training.epochs:
             e = self.sched.advance_model(model)
             if e > int(self.store.meta().get("epoch", 1)):
@@ -336,8 +325,7 @@ class MOPWorkGenerator:
         for m in self.sched.models:
             if self.sched.model_finished(m):
                 e = self.sched.model_epoch(m)
-                if e < self.spec.training.epochs or not self.store.r.hexists(
-                        self.store.k("mop_model_results"), f"{e}:{m}"):
+                if e < self.spec.training.epochs or not self.state.has_model_result(e, m):
                     self._model_epoch_end(m, e)
                     changed = True
         if changed:
@@ -351,10 +339,10 @@ class MOPWorkGenerator:
                 return
             epoch = int(meta.get("closed_epoch", 0)) + 1
             models = self.sched.models
-            raw = self.store.r.hmget(self.store.k("mop_model_results"), [f"{epoch}:{m}" for m in models])
-            if not models or any(r is None for r in raw):
+            got = self.state.model_results(epoch, models)
+            if not models or any(r is None for r in got):
                 return
-            results = {m: json.loads(r) for m, r in zip(models, raw, strict=True)}
+            results = dict(zip(models, got, strict=True))
             live = self._record_epoch(epoch, results)
             for m in set(self.sched.models) - set(live):
                 a = self.sched.drop_model(m)
@@ -377,7 +365,7 @@ class MOPWorkGenerator:
 
         Finishes the job when the search is done or the last epoch closed.
         """
-        self.store.r.hset(self.store.k("mop_results"), epoch, json.dumps(results))
+        self.state.put_results(epoch, results)
         decision = self.search.on_epoch_end(epoch, results)
         summary = {"val_acc": max((r["val_acc"] for r in results.values()), default=0.0),
                    "models": len(results), "stopped": decision.stop, "added": [c.id for c, _ in decision.add],

@@ -12,11 +12,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.datasets import Dataset, load_dataset, save_npz, split_shards
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_to_json
 from boinc_dl.server.common.spec_checks import check_model_fits, check_split
-from boinc_dl.server.common.store import JobStore
 
 log = logging.getLogger(__name__)
 

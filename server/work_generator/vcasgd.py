@@ -36,7 +36,6 @@ re-submits any unit registered but not yet handed to the job system.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -44,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
+from boinc_dl.server.assimilator.shards import load_shard_versions, save_shard_versions
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.common.errors import StoreUnavailable
-from boinc_dl.server.common.shards import load_shard_versions, save_shard_versions
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.common.store import JobStore
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.common.workunit import (
     DATA,
@@ -231,7 +230,7 @@ class VCASGDWorkGenerator:
         wu = self._describe(epoch, shard, version, wpath, attempt)
         Path(wu.files[WU_JSON]).write_text(wu.to_json())
         info.update(attempt=attempt, weights_version=version, files=wu.files, regenerated_at=time.time())
-        self.store.call(lambda: self.store.r.hset(self.store.k("units"), unit, json.dumps(info)))
+        self.store.update_unit_info(unit, info)
         return wu, unit_name(self.spec.name, epoch, shard, self.model, attempt)
 
     def service_regenerations(self) -> int:
@@ -288,8 +287,7 @@ class VCASGDWorkGenerator:
         # The epoch's units by name (marks are per subset, regenerated units included): no
         # need to read every unit record of the job at each epoch end.
         units = [unit_name(self.spec.name, epoch, k, self.model) for k in range(self.n)]
-        recs = self.store.call(lambda: self.store.r.hmget(self.store.k("assimilated"), units))
-        vals = [json.loads(r).get("val_acc") for r in recs if r]
+        vals = [rec.get("val_acc") for rec, _failed in self.store.settled_of(units) if rec]
         accs = [v for v in vals if v is not None]
         now = time.time()
         return {

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.project import BoincProject, short_hostname
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 
 FAKES = Path(__file__).resolve().parent / "fake_tools"

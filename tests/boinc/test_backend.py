@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.backends.base import RetryLimits
 from boinc_dl.server.backends.boinc.jobsystem import (
     BoincJobSystem,
@@ -21,7 +22,6 @@ from boinc_dl.server.backends.boinc.jobsystem import (
 )
 from boinc_dl.server.backends.boinc.project import BoincProject, BoincSettings, dir_hier_path
 from boinc_dl.server.common.errors import BoincDLError
-from boinc_dl.server.common.store import connect
 from boinc_dl.server.common.workunit import Workunit
 from tests.boinc.conftest import calls, fake_db, seed_db_app
 

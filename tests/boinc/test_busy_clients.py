@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from boinc_dl.server.faults.workfetch_sim import (
+from tests.support.workfetch_sim import (
     NEED_WORK,
     PROJECT_REQ,
     RESULTS_DUE,

@@ -154,7 +154,7 @@ def test_logs_once_what_in_its_redis_could_lose_merges(project, tmp_path, caplog
     at every reconnect) and works on."""
     import logging
 
-    from boinc_dl.server.common.redis_server import EmbeddedRedis
+    from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 
     with EmbeddedRedis(tmp_path / "everysec", appendfsync="everysec") as srv:
         d = WorkGeneratorDaemon(install_with(project, srv.url), poll_s=0.1)

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc import artifacts
 from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.project import dir_hier_path
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.spec import parse_spec
-from boinc_dl.server.common.store import JobStore, connect
 from tests.boinc.conftest import REPO, calls, fake_db, run_script, script_env
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.scripts import (
     UNRESOLVED_KEY,
@@ -19,7 +21,6 @@ from boinc_dl.server.backends.boinc.scripts import (
     split_results,
     wu_name_of_result,
 )
-from boinc_dl.server.common.store import JobStore, connect
 from tests.boinc.conftest import make_result, run_script, script_env, tiny_fp
 
 N = tiny_fp().n_params

@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.daemon import finalize_job
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, _Pending, issued_key
-from boinc_dl.server.common.store import JobStore, connect
 from tests.boinc import fake_server
 from tests.boinc.conftest import calls, make_result, run_script, script_env, seed_db_app
 from tests.boinc.test_backend import LIMITS, make_inputs, units_of

@@ -11,8 +11,9 @@ from decimal import Decimal
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, issued_key, live_key
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.workunit import unit_name
 from boinc_dl.server.fleet.aws import AwsProvider, parse_event
 from boinc_dl.server.fleet.boinchosts import BoincHosts

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.cli import app
-from boinc_dl.server.common.store import connect
 from boinc_dl.server.fleet.controller import STATUS_KEY
 
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 from typer.testing import CliRunner
 
-from boinc_dl.server.common.store import JobStore, connect
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.workunit import unit_name
 from boinc_dl.server.fleet.boinchosts import BoincHosts
 from boinc_dl.server.fleet.config import parse_config

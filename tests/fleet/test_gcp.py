@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from google.auth.credentials import AnonymousCredentials
 
-from boinc_dl.server.common.store import connect
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.fleet.boinchosts import BoincHosts
 from boinc_dl.server.fleet.config import parse_config
 from boinc_dl.server.fleet.controller import FleetController

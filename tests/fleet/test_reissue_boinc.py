@@ -9,10 +9,11 @@ import time
 
 from google.auth.credentials import AnonymousCredentials
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.spec import parse_spec
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.fleet.boinchosts import BoincHosts
 from boinc_dl.server.fleet.controller import FleetController
 from boinc_dl.server.fleet.gcp import GcpProvider

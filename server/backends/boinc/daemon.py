@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.common.errors import BoincDLError, StoreUnavailable
 from boinc_dl.server.common.spec import spec_from_json
-from boinc_dl.server.common.store import JobStore, connect
 
 log = logging.getLogger("boinc-dl.work_generator")
 
@@ -198,7 +199,7 @@ class WorkGeneratorDaemon:
         """Log, once per process, what in the Redis's persistence settings could lose
         merges (``boinc-dl redis check`` says the same): an admin's own Redis often runs
         without an AOF or with ``everysec``. Never fatal: the daemon works either way."""
-        from boinc_dl.server.common.redis_persistence import check_persistence
+        from boinc_dl.server.assimilator.persistence import check_persistence
 
         try:
             findings = check_persistence(self.r)

@@ -52,7 +52,6 @@ content is an error (except a unit's own description for a unit not created yet)
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -67,14 +66,15 @@ from pathlib import Path
 
 import redis
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.backends.boinc import artifacts
 from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
 from boinc_dl.server.backends.boinc.hosts import HostCensus
 from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
-from boinc_dl.server.common.store import JobStore
 from boinc_dl.server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit, parse_unit_name
 
 log = logging.getLogger(__name__)
@@ -130,45 +130,8 @@ def file_md5(path: Path) -> tuple[str, int]:
     return h.hexdigest(), n
 
 
-def created_key(store: JobStore) -> str:
-    """Redis set of the job's workunits known to exist in BOINC's database."""
-    return store.k("boinc", "created")
-
-
-def issued_key(store: JobStore) -> str:
-    """Redis hash unit -> its current workunit: ``{"name", "t" (created), "delay", "attempt"}``."""
-    return store.k("boinc", "issued")
-
-
-def current_instance(r: redis.Redis, job: str, unit: str) -> str | None:
-    """The name of the workunit that currently carries ``unit`` (None if never created)."""
-    raw = r.hget(issued_key(JobStore(r, job)), unit)
-    return str(json.loads(raw)["name"]) if raw else None
-
-
-def reissue_now_key(store: JobStore) -> str:
-    """Redis set of the job's workunit names to regenerate now (their host was reclaimed)."""
-    return store.k("boinc", "reissue_now")
-
-
-def live_key(store: JobStore) -> str:
-    """Redis hash workunit name -> unit of the job's workunits that BOINC may still run."""
-    return store.k("boinc", "live")
-
-
-def forget_workunit(r: redis.Redis, job: str, wu_name: str) -> None:
-    """The assimilator handled ``wu_name`` (merged, duplicate, superseded, failed): it
-    needs no cancelling any more."""
-    r.hdel(live_key(JobStore(r, job)), wu_name)
-
-
 #: Unit states after which none of the unit's workunits is needed.
 UNIT_DONE = ("assimilated", "failed", "cancelled")
-
-
-def staged_key(store: JobStore) -> str:
-    """Redis set of the physical names the job staged into the download hierarchy."""
-    return store.k("boinc", "staged")
 
 
 class BoincJobSystem(JobSystem):
@@ -228,7 +191,7 @@ class BoincJobSystem(JobSystem):
         parsed = parse_unit_name(unit)
         name = unit
         if parsed:
-            name = current_instance(self.r, parsed["job"], unit) or unit
+            name = self._registry(parsed["job"]).current_instance(unit) or unit
             if not self.is_created(parsed["job"], name):
                 log.debug("cancel %s: never created in BOINC", unit)
                 return
@@ -244,10 +207,7 @@ class BoincJobSystem(JobSystem):
             parsed = parse_unit_name(name)
             job = job or (parsed["job"] if parsed else None)
             if job:
-                p = self.r.pipeline(transaction=True)
-                p.hdel(live_key(JobStore(self.r, job)), name)
-                p.hincrby(JobStore(self.r, job).k("counters"), "boinc_cancelled", 1)
-                p.execute()
+                self._registry(job).cancelled(name)
         else:
             raise BoincToolError(
                 f"bin/cancel_jobs --name {name} failed (exit {proc.returncode}): {_tail(proc.stderr)}",
@@ -268,28 +228,28 @@ class BoincJobSystem(JobSystem):
         if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
             return []
         store = JobStore(self.r, job)
+        reg = BoincRegistry(store)
         # Workunits whose host the fleet controller saw reclaimed (it read BOINC's database
         # itself): honoured while still their unit's current, live workunit, so a request
         # never re-issues a unit twice; read once, then done with.
-        asked = {x.decode() for x in self.r.smembers(reissue_now_key(store))}
+        asked = reg.take_reissue_requests()
         try:
             return self._lost_units(store, spec, asked)
         finally:
-            if asked:
-                self.r.srem(reissue_now_key(store), *asked)
+            reg.done_reissue_requests(asked)
 
     def _lost_units(self, store: JobStore, spec: JobSpec, asked: set[str]) -> list[tuple[str, int]]:
         # Only the workunits BOINC may still run (the live ledger: units in flight), not
         # the job's every unit, on every pass.
-        live = {k.decode(): v.decode() for k, v in self.r.hgetall(live_key(store)).items()}
+        reg = BoincRegistry(store)
+        live = reg.live()
         units = sorted(set(live.values()))
         if not units:
             return []
         cand: list[tuple[str, int, str]] = []
-        for unit, raw in zip(units, self.r.hmget(issued_key(store), units), strict=True):
-            if not raw:
+        for unit, rec in zip(units, reg.issued(units), strict=True):
+            if not rec:
                 continue
-            rec = json.loads(raw)
             # (the last workunit max_total_results allows is left to BOINC's own re-issue)
             if rec["name"] in live and int(rec["attempt"]) + 1 < spec.units.max_total_results:
                 cand.append((unit, int(rec["attempt"]), str(rec["name"])))
@@ -392,13 +352,13 @@ class BoincJobSystem(JobSystem):
         """Cancel the job's live workunits that are no longer needed: their unit is merged,
         given up or cancelled, or they were superseded by a regenerated workunit."""
         store = JobStore(self.r, job)
-        live = {k.decode(): v.decode() for k, v in self.r.hgetall(live_key(store)).items()}
+        reg = BoincRegistry(store)
+        live = reg.live()
         if not live:
             return 0
         units = sorted(set(live.values()))
         states = dict(zip(units, store.unit_states_of(units), strict=True))
-        current = {u: (json.loads(raw)["name"] if raw else None)
-                   for u, raw in zip(units, self.r.hmget(issued_key(store), units), strict=True)}
+        current = {u: (rec["name"] if rec else None) for u, rec in zip(units, reg.issued(units), strict=True)}
         stray = [wu for wu, unit in live.items()
                  if states.get(unit) in UNIT_DONE or states.get(unit) is None
                  or (current.get(unit) is not None and current[unit] != wu)]
@@ -406,8 +366,7 @@ class BoincJobSystem(JobSystem):
 
     def cancel_all(self, job: str) -> int:
         """Cancel every live workunit of a job that ended."""
-        live = [k.decode() for k in self.r.hkeys(live_key(JobStore(self.r, job)))]
-        return self._cancel_live(job, live)
+        return self._cancel_live(job, list(self._registry(job).live()))
 
     def _cancel_live(self, job: str, names: list[str]) -> int:
         if not names:
@@ -417,7 +376,7 @@ class BoincJobSystem(JobSystem):
         for name in sorted(names):
             if wus is not None and name in wus and not wus[name].live():
                 # BOINC finished it already (assimilated, failed or cancelled): nothing to do
-                self.r.hdel(live_key(JobStore(self.r, job)), name)
+                self._registry(job).forget(name)
                 continue
             self._cancel_workunit(name, job)
             n += 1
@@ -428,7 +387,7 @@ class BoincJobSystem(JobSystem):
     def resubmit_regenerated(self, unit: str, wu: Workunit, name: str) -> bool:
         """Cancel ``unit``'s current workunit and queue the regenerated one as ``name``."""
         spec = self._spec(wu.job)
-        old = current_instance(self.r, wu.job, unit)
+        old = self._registry(wu.job).current_instance(unit)
         if old is not None and old != name and self.is_created(wu.job, old):
             self._cancel_workunit(old, wu.job)
         limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
@@ -445,21 +404,15 @@ class BoincJobSystem(JobSystem):
         return [p.name for p in self._pending]
 
     def is_created(self, job: str, unit: str) -> bool:
-        return bool(self.r.sismember(created_key(JobStore(self.r, job)), unit))
+        return self._registry(job).is_created(unit)
+
+    def _registry(self, job: str) -> BoincRegistry:
+        return BoincRegistry(JobStore(self.r, job))
 
     def _mark_created(self, job: str, items: list[_Pending]) -> None:
-        if not items:
-            return
-        store = JobStore(self.r, job)
-        now = time.time()
-        p = self.r.pipeline(transaction=True)
-        p.sadd(created_key(store), *[i.name for i in items])
-        p.hset(live_key(store), mapping={i.name: i.wu.unit for i in items})
-        p.hset(issued_key(store), mapping={
-            i.wu.unit: json.dumps({"name": i.name, "t": now, "delay": i.limits.delay_bound_s,
-                                   "attempt": (parse_unit_name(i.name) or {}).get("attempt", 0)})
-            for i in items})
-        p.execute()
+        self._registry(job).mark_created(
+            (i.name, i.wu.unit, i.limits.delay_bound_s, (parse_unit_name(i.name) or {}).get("attempt", 0))
+            for i in items)
 
     def _spec(self, job: str) -> JobSpec:
         if job not in self._specs:
@@ -594,7 +547,7 @@ class BoincJobSystem(JobSystem):
         if self._staged.get(name) == md5:
             return name
         if job:
-            self.r.sadd(staged_key(JobStore(self.r, job)), name)
+            self._registry(job).add_staged(name)
         dest = self.project.download_path(name)
         if dest.exists():
             have = _read_md5_file(dest) or file_md5(dest)
@@ -631,10 +584,9 @@ class BoincJobSystem(JobSystem):
 
     def unstage_job(self, job: str) -> int:
         """Remove every file the job staged (its units are over); how many were removed."""
-        key = staged_key(JobStore(self.r, job))
-        names = sorted(x.decode() for x in self.r.smembers(key))
-        n = self.unstage(names)
-        self.r.delete(key)
+        reg = self._registry(job)
+        n = self.unstage(reg.staged())
+        reg.clear_staged()
         return n
 
     def unstage(self, names: list[str]) -> int:

@@ -32,11 +32,11 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from boinc_dl.server.assimilator.connection import NoRedisURL, resolve_url
 from boinc_dl.server.common.errors import BoincDLError
 
 APP_NAME = "boincdl"
 SETTINGS_FILE = "boinc-dl.yaml"
-ENV_REDIS = "BDL_REDIS_URL"
 ENV_PROJECT = "BDL_PROJECT"
 #: A program that runs a BOINC tool elsewhere (``RUNNER TOOL ARGS...``), e.g. in the
 #: BOINC container when boinc-dl's daemons run in their own container.
@@ -268,15 +268,13 @@ class BoincProject:
             return [runner, tool, *args]
         return [*self.settings.command_prefix, f"bin/{tool}", *args]
 
-    def redis_url(self) -> str:
-        """Env ``BDL_REDIS_URL``, else ``redis_url`` of boinc-dl.yaml; a clear error if neither."""
-        url = os.environ.get(ENV_REDIS) or self.settings.redis_url
-        if not url:
-            raise BoincProjectError(
-                f"no Redis URL: set {ENV_REDIS} or 'redis_url' in {self.settings_file} "
-                "(boinc-dl boinc install --redis-url ... writes it)"
-            )
-        return url
+    def redis_url(self, explicit: str | None = None) -> str:
+        """``explicit``, else env ``BDL_REDIS_URL``, else ``redis_url`` of boinc-dl.yaml
+        (:func:`~boinc_dl.server.assimilator.connection.resolve_url`); a clear error if none."""
+        try:
+            return resolve_url(explicit, self.settings.redis_url, str(self.settings_file))
+        except NoRedisURL as e:
+            raise BoincProjectError(f"{e} (boinc-dl boinc install --redis-url ... writes it)") from None
 
 
 def find_project(start: str | Path | None = None) -> BoincProject:

@@ -32,14 +32,11 @@ assimilator share one parser and one set of exit-code rules, and read best toget
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shutil
 import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,20 +44,33 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.backends.boinc.jobsystem import UNIT_DONE, forget_workunit, issued_key
+from boinc_dl.server.assimilator import norms
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.framework import expected_of, unit_for_workunit
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.intake import (
+    TransientFault,
+    assimilate_give_up,
+    assimilate_upload,
+    check_files,
+    copy_result,
+    identity_from_names,
+    result_name_of,
+    split_results,
+    store_for,
+)
 from boinc_dl.server.backends.boinc.project import BoincProject
-from boinc_dl.server.common import bounded
+from boinc_dl.server.backends.boinc.registry import UNRESOLVED_KEY, record_unresolved_error
 from boinc_dl.server.common.errors import (
     ResultRejected,
     StoreUnavailable,
     UnknownJob,
     WeightsFormatError,
 )
-from boinc_dl.server.common.paths import confined, is_safe_name
-from boinc_dl.server.common.spec import JOB_NAME_RE
-from boinc_dl.server.common.store import PREFIX, JobStore, connect
+from boinc_dl.server.common.spec import spec_from_json
 from boinc_dl.server.common.weights import read_weights
-from boinc_dl.server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name, unit_name
+from boinc_dl.server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name
+from boinc_dl.server.validator.checks import identify_files, validate_result
 
 log = logging.getLogger("boinc-dl.scripts")
 
@@ -69,20 +79,7 @@ EXIT_INVALID = 1
 EXIT_CONFIG = 2
 EXIT_TRANSIENT = 3  # VAL_RESULT_TRANSIENT_ERROR (sched/validate_util2.h)
 
-# WU_ERROR_* (db/boinc_db_types.h)
-WU_ERRORS = {
-    1: "couldn't send a result",
-    2: "too many error results",
-    4: "too many success results without consensus",
-    8: "too many total results",
-    16: "cancelled",
-    32: "no canonical result",
-}
-WU_ERROR_CANCELLED = 16
 
-OUT_FILE = re.compile(r"^(?P<result>.+)_r\d+_(?P<index>\d+)$")
-GZIP_MAGIC = b"\x1f\x8b"
-UNRESOLVED_KEY = f"{PREFIX}:boinc:unresolved_errors"
 TOKENS = ("files", "files2", "wu_id", "wu_name", "result_id", "runtime", "batch_id",
           "result_id2", "runtime2")
 
@@ -225,143 +222,8 @@ def parse_call(argv: Sequence[str], tokens: Sequence[str] | None = None) -> Scri
     return parse_guess(argv)
 
 
-def result_name_of(path: str | Path) -> str:
-    """The result name from an output file name (``<result>_r<random>_<i>``), else ''."""
-    m = OUT_FILE.match(Path(path).name)
-    return m.group("result") if m else ""
-
-
-def wu_name_of_result(result: str) -> str:
-    """The workunit name from a result name (``<wu>_<seq>``), else ''."""
-    wu, sep, seq = result.rpartition("_")
-    return wu if sep and seq.isdigit() else ""
-
-
-def split_results(paths: Sequence[str]) -> list[list[str]]:
-    """Group output files by result (order of appearance); halves if names are foreign."""
-    groups: dict[str, list[str]] = {}
-    for p in paths:
-        name = result_name_of(p)
-        if not name:
-            half = len(paths) // 2
-            return [list(paths[:half]), list(paths[half:])]
-        groups.setdefault(name, []).append(p)
-    return list(groups.values())
-
-
-def describe_mask(mask: int) -> str:
-    """Human-readable reasons of a workunit error mask."""
-    parts = [text for bit, text in WU_ERRORS.items() if mask & bit]
-    return f"BOINC gave up on the workunit: {', '.join(parts) or 'unknown reason'} (error mask {mask})"
-
-
-# ---- files --------------------------------------------------------------------------------
-
-class TransientFault(Exception):
-    """Retry later (Redis down, upload directory missing)."""
-
-
-def check_files(paths: Sequence[str]) -> list[str]:
-    """Missing files (raises :class:`TransientFault` when their directory is missing:
-    BOINC's validator treats a missing directory as a transient NFS problem)."""
-    missing = []
-    for p in map(Path, paths):
-        if not p.is_file():
-            if not p.parent.is_dir():
-                raise TransientFault(f"directory {p.parent} of result file {p.name} is missing")
-            missing.append(str(p))
-    return missing
-
-
-def copy_result(paths: Sequence[str], dest: Path, max_bytes: int) -> list[Path]:
-    """Copy result files into ``dest`` (gunzipping ``<gzip_when_done/>`` uploads).
-
-    Each file is bounded by ``max_bytes`` (the job's upload bound): a gzip'd one is
-    decompressed as a stream that stops there (a gzip bomb costs ``max_bytes`` of disk,
-    not gigabytes). Symbolic links are refused (the server reads only upload files).
-    """
-    dest.mkdir(parents=True, exist_ok=True)
-    out = []
-    for p in map(Path, paths):
-        try:
-            if p.is_symlink():
-                raise ResultRejected(f"result file {p.name} is a symbolic link")
-            target = confined(dest, p.name)
-            with p.open("rb") as f:
-                gz = f.read(2) == GZIP_MAGIC
-            if gz:
-                bounded.gunzip_bounded(p, target, max_bytes)
-            else:
-                bounded.copy_file_bounded(p, target, max_bytes)
-        except bounded.BoundExceeded as e:
-            raise ResultRejected(f"result file {p.name}: {e} (the upload bound)") from None
-        except (OSError, EOFError) as e:
-            raise ResultRejected(f"result file {p.name} cannot be read: {e}") from None
-        out.append(target)
-    return out
-
-
-def _store_for(project: BoincProject, job: str, wait_s: float = 0.0) -> JobStore:
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            return JobStore(connect(project.redis_url(), timeout=5.0), job)
-        except StoreUnavailable:
-            if time.monotonic() >= deadline:
-                raise
-            time.sleep(1.0)
-
-
-def identity_from_names(paths: Sequence[str | Path], wu_name: str | None = None) -> tuple[str, str]:
-    """(job, workunit name) of a result, from what BOINC names: the output files'
-    names (``<wu>_<n>_r<random>_<i>``, checked to agree) or the ``wu_name`` argument;
-    ("", "") when BOINC names no boinc-dl workunit. Never from inside the files."""
-    names = {wu_name_of_result(result_name_of(p)) for p in paths}
-    wu = names.pop() if len(names) == 1 else ""
-    if not wu and not names:
-        wu = wu_name or ""
-    if wu_name and wu and wu_name != wu:
-        return "", ""
-    parsed = parse_unit_name(wu) if is_safe_name(wu) else None
-    if not parsed or not JOB_NAME_RE.match(parsed["job"]):
-        return "", ""
-    return parsed["job"], wu
-
-
 def _identity(call: ScriptCall, paths: Sequence[str]) -> tuple[str, str]:
     return identity_from_names(paths, call.wu_name)
-
-
-# ---- superseded workunits -----------------------------------------------------------------
-
-def superseded_by(store: JobStore, wu: str) -> str | None:
-    """The workunit that replaced ``wu``, if boinc-dl regenerated its unit; else None.
-
-    ``wu`` is a BOINC workunit name (from BOINC's arguments or its result file names,
-    never from inside a file). A MOP unit re-run under ``<unit>_r<n>`` is a unit of its
-    own (its record is its own); a VC-ASGD unit regenerated by re-issue policy
-    ``fresh`` keeps its name and runs as ``<unit>_r<n>``.
-    """
-    parsed = parse_unit_name(wu)
-    if not parsed:
-        return None
-    for unit in (wu, unit_name(parsed["job"], parsed["epoch"], parsed["shard"], parsed["model"])):
-        raw = store.r.hget(issued_key(store), unit)
-        if raw:
-            current = str(json.loads(raw)["name"])
-            return None if current == wu else current
-    return None
-
-
-def _late_call(store: JobStore, wu: str, what: str) -> bool:
-    """A call about a superseded workunit: logged and counted, nothing else (True)."""
-    current = superseded_by(store, wu)
-    if current is None:
-        return False
-    log.info("%s: %s of a superseded workunit (its unit now runs as %s); nothing recorded", wu, what, current)
-    forget_workunit(store.r, store.job, wu)
-    store.r.hincrby(store.k("counters"), "boinc_superseded_calls", 1)
-    return True
 
 
 # ---- assimilator --------------------------------------------------------------------------
@@ -387,117 +249,27 @@ def assimilate(project: BoincProject, argv: Sequence[str], tokens: Sequence[str]
 
 
 def _assimilate_result(project: BoincProject, call: ScriptCall) -> int:
-    from boinc_dl.server.assimilator.core import (
-        AssimilationOutcome,
-        assimilate_error,
-        assimilate_files,
-    )
-    from boinc_dl.server.common.spec import spec_from_json
-    from boinc_dl.server.validator.checks import unit_for_workunit
-
     result = result_name_of(call.files[0])
-    missing = check_files(call.files)
     job, wu = _identity(call, call.files)
     if not job:
         log.error("result %s: BOINC names no boinc-dl workunit (files %s); nothing recorded",
                   result or "?", [Path(f).name for f in call.files][:4])
         return EXIT_OK
-    store = _store_for(project, job)
-    if not store.exists():
-        log.warning("result %s: job %r is not in Redis (deleted?); ignored", result, job)
-        return EXIT_OK
-    unit = unit_for_workunit(store, wu) or ""
-    spec = spec_from_json(store.spec_json())
-    spool = project.boincdl_dir / "spool"
-    spool.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{result if is_safe_name(result) else 'result'}.", dir=spool))
-    copies: list[Path] = []
-    try:
-        if _late_call(store, wu, "a missing-files call" if missing else "a late result"):
-            return EXIT_OK
-        state = store.unit_states_of([unit])[0] if unit else None
-        if state == "cancelled":
-            # the job ended (or the unit was cancelled) while this result ran: BOINC still
-            # validates and assimilates a cancelled workunit's late success
-            log.info("%s (%s): late result of a cancelled unit; nothing recorded", unit, result)
-            forget_workunit(store.r, job, wu)
-            return EXIT_OK
-        if missing:
-            reason = f"result files missing on the server: {', '.join(Path(m).name for m in missing)}"
-            if unit and store.unit_states_of([unit])[0] in UNIT_DONE:
-                # the file deleter removed the files of a unit already merged or given up
-                log.info("%s: %s; the unit is already %s, nothing recorded", unit, reason,
-                         store.unit_states_of([unit])[0])
-            else:
-                store.record_rejection(unit or wu, result, reason)
-                out = assimilate_error(store, unit or wu, reason)
-                log.warning("%s: %s -> %s", unit or wu, reason, out.status)
-            forget_workunit(store.r, job, wu)
-            return EXIT_OK
-        try:
-            copies = copy_result(call.files, work, spec.units.max_upload_bytes)
-            out = assimilate_files(store, copies, spec, result, unit=unit or None)
-        except ResultRejected as e:
-            store.record_rejection(unit or wu, result, e.reason)
-            out = AssimilationOutcome("rejected", unit or wu, reason=e.reason)
-        except (StoreUnavailable, UnknownJob):
-            raise
-        except Exception as e:  # noqa: BLE001 - a bug must not stop every assimilation
-            reason = f"internal error while assimilating: {type(e).__name__}: {e}"
-            log.error("%s: %s\n%s", unit, reason, traceback.format_exc())
-            _keep(project, store, unit, copies, weights=True)
-            store.record_rejection(unit, result, reason)
-            assimilate_error(store, unit, reason)
-            return EXIT_OK
-        if out.status == "rejected" and unit and not store.is_assimilated(unit):
-            # BOINC considers the workunit done: give up on it so the epoch can close.
-            assimilate_error(store, unit, f"rejected at assimilation: {out.reason}")
-        if wu:
-            forget_workunit(store.r, job, wu)
-        _keep(project, store, unit, copies, weights=project.settings.keep_weights or out.status == "rejected")
-        log.info("%s (%s): %s%s", unit or wu, result, out.status, f" ({out.reason})" if out.reason else
-                 f", weights version {out.version}")
-        return EXIT_OK
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _keep(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Path], weights: bool) -> None:
-    """Keep the metrics (and, if asked, the weights) under the job's results directory.
-
-    ``unit`` comes from BOINC's names and the job's own records, and the directory is
-    still built through :func:`confined`: nothing a host wrote picks a path.
-    """
-    if not unit or not copies or not is_safe_name(unit):
-        return
-    job_dir = store.meta().get("job_dir") or str(project.job_dir(store.job))
-    results = Path(job_dir) / "results"
-    results.mkdir(parents=True, exist_ok=True)
-    dest = confined(results, unit)
-    dest.mkdir(exist_ok=True)
-    from boinc_dl.server.validator.checks import identify_files
-
-    try:
-        files = identify_files(copies)
-    except ResultRejected:
-        return
-    if files.metrics is not None:
-        shutil.copyfile(files.metrics, dest / "metrics.json")
-    if weights:
-        shutil.copyfile(files.weights, dest / "weights_out.h5")
+    store = store_for(project, job)
+    out = assimilate_upload(project, store, wu, result, call.files)
+    log.info("%s (%s): %s%s", out.unit or wu, result, out.status, f" ({out.reason})" if out.reason else
+             f", weights version {out.version}")
+    return EXIT_OK
 
 
 def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
-    from boinc_dl.server.assimilator.core import assimilate_error
-
     mask = int(call.error_mask or 0)
     wu = call.wu_name
     if not wu and call.wu_id is not None:
         wu = lookup_wu_name(project, call.wu_id)
     if not wu:
         # Release 1.2 passes only the id; without database access it cannot be mapped.
-        r = connect(project.redis_url(), timeout=5.0)
-        r.hset(UNRESOLVED_KEY, str(call.wu_id), json.dumps({"mask": mask, "t": time.time()}))
+        record_unresolved_error(connect(project.redis_url(), timeout=5.0), int(call.wu_id or 0), mask)
         log.error("workunit #%s failed (mask %d) but its name could not be looked up; recorded in %s",
                   call.wu_id, mask, UNRESOLVED_KEY)
         return EXIT_OK
@@ -505,25 +277,8 @@ def _assimilate_error(project: BoincProject, call: ScriptCall) -> int:
     if not parsed:
         log.warning("workunit %s failed (mask %d): not a boinc-dl unit name; ignored", wu, mask)
         return EXIT_OK
-    store = _store_for(project, parsed["job"])
-    if not store.exists():
-        log.warning("workunit %s failed: job %r is not in Redis; ignored", wu, parsed["job"])
-        return EXIT_OK
-    reason = describe_mask(mask)
-    # A regenerated unit (re-issue policy "fresh") runs as <unit>_r<n>: its failures
-    # are the unit's, while a workunit it superseded (cancelled by boinc-dl) is not.
-    if _late_call(store, wu, f"an error call (mask {mask})"):
-        return EXIT_OK
-    unit = wu
-    if store.unit_info(wu) is None:
-        unit = unit_name(parsed["job"], parsed["epoch"], parsed["shard"], parsed["model"])
-    forget_workunit(store.r, store.job, wu)
-    state = store.unit_states_of([unit])[0]
-    if state in UNIT_DONE:
-        log.info("%s: the unit is already %s; nothing to record", wu, state)
-        return EXIT_OK
-    out = assimilate_error(store, unit, reason)
-    log.info("%s: %s -> %s", wu, reason, out.status)
+    out = assimilate_give_up(store_for(project, parsed["job"]), wu, mask)
+    log.info("%s: %s -> %s", wu, out.reason, out.status)
     return EXIT_OK
 
 
@@ -567,10 +322,6 @@ def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[s
 
 
 def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: ScriptCall) -> int:
-    from boinc_dl.server.common.spec import spec_from_json
-    from boinc_dl.server.validator import norms
-    from boinc_dl.server.validator.checks import unit_for_workunit, validate_result
-
     result = result_name_of(paths[0])
     missing = check_files(paths)
     if missing:
@@ -580,7 +331,7 @@ def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: 
     if not job:
         log.warning("result %s invalid: BOINC names no boinc-dl workunit for it", result)
         return EXIT_INVALID
-    store = _store_for(project, job, project.settings.validator_redis_wait_s)
+    store = store_for(project, job, project.settings.validator_redis_wait_s)
     try:
         spec_json = store.spec_json()
     except UnknownJob:
@@ -592,7 +343,7 @@ def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: 
         if not unit:
             raise ResultRejected(f"workunit {wu!r} is not a unit of job {job!r}")
         copies = copy_result(paths, tmp, spec.units.max_upload_bytes)
-        res = validate_result(copies, store, spec.units.max_upload_bytes, unit)
+        res = validate_result(copies, expected_of(store, unit), spec.units.max_upload_bytes)
         bound, source = norms.bound_for(store, spec, res.weights.model)
         ws, _ = store.get_weights(res.weights.model)
         if ws.size == res.weights.flat.size:
@@ -637,15 +388,15 @@ def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequenc
 
 
 def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: ScriptCall) -> int:
+    from boinc_dl.server.assimilator.framework import unit_for_workunit
     from boinc_dl.server.common.spec import spec_from_json
-    from boinc_dl.server.validator.checks import identify_files, unit_for_workunit
 
     idents = {_identity(ScriptCall(), g) for g in groups}
     job, wu = idents.pop() if len(idents) == 1 else ("", "")
     if not job:
         log.info("compare: the results are not replicas of one boinc-dl workunit: no match")
         return EXIT_INVALID
-    store = _store_for(project, job, project.settings.validator_redis_wait_s)
+    store = store_for(project, job, project.settings.validator_redis_wait_s)
     try:
         spec = spec_from_json(store.spec_json())
     except UnknownJob:

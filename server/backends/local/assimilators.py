@@ -27,52 +27,33 @@ _MAX_IN_PIPE = 32
 
 
 
-def assimilate_guarded(store: Any, spec: Any, kind: str, result: str, unit: str, payload: Any) -> Any:
-    """The parameter server's handling of one message; raises only ``StoreUnavailable``.
+def assimilate_message(store: Any, spec: Any, kind: str, result: str, unit: str, payload: Any) -> Any:
+    """The local backend's transport into the one assimilation path; raises only
+    ``StoreUnavailable``.
 
     ``kind`` is ``result`` (``payload``: the result's file paths), ``error`` (the unit
     failed for good; ``payload``: the reason) or ``quarantine`` (a result that killed
-    assimilators before; ``payload``: the reason). Anything unexpected a result
-    provokes — a bug, a reader error no check foresaw — becomes a rejection with its
-    reason recorded, never a dead daemon.
+    assimilators before; ``payload``: the reason). The unit is the backend's own record
+    of what the slot ran, never the file's. A rejected result is not final here: the
+    backend re-issues the unit (BOINC's transitioner does the same for an invalid result).
     """
-    from boinc_dl.server.assimilator.core import (
-        AssimilationOutcome,
-        assimilate_error,
-        assimilate_files,
-    )
-    from boinc_dl.server.common.errors import StoreUnavailable
+    from boinc_dl.server.assimilator.framework import Delivery, assimilate, reject
 
-    try:
-        if kind == "quarantine":
-            store.record_rejection(unit, result, payload)
-            return AssimilationOutcome("rejected", unit, reason=payload)
-        if kind == "error":
-            return assimilate_error(store, unit, payload)
-        if unit and store.is_assimilated(unit):
-            # A re-sent or late result of a merged unit: a duplicate, without re-reading it.
-            return AssimilationOutcome("duplicate", unit)
-        # The unit is the backend's own record of what the slot ran, never the file's.
-        return assimilate_files(store, payload, spec, result, unit=unit)
-    except StoreUnavailable:
-        raise
-    except Exception as e:  # noqa: BLE001 - no input may kill the parameter server
-        log.exception("assimilator: unexpected error on %s", result or unit)
-        reason = f"assimilator error: {type(e).__name__}: {e}"
-        try:
-            store.record_rejection(unit, result, reason)
-        except Exception:  # noqa: BLE001 - recording is best effort here
-            pass
-        return AssimilationOutcome("rejected", unit, reason=reason)
+    if kind == "quarantine":
+        return reject(store, Delivery(unit, result, unit=unit, final=False), unit, payload)
+    if kind == "error":
+        return assimilate(store, Delivery(unit, result, unit=unit, error=payload, final=True), spec=spec)
+    return assimilate(store, Delivery(unit, result, unit=unit, files=list(payload), final=False), spec=spec)
 
 
 def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: int) -> None:
     """One parameter-server process: validate + merge each result it is handed, then ack."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with(owner)
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.store import JobStore
     from boinc_dl.server.common.errors import StoreUnavailable
     from boinc_dl.server.common.spec import spec_from_json
-    from boinc_dl.server.common.store import JobStore, connect
 
     store: JobStore | None = None
     spec = None
@@ -101,7 +82,7 @@ def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: in
                         raise
                     except Exception:  # noqa: BLE001 - job gone or spec unreadable: each
                         spec = None    # result is then rejected with that reason below
-                out = assimilate_guarded(store, spec, kind, result, unit, payload)
+                out = assimilate_message(store, spec, kind, result, unit, payload)
                 break
             except StoreUnavailable as e:
                 # Transient: BOINC would re-run the assimilator later. Keep the result, retry.

@@ -8,10 +8,10 @@
   :mod:`boinc_dl.server.common.space`) and :class:`SearchProcedure`, the epoch-boundary template;
 * :mod:`.procedures` -- the AutoML procedures behind it (grid, random, successive halving,
   Hyperband, PBT) and :func:`make_search`.
-* :mod:`.simulate` -- discrete-event simulation of schedules, invariant checker, lower bound.
-* :mod:`.milp` -- the exact MILP (HiGHS) and an exhaustive solver for tiny instances.
+* :mod:`.state` -- :class:`MopState`, MOP's own keys in Redis.
 
-Pure Python + numpy; ``highspy`` is only needed by :mod:`.milp`.
+Pure Python + numpy. The schedule simulator and the exact MILP the scheduler is
+measured against are test and bench machinery (``tests/support``), not installed.
 """
 
 from boinc_dl.server.common.space import parse_space

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.spec import JobSpec, parse_spec
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.work_generator.prepare import prepare_job
 from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.assimilator.store import JobStore
 
 
 @dataclass

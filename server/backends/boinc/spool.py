@@ -1,19 +1,19 @@
-#!/usr/bin/env python3
-"""Assimilate the results that BOINC's containers hand over through the spool.
+"""The docker stack's assimilation transport: results handed over through a spool directory.
 
-BOINC's ``script_assimilator`` (in the old server image) calls the POSIX-sh shim
-``bdl_assimilate_spool.sh``, which copies a result's files into
-``SPOOL/assimilate/<entry>/`` atomically (tmp dir + rename) and exits 0. This daemon,
-running in boinc-dl's own container, takes each entry, validates and merges it into
-Redis with :func:`boinc_dl.server.assimilator.core.assimilate_files` (or records a failed
-workunit with :func:`~boinc_dl.server.assimilator.core.assimilate_error`), and deletes it.
+BOINC's ``script_assimilator`` (in the BOINC server image, which has no usable
+Python) calls the POSIX-sh shim ``bdl_assimilate_spool.sh``, which copies a result's
+files into ``SPOOL/assimilate/<entry>/`` atomically (tmp dir + rename) and exits 0.
+``boinc-dl boinc spool`` (this module), running in boinc-dl's own container, takes
+each entry and hands it to the one assimilation path
+(:func:`~boinc_dl.server.backends.boinc.intake.assimilate_upload`, the same as the
+native ``bdl_assimilate`` script's), then deletes it.
 
 Delivery is at least once: a crash between the merge and the deletion makes the
 next pass find the entry again, and the merge's idempotency mark turns the re-run
 into a no-op. An entry is removed by renaming it out of the queue first, so a crash
 during deletion never leaves a half-deleted entry to be misread. Entries that can
-never be attributed to a job (BOINC's file names name no boinc-dl workunit, unknown
-job, a workunit that is not ours) are moved to ``SPOOL/dead/`` with a ``reason`` file instead of being
+never be attributed to a job (BOINC's file names name no boinc-dl workunit, a
+malformed call) are moved to ``SPOOL/dead/`` with a ``reason`` file instead of being
 lost. Redis being down is transient: the entry stays and is retried.
 
 Entry layout (written by the shim)::
@@ -25,12 +25,13 @@ Entry layout (written by the shim)::
     missing    optional: path arguments that were not files
     meta       time, host, cwd, number of files
 
-With ``--queue validate`` the daemon answers the synchronous validation requests
-of ``bdl_docker_dispatch.sh`` instead: each entry of ``SPOOL/validate/`` names a
+With ``--queue validate`` it answers the synchronous validation requests of
+``bdl_docker_dispatch.sh`` instead: each entry of ``SPOOL/validate/`` names a
 subcommand (``validate-init`` or ``validate-compare``), the project and BOINC's
-arguments; it runs ``$BDL_VALIDATE_COMMAND`` (default ``boinc-dl boinc``) with them,
-writes ``stdout``, ``stderr`` and finally ``rc`` into the entry and renames it to
-``SPOOL/validate-done/`` for the waiting shim.
+arguments; it runs ``$BDL_VALIDATE_COMMAND`` (default: this Python's
+``-m boinc_dl.server.backends.boinc``) with them, writes ``stdout``, ``stderr`` and
+finally ``rc`` into the entry and renames it to ``SPOOL/validate-done/`` for the
+waiting shim.
 
 Run several consumers with ``--mod N I`` (entry i goes to the consumer with
 ``crc32(name) % N == I``), as BOINC runs several assimilators.
@@ -38,7 +39,6 @@ Run several consumers with ``--mod N I`` (entry i goes to the consumer with
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import json
 import os
@@ -54,55 +54,24 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit, urlunsplit
 
-import redis
-
-from boinc_dl.server.assimilator.core import AssimilationOutcome, assimilate_error, assimilate_files
-from boinc_dl.server.backends.boinc.scripts import identity_from_names, result_name_of
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.core import AssimilationOutcome
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.intake import (
+    assimilate_give_up,
+    assimilate_upload,
+    identity_from_names,
+    result_name_of,
+)
+from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.common.errors import StoreUnavailable
-from boinc_dl.server.common.store import JobStore, connect
 from boinc_dl.server.common.workunit import parse_unit_name
-from boinc_dl.server.validator.checks import unit_for_workunit
 
 DEFAULT_SPOOL = "/var/lib/boinc-dl/spool"
 QUEUE = "assimilate"
 MAX_ATTEMPTS = 5  # unexpected errors on one entry before it is moved to dead/
 STALE_TMP_S = 3600.0  # shim staging dirs older than this were abandoned by a killed shim
-
-# WU_ERROR_* bits of BOINC's workunit.error_mask (html/inc/common_defs.inc).
-WU_ERRORS = {
-    1: "could not send",
-    2: "too many errors",
-    4: "too many success results",
-    8: "too many total results",
-    16: "cancelled",
-    32: "no canonical result",
-}
-
-
-def describe_error_mask(mask: int) -> str:
-    """Human-readable BOINC workunit error mask, e.g. ``8 (too many total results)``."""
-    names = [name for bit, name in WU_ERRORS.items() if mask & bit]
-    return f"{mask} ({', '.join(names)})" if names else str(mask)
-
-
-def redis_url_from_env(url: str | None = None) -> str:
-    """The Redis URL: ``url`` or ``$BDL_REDIS_URL``, with the password from
-    ``$BDL_REDIS_PASSWORD_FILE`` inserted when the URL carries none."""
-    url = url or os.environ.get("BDL_REDIS_URL") or "redis://redis:6379/0"
-    pw_file = os.environ.get("BDL_REDIS_PASSWORD_FILE")
-    parts = urlsplit(url)
-    if pw_file and not parts.password and parts.scheme in ("redis", "rediss"):
-        password = Path(pw_file).read_text().strip()
-        host = parts.hostname or "localhost"
-        netloc = f":{quote(password, safe='')}@{host}" + (f":{parts.port}" if parts.port else "")
-        url = urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
-    elif pw_file and not parts.password and parts.scheme == "unix":
-        password = Path(pw_file).read_text().strip()
-        sep = "&" if parts.query else ""
-        url = urlunsplit(("unix", "", parts.path, f"{parts.query}{sep}password={quote(password, safe='')}", ""))
-    return url
 
 
 @dataclass
@@ -121,10 +90,11 @@ class EntryResult:
 
 
 class SpoolConsumer:
-    """Process the entries of ``spool/assimilate`` against Redis ``r``."""
+    """Process the entries of ``spool/assimilate`` for BOINC project ``project`` against Redis ``r``."""
 
-    def __init__(self, spool: str | Path, r: redis.Redis, mod: tuple[int, int] = (1, 0)):
+    def __init__(self, spool: str | Path, project: BoincProject, r: Any, mod: tuple[int, int] = (1, 0)):
         self.spool = Path(spool)
+        self.project = project
         self.queue = self.spool / QUEUE
         self.dead = self.spool / "dead"
         self.trash = self.spool / "trash"
@@ -182,22 +152,18 @@ class SpoolConsumer:
 
     def _result(self, entry: Path, argv: list[str]) -> EntryResult:
         paths = self._files(entry)
-        if not paths:
-            missing = _read_lines(entry / "missing") if (entry / "missing").exists() else []
-            why = f"missing: {', '.join(missing)}" if missing else "no file arguments"
-            return self._bury(entry, f"the assimilator call carried no result files ({why}); argv: {argv}")
+        missing = _read_lines(entry / "missing") if (entry / "missing").exists() else []
+        if not paths and not missing:
+            return self._bury(entry, f"the assimilator call carried no result files; argv: {argv}")
         # Identity from BOINC's names of the uploads (the shim's sources), never the files.
         originals = [line.split("\t", 1)[1] for line in _read_lines(entry / "sources") if "\t" in line]
-        job, wu = identity_from_names(originals or [str(p) for p in paths])
+        job, wu = identity_from_names(originals or missing or [str(p) for p in paths])
         if not job:
-            names = [Path(p).name for p in originals][:4]
+            names = [Path(p).name for p in originals or missing][:4]
             return self._bury(entry, f"result cannot be attributed to a job: BOINC's names {names} name no "
                                      "boinc-dl workunit")
-        store = JobStore(self.r, job)
-        if not store.exists():
-            return self._bury(entry, f"unknown job {job!r} (workunit {wu!r})", job=job, unit=wu)
-        result = result_name_of(originals[0]) if originals else ""
-        outcome = assimilate_files(store, paths, result_name=result, unit=unit_for_workunit(store, wu) or "")
+        result = result_name_of((originals or missing)[0]) if (originals or missing) else ""
+        outcome = assimilate_upload(self.project, JobStore(self.r, job), wu, result, paths, missing=missing)
         return self._done(entry, outcome, job)
 
     def _error_call(self, entry: Path, argv: list[str]) -> EntryResult:
@@ -214,11 +180,7 @@ class SpoolConsumer:
         ident = parse_unit_name(wu_name)
         if ident is None:
             return self._bury(entry, f"workunit {wu_name!r} is not a boinc-dl unit")
-        store = JobStore(self.r, ident["job"])
-        if not store.exists():
-            return self._bury(entry, f"unknown job {ident['job']!r}", job=ident["job"], unit=wu_name)
-        reason = f"BOINC gave up on the workunit: error mask {describe_error_mask(mask)}"
-        outcome = assimilate_error(store, wu_name, reason)
+        outcome = assimilate_give_up(JobStore(self.r, ident["job"]), wu_name, mask)
         return self._done(entry, outcome, ident["job"])
 
     def _files(self, entry: Path) -> list[Path]:
@@ -229,6 +191,9 @@ class SpoolConsumer:
 
     # ---- outcomes ------------------------------------------------------------------
     def _done(self, entry: Path, outcome: AssimilationOutcome, job: str) -> EntryResult:
+        if outcome.status == "ignored":
+            # kept for the admin rather than lost: e.g. a job deleted while its results ran
+            return self._bury(entry, outcome.reason, job=job, unit=outcome.unit)
         self._remove(entry)
         return EntryResult(entry.name, "done", outcome.status, job, outcome.unit, outcome.reason)
 
@@ -270,7 +235,8 @@ class ValidateRunner:
         self.spool = Path(spool)
         self.queue = self.spool / "validate"
         self.done = self.spool / "validate-done"
-        self.command = command or shlex.split(os.environ.get("BDL_VALIDATE_COMMAND", "boinc-dl boinc"))
+        self.command = command or shlex.split(os.environ.get("BDL_VALIDATE_COMMAND", "")) or \
+            [sys.executable, "-m", "boinc_dl.server.backends.boinc"]
         self.n, self.i = mod
         self.timeout = timeout
         for d in (self.queue, self.done):
@@ -359,7 +325,7 @@ def _sleep(seconds: float) -> None:
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def _connect_retrying(url: str) -> Iterator[redis.Redis]:
+def _connect_retrying(url: str) -> Iterator[Any]:
     delay = 1.0
     while not _Stop.requested:
         try:
@@ -371,64 +337,64 @@ def _connect_retrying(url: str) -> Iterator[redis.Redis]:
             delay = min(delay * 2, 30.0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--spool", default=os.environ.get("BDL_SPOOL", DEFAULT_SPOOL))
-    ap.add_argument("--redis", default=None, help="Redis URL (default $BDL_REDIS_URL)")
-    ap.add_argument("--queue", choices=("assimilate", "validate"), default="assimilate",
-                    help="assimilate results (default) or answer validation requests")
-    ap.add_argument("--mod", nargs=2, type=int, metavar=("N", "I"), default=(1, 0))
-    ap.add_argument("--poll", type=float, default=1.0, help="seconds between passes over an empty queue")
-    ap.add_argument("--once", action="store_true", help="one pass, then exit (exit 3 if Redis is down)")
-    ap.add_argument("--print-redis-url", action="store_true", help="print the Redis URL in use (with the password) and exit")
-    args = ap.parse_args(argv)
-
-    url = redis_url_from_env(args.redis)
-    if args.print_redis_url:
-        print(url)
-        return 0
-    spool = Path(args.spool)
-    if not spool.is_dir():
-        print(f"spool directory {spool} does not exist", file=sys.stderr)
-        return 2
-    lock_path = spool / "locks" / f"{args.queue}-{args.mod[0]}-{args.mod[1]}.lock"
+def _lock(spool: Path, queue: str, mod: tuple[int, int]) -> Any:
+    """Hold this consumer's lock for the process's life (two consumers of one share
+    would hand one entry over twice); None when another process holds it."""
+    lock_path = spool / "locks" / f"{queue}-{mod[0]}-{mod[1]}.lock"
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     lock = open(lock_path, "w")  # noqa: SIM115 - held for the process lifetime
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        print(f"another consumer holds {lock_path}", file=sys.stderr)
-        return 2
+        lock.close()
+        return None
+    return lock
 
-    if args.queue == "validate":
-        runner = ValidateRunner(spool, mod=tuple(args.mod))
+
+def serve(spool: Path, project: BoincProject | None, queue: str = "assimilate", mod: tuple[int, int] = (1, 0),
+          poll: float = 1.0, once: bool = False) -> int:
+    """``boinc-dl boinc spool``: consume the queue until SIGTERM/SIGINT/SIGHUP (or one pass).
+
+    Exit status: 0, 2 (bad setup: no spool, another consumer holds this share), or 3
+    with ``once`` when Redis is down (the entries stay)."""
+    if not spool.is_dir():
+        print(f"spool directory {spool} does not exist", file=sys.stderr)
+        return 2
+    lock = _lock(spool, queue, mod)
+    if lock is None:
+        print(f"another consumer serves {queue} share {mod[1]} of {mod[0]} in {spool}", file=sys.stderr)
+        return 2
+    if queue == "validate":
+        runner = ValidateRunner(spool, mod=mod)
         _Stop.install()
         while not _Stop.requested:
             results = runner.run_once()
             for res in results:
                 print(res.log_line(), flush=True)
-            if args.once:
+            if once:
                 break
             runner.clean_done()
             if not results:
-                _sleep(min(args.poll, 0.5))
+                _sleep(min(poll, 0.5))
         return 0
-
-    if args.once:
+    if project is None:
+        print("the assimilate queue needs the BOINC project (--project or BDL_PROJECT)", file=sys.stderr)
+        return 2
+    url = project.redis_url()
+    if once:
         try:
             r = connect(url)
         except StoreUnavailable as e:
             print(str(e), file=sys.stderr)
             return 3
-        results = SpoolConsumer(spool, r, tuple(args.mod)).run_once()
+        results = SpoolConsumer(spool, project, r, mod).run_once()
         for res in results:
             print(res.log_line(), flush=True)
         return 3 if any(x.reason.startswith("redis") for x in results) else 0
-
     _Stop.install()
     for r in _connect_retrying(url):
-        consumer = SpoolConsumer(spool, r, tuple(args.mod))
-        delay = args.poll
+        consumer = SpoolConsumer(spool, project, r, mod)
+        delay = poll
         while not _Stop.requested:
             results = consumer.run_once()
             for res in results:
@@ -436,11 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             if any(x.reason.startswith("redis") for x in results):
                 delay = min(max(delay * 2, 1.0), 30.0)
             else:
-                delay = args.poll
+                delay = poll
             if not any(x.action != "retry" for x in results):
                 _sleep(delay)  # empty queue, or nothing could be handled this pass
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

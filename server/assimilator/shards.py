@@ -6,7 +6,7 @@ under its own Redis hash tag, so in a Redis Cluster the shards of one model spre
 over the masters and two assimilators on different shards never meet, while a
 shard's bytes, its version and its "unit applied" marks share one slot and change
 together in one transaction (strict mode: ``WATCH``/``MULTI``/``EXEC`` in
-:meth:`boinc_dl.server.common.store.JobStore.merge`; eventual mode: the Lua script below). The
+:meth:`boinc_dl.server.assimilator.store.JobStore.merge`; eventual mode: the Lua script below). The
 float math runs in numpy in the assimilator; Redis only stores bytes.
 
 Keys of shard ``i`` of model ``M`` of job ``J`` (``B = bdl:J:s:{J/M/i}``):
@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,15 +153,3 @@ def load_shard_versions(weights_path: Path) -> list[int] | None:
 
 def shard_versions_path(weights_path: Path) -> Path:
     return weights_path.with_name(f"{weights_path.name}.shards.json")
-
-
-def fault_kill_after_shards() -> int | None:
-    """Fault injection for the crash tests: ``BDL_FAULT_KILL_AFTER_SHARDS=k`` makes a
-    merging process SIGKILL itself right after committing its k-th shard."""
-    raw = os.environ.get("BDL_FAULT_KILL_AFTER_SHARDS", "")
-    return int(raw) if raw.isdigit() else None
-
-
-def die_now() -> None:
-    """SIGKILL this process (no cleanup, no reply: a real crash)."""
-    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,10 +1,10 @@
 """Merging a result into a model's sharded weights, exactly once per shard.
 
-The merge half of :class:`~boinc_dl.server.common.store.JobStore` (mixed into it): strict merges
+The merge half of :class:`~boinc_dl.server.assimilator.store.JobStore` (mixed into it): strict merges
 commit each shard with ``WATCH``/``MULTI``/``EXEC`` on one held connection, eventual
 merges with the ``CAS_SHARD`` Lua script, and one ``FINALIZE`` script sets the unit's
 global mark with its accounting. The protocol and its guarantees:
-``docs/parameter-server.md``; the keys: :mod:`boinc_dl.server.common.shards`.
+``docs/parameter-server.md``; the keys: :mod:`boinc_dl.server.assimilator.shards`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import redis
 
-from boinc_dl.server.common import shards as sh
+from boinc_dl.server.assimilator import shards as sh
+from boinc_dl.server.assimilator.retry import Backoff, is_redirect, is_transient
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
-from boinc_dl.server.common.redis_faults import Backoff, is_redirect, is_transient
 
 # A shard read fetched ahead: (the cache entry popped for it, the read script's reply).
 _ReadAhead = tuple[tuple[bytes, np.ndarray] | None, list[Any]]
@@ -40,7 +40,7 @@ class MergeOutcome:
 
 
 class ShardMerging:
-    """``merge`` and its machinery, mixed into :class:`~boinc_dl.server.common.store.JobStore`,
+    """``merge`` and its machinery, mixed into :class:`~boinc_dl.server.assimilator.store.JobStore`,
     which provides the connection, the keys (``k``, ``_shard_keys``), ``layout``,
     ``version``, ``call`` and ``_script``, and the caches annotated here."""
 
@@ -53,6 +53,13 @@ class ShardMerging:
     _alone: dict[str, bool]
     _from_snapshot: set[tuple[str, int]]
     _foreign: bool
+    #: Called with the number of shards this merge call has committed so far, after
+    #: each commit (a fault-injection point for crash tests; None in production).
+    on_shard_applied: Callable[[int], None] | None
+
+    def _shard_applied(self, n: int) -> None:
+        if self.on_shard_applied is not None:
+            self.on_shard_applied(n)
 
     def merge(
         self,
@@ -98,7 +105,6 @@ class ShardMerging:
         one_arg = _arity(combine) == 1
         if one_arg and lay.shards > 1:
             raise TypeError(f"model {model!r} has {lay.shards} shards: combine must take (part, slice)")
-        kill_after = sh.fault_kill_after_shards()
         # Start at a random shard: concurrent merges of one model then mostly touch
         # different shards at any moment instead of queueing on shard 0.
         start = int.from_bytes(os.urandom(2), "big") % lay.shards
@@ -108,7 +114,7 @@ class ShardMerging:
             sl = lay.bounds(i)
             return (lambda part: combine(part)) if one_arg else (lambda part: combine(part, sl))
         if strict:
-            retries, applied_here = self._merge_strict(model, order, unit, token, fn_for, max_retries, kill_after)
+            retries, applied_here = self._merge_strict(model, order, unit, token, fn_for, max_retries)
             if applied_here < 0:
                 return MergeOutcome(False, self.version(model), retries)
             return self._finalize(model, unit, token, record, epoch, retries)
@@ -124,8 +130,7 @@ class ShardMerging:
                 return MergeOutcome(False, self.version(model), retries)
             if status == "applied":
                 applied_here += 1
-                if kill_after is not None and applied_here >= kill_after:
-                    sh.die_now()
+                self._shard_applied(applied_here)
         return self._finalize(model, unit, token, record, epoch, retries)
 
     # ---- strict merges: WATCH/MULTI on one held connection ------------------------------
@@ -136,7 +141,7 @@ class ShardMerging:
     # mostly moving bytes, that is the difference between ~15 and ~20+ merges/s.
     def _merge_strict(self, model: str, order: list[int], unit: str, token: str,
                       fn_for: Callable[[int], Callable[[np.ndarray], np.ndarray | None]],
-                      max_retries: int, kill_after: int | None) -> tuple[int, int]:
+                      max_retries: int) -> tuple[int, int]:
         """Apply every shard not yet carrying ``unit`` (strict: no update lost).
 
         Returns (conflicts retried, shards applied here); -1 applied: rejected before
@@ -160,8 +165,7 @@ class ShardMerging:
                     self._alone[model] = bool(got)
                     left = [i for i in left if i not in got]
                     applied += len(got)
-                    if kill_after is not None and applied >= kill_after:
-                        sh.die_now()
+                    self._shard_applied(applied)
                     if not left:
                         break
                 i = left[0]
@@ -185,8 +189,7 @@ class ShardMerging:
                     left.pop(0)
                     if status == "applied":
                         applied += 1
-                        if kill_after is not None and applied >= kill_after:
-                            sh.die_now()
+                        self._shard_applied(applied)
                     if self.cluster and left:
                         held.release()
                         held = _Held(self._client_for(self._shard_keys(model, left[0])[0]))

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .assignment import round_robin_availability
-from .scheduler import MOPScheduler
+from boinc_dl.server.work_generator.mop.assignment import round_robin_availability
+from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
 
 #: Worker speeds of the paper's simulation (TFLOPS): Titan Xp, K80, GTX 1080, P100.
 GPU_TFLOPS = (12.1, 5.6, 11.3, 18.7)

@@ -9,7 +9,6 @@ TensorFlow's deterministic ops on CPU the result is bitwise identical.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from boinc_dl.server.common.store import JobStore
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import read_weights
 from boinc_dl.server.common.workunit import (
     DATA,
@@ -28,6 +27,7 @@ from boinc_dl.server.common.workunit import (
     WU_JSON,
     unit_name,
 )
+from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.prepare import JobFiles
 
 
@@ -36,7 +36,7 @@ def replay_model(store: JobStore, job_dir: Path, model: str, threads: int = 1) -
     from boinc_dl.client_app.train import ModelCache, run_unit
 
     files = JobFiles(Path(job_dir).resolve(), store.job)
-    log = [json.loads(x) for x in store.r.lrange(store.k("mop_log"), 0, -1)]
+    log = MopState(store).schedule_log()
     units = [unit_name(store.job, e, p, m, att - 1) for m, p, _w, att, e in log if m == model]
     weights = files.weights(model, 0)
     cache = ModelCache()

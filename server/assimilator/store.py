@@ -19,12 +19,12 @@ Keys of job J:
 ``bdl:J:rejections``           stream: rejected results with their reasons
 =============================  ===================================================
 
-Weights are sharded (:mod:`boinc_dl.server.common.shards`) and merged by
-:class:`~boinc_dl.server.common.merging.ShardMerging` (mixed in): shard by shard, each shard's
+Weights are sharded (:mod:`boinc_dl.server.assimilator.shards`) and merged by
+:class:`~boinc_dl.server.assimilator.merging.ShardMerging` (mixed in): shard by shard, each shard's
 bytes and its "unit applied" mark committed together, then one script sets the unit's
 global "assimilated" mark with the epoch accounting. Weights written by earlier
 releases as one value (``bdl:J:w:M``) are cut into shards on first use. In a Redis
-Cluster (:mod:`boinc_dl.server.common.cluster`) the job's bookkeeping keys are ``bdl:{J}:...``
+Cluster (:mod:`boinc_dl.server.assimilator.connection`) the job's bookkeeping keys are ``bdl:{J}:...``
 (one slot), each shard its own slot.
 
 Reconnection: every :class:`JobStore` call retries while Redis is unreachable (a
@@ -43,14 +43,13 @@ applied it, so every write is idempotent or made so:
   marked by *its own* token reports the merge as applied, not as a duplicate.
 
 Every Redis key of a job and the Lua scripts that change them together are one
-contract, kept in this module; the merge protocol is in :mod:`boinc_dl.server.common.merging`.
+contract, kept in this module; the merge protocol is in :mod:`boinc_dl.server.assimilator.merging`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,12 +58,12 @@ from typing import Any
 import numpy as np
 import redis
 
-from boinc_dl.server.common import shards as sh
-from boinc_dl.server.common.cluster import cluster_client, is_cluster, is_cluster_url
+from boinc_dl.server.assimilator import shards as sh
+from boinc_dl.server.assimilator.connection import is_cluster
+from boinc_dl.server.assimilator.merging import ShardMerging
+from boinc_dl.server.assimilator.retry import Backoff, is_transient
+from boinc_dl.server.assimilator.shards import ShardLayout, Snapshot
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
-from boinc_dl.server.common.merging import ShardMerging
-from boinc_dl.server.common.redis_faults import Backoff, is_transient
-from boinc_dl.server.common.shards import ShardLayout, Snapshot
 from boinc_dl.server.common.weights import Fingerprint
 
 PREFIX = "bdl"
@@ -77,57 +76,6 @@ DEFAULT_RETRY_S = 30.0
 TOKEN_TTL_S = 3600
 
 
-class _BigBufferMixin:
-    """Larger socket buffers: a 20 MB weights value crosses in far fewer wake-ups."""
-
-    def _connect(self):  # type: ignore[no-untyped-def]
-        sock = super()._connect()  # type: ignore[misc]
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, 8 * 1024 * 1024)
-            except OSError:
-                pass
-        return sock
-
-
-class _UnixConnection(_BigBufferMixin, redis.UnixDomainSocketConnection):
-    pass
-
-
-class _TCPConnection(_BigBufferMixin, redis.Connection):
-    pass
-
-
-def connect(url: str, timeout: float = 10.0, wait_s: float = 0.0) -> redis.Redis:
-    """Connect to Redis (``redis://``, ``unix://``, or a Redis Cluster:
-    ``redis+cluster://h1:p1,h2:p2`` or a comma-separated list of ``redis://`` nodes)
-    and check it answers.
-
-    ``wait_s`` > 0 keeps trying that long (a daemon starting while Redis restarts);
-    the default fails at once with one clear message (a user command)."""
-    end = time.monotonic() + wait_s
-    while True:
-        try:
-            if is_cluster_url(url):
-                r: Any = cluster_client(url, timeout)
-            else:
-                pool = redis.ConnectionPool.from_url(url, socket_timeout=max(timeout, 30.0),
-                                                     socket_connect_timeout=timeout)
-                pool.connection_class = _UnixConnection \
-                    if pool.connection_class is redis.UnixDomainSocketConnection \
-                    else _TCPConnection if pool.connection_class is redis.Connection else pool.connection_class
-                r = redis.Redis(connection_pool=pool)
-            r.ping()
-            return r
-        except (redis.RedisError, redis.RedisClusterException, OSError) as e:
-            if not isinstance(e, redis.ConnectionError | redis.TimeoutError | redis.BusyLoadingError
-                              | redis.RedisClusterException | OSError) and not is_transient(e):
-                raise
-            if time.monotonic() >= end:
-                raise StoreUnavailable(f"Redis at {url} is unreachable: {e}") from None
-            time.sleep(0.1)
-
-
 class JobStore(ShardMerging):
     """All Redis access for one job.
 
@@ -135,8 +83,10 @@ class JobStore(ShardMerging):
     :class:`StoreUnavailable` (``retry_s=0``: a single attempt).
     """
 
-    def __init__(self, r: redis.Redis, job: str, retry_s: float = DEFAULT_RETRY_S):
+    def __init__(self, r: redis.Redis, job: str, retry_s: float = DEFAULT_RETRY_S,
+                 on_shard_applied: Callable[[int], None] | None = None):
         self.r = r
+        self.on_shard_applied = on_shard_applied
         self.job = job
         self.cluster = is_cluster(r)
         # In a cluster every bookkeeping key of a job shares the hash tag {job} (one
@@ -485,6 +435,66 @@ class JobStore(ShardMerging):
 
     def failed(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self.call(lambda: self.r.hgetall(self.k("failed"))).items()}
+
+    def register_units(self, items: list[tuple[str, dict[str, Any], int]],
+                       also: Callable[[Any], None] | None = None) -> None:
+        """Record several created units ``(unit, info, epoch)`` in one transaction, with
+        the caller's own commands (``also(pipeline)``, e.g. its scheduler's state) in the
+        same MULTI/EXEC: all of it lands, or none. Not retried (a lost reply could count
+        a unit twice): a StoreUnavailable leaves the caller to recover from its state."""
+        def op() -> None:
+            with self.r.pipeline(transaction=True) as p:
+                for unit, info, epoch in items:
+                    p.hsetnx(self.k("units"), unit, json.dumps(info))
+                    p.hset(self.k("unit_state"), unit, "created")
+                    p.hincrby(self.k("epoch", epoch), "created", 1)
+                    p.hsetnx(self.k("epoch", epoch), "started_at", time.time())
+                if also is not None:
+                    also(p)
+                p.execute()
+        _guard(op)
+
+    def update_unit_info(self, unit: str, info: dict[str, Any]) -> None:
+        """Replace a registered unit's record (e.g. its files after a regeneration)."""
+        self.call(lambda: self.r.hset(self.k("units"), unit, json.dumps(info)))
+
+    def settled_of(self, units: list[str]) -> list[tuple[dict[str, Any] | None, str | None]]:
+        """For each unit (in order): its merge record if merged, and its give-up reason if
+        failed (one round trip)."""
+        if not units:
+            return []
+
+        def read() -> list[Any]:
+            p = self.r.pipeline(transaction=False)
+            p.hmget(self.k("assimilated"), units)
+            p.hmget(self.k("failed"), units)
+            return p.execute()
+        done, failed = self.call(read)
+        return [(json.loads(d) if d is not None else None, f.decode() if f is not None else None)
+                for d, f in zip(done, failed, strict=True)]
+
+    # ---- per-model state beside the weights ---------------------------------------------
+    def optimizer_state(self, model: str) -> bytes | None:
+        """The optimizer state MOP hops with model ``model`` (tagged with its version)."""
+        return self.call(lambda: self.r.get(self.k("opt", model)))
+
+    def set_optimizer_state(self, model: str, blob: bytes) -> None:
+        self.call(lambda: self.r.set(self.k("opt", model), blob))
+
+    def update_norms(self, model: str, count: int) -> list[float]:
+        """The most recent accepted update distances of ``model`` (newest first)."""
+        return [float(v) for v in self.call(lambda: self.r.lrange(self.k("update_norms", model), 0, count - 1))]
+
+    def push_update_norm(self, model: str, dist: float, keep: int) -> None:
+        """Add an accepted result's update distance, keeping the newest ``keep``."""
+        key = self.k("update_norms", model)
+
+        def op() -> None:
+            p = self.r.pipeline(transaction=True)
+            p.lpush(key, repr(float(dist)))
+            p.ltrim(key, 0, keep - 1)
+            p.execute()
+        self.call(op)
 
     # ---- epochs -------------------------------------------------------------------------
     def epoch_counts(self, epoch: int) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 boinc-dl's guarantee "no acknowledged merge is lost when Redis dies" (docs/fault-tolerance.md)
 holds only with an append-only file written before each reply: ``appendonly yes`` with
-``appendfsync no`` (plus :mod:`boinc_dl.server.common.aof_sync` flushing it once a second) or
+``appendfsync no`` (plus :mod:`boinc_dl.server.assimilator.aof_sync` flushing it once a second) or
 ``always``. Redis's usual ``everysec`` replies before it writes while its previous fsync
 is slow, and a Redis without an AOF loses everything since its last snapshot. The private
 Redis of ``boinc-dl run`` and the docker stack are set up right; a Redis of the admin's

@@ -1,8 +1,8 @@
-#!/usr/bin/env python3
-"""Run one of BOINC's command-line tools in the BOINC container, from boinc-dl's.
+"""Run one of BOINC's command-line tools in the BOINC container, from boinc-dl's (docker stack).
 
-Usage: ``bdl-boinc-call TOOL [ARGS...]`` (stdin is passed on), or through a symlink
-named after the tool (``create_work ARGS...``). The call is written as a request
+Usage: ``python -m boinc_dl.server.backends.boinc.toolcall TOOL [ARGS...]`` (stdin is
+passed on); the boinc-dl image installs it as ``bdl-boinc-call`` and as one small
+script per tool under ``/opt/boinc-dl/boinc-bin`` (``create_work ARGS...``). The call is written as a request
 directory into ``$BDL_SPOOL/calls/`` (built in ``tmp/`` and renamed in), the BOINC
 container's ``bdl_call_runner.sh`` runs ``$PROJECT_ROOT/bin/TOOL ARGS`` there, and
 this program prints the tool's stdout and stderr and exits with its status, as if
@@ -96,15 +96,12 @@ def _fsync(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv if argv is None else argv)
-    prog = Path(argv[0]).name
-    if prog in ("bdl-boinc-call", "boinc_call.py", "boinc_call"):
-        if len(argv) < 2 or argv[1] in ("-h", "--help"):
-            print(__doc__.strip().split("\n\n")[0].replace("Usage: ", "usage: "), file=sys.stderr)
-            return 2
-        tool, args = argv[1], argv[2:]
-    else:
-        tool, args = prog, argv[1:]
+    """``TOOL ARGS...``: run the tool through the call runner and exit with its status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
+        return 2
+    tool, args = argv[0], argv[1:]
     # Only the tools that read stdin get it (reading an idle inherited pipe would hang).
     wants_stdin = "--stdin" in args or tool in TOOLS_READING_STDIN
     stdin = sys.stdin.buffer.read() if wants_stdin and sys.stdin is not None and not sys.stdin.isatty() else None

@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from boinc_dl.server.common.redis_server import EmbeddedRedis
-from boinc_dl.server.common.store import PREFIX
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+from boinc_dl.server.assimilator.store import PREFIX
 
 
 @dataclass

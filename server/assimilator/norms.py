@@ -17,22 +17,17 @@ import math
 
 import numpy as np
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.common.store import JobStore
 
 WINDOW = 256
 MIN_RATIO = 4.0
 MAD_TO_SD = 1.4826
 
 
-def _key(store: JobStore, model: str) -> str:
-    return store.k("update_norms", model)
-
-
 def accepted_norms(store: JobStore, model: str) -> list[float]:
     """The most recent accepted update distances of ``model`` (newest first)."""
-    raw = store.call(lambda: store.r.lrange(_key(store, model), 0, WINDOW - 1))
-    return [float(v) for v in raw]
+    return store.update_norms(model, WINDOW)
 
 
 def adaptive_bound(norms: list[float], k: float | None, warmup: int) -> float | None:
@@ -69,12 +64,4 @@ def check_distance(dist: float, bound: float | None, source: str) -> str | None:
 
 def record_norm(store: JobStore, model: str, dist: float) -> None:
     """Add an accepted result's distance to the window (after its merge)."""
-    key = _key(store, model)
-
-    def op() -> None:
-        p = store.r.pipeline(transaction=True)
-        p.lpush(key, repr(float(dist)))
-        p.ltrim(key, 0, WINDOW - 1)
-        p.execute()
-
-    store.call(op)
+    store.push_update_norm(model, dist, WINDOW)
