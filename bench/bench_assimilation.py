@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, median  # noqa: E402
 from boinc_dl.server.assimilator.connection import connect
-from boinc_dl.server.assimilator.core import assimilate_files  # noqa: E402
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
 from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec  # noqa: E402
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights  # noqa: E402
+from tests.support.results import assimilate_files
 
 PAPER_REDIS_S = 0.87
 PAPER_MYSQL_S = 1.29

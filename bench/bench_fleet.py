@@ -42,7 +42,8 @@ os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_
 from bench._common import emit, machine  # noqa: E402
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
-from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, issued_key, reissue_now_key  # noqa: E402
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.fleet.aws import AwsProvider  # noqa: E402
 from boinc_dl.server.fleet.boinchosts import BoincHosts  # noqa: E402
 from boinc_dl.server.fleet.controller import FleetController  # noqa: E402
@@ -89,8 +90,8 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     store, units = boinc_job(r, project, f"bench{n_hosts}", 2 * n_hosts)
     for u in units:  # a deadline of an hour, like the job's spec
-        rec = json.loads(r.hget(issued_key(store), u))
-        r.hset(issued_key(store), u, json.dumps({**rec, "delay": DELAY_BOUND_S}))
+        rec = json.loads(r.hget(BoincRegistry(store).issued_key, u))
+        r.hset(BoincRegistry(store).issued_key, u, json.dumps({**rec, "delay": DELAY_BOUND_S}))
     fleet = make_fleet(session, url, n_hosts, name=f"bench{n_hosts}")
     cfg = aws_config(url, fleet, str(project.root), max_hosts=4000, interrupt_poll_s=1.0,
                      fallback={"threshold": 1.0, "window_s": 60, "on_demand_percent": 50})
@@ -130,7 +131,7 @@ def one_size(n_hosts: int, trials: int, url: str, tmp: Path, r) -> dict:
     for v in victims:
         t0 = time.time()
         put_interruptions(session, url, [(v, "warning", t0)])
-        while not all(r.sismember(reissue_now_key(store), u) for u in on_host[v]):
+        while not all(r.sismember(BoincRegistry(store).reissue_key, u) for u in on_host[v]):
             time.sleep(0.01)
             if time.time() - t0 > 60:
                 raise RuntimeError("re-issue did not happen within 60 s")

@@ -44,7 +44,7 @@ import json, sys, time, tracemalloc
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.assimilator.connection import connect
-from boinc_dl.server.validator.checks import validate_result
+from tests.support.results import validate
 url, job, unit, path, bound = sys.argv[1:6]
 store = JobStore(connect(url), job)
 store.fingerprint("0"); store.unit_info(unit)
@@ -53,7 +53,7 @@ def kib(field):
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 def once():
     try:
-        validate_result([path], store, int(bound), unit)
+        validate([path], store, int(bound), unit)
         return "valid"
     except ResultRejected as e:
         return e.reason

@@ -377,7 +377,7 @@ def test_page_reads_the_settings_install_writes(redis_tcp, tmp_path: Path) -> No
     assert (ops / "boincdl.php").is_file()
     store = JobStore(r, "digits-vcasgd")
     store.set_meta(finished_at=1_700_000_000.5)
-    for name, n in (("reissued", 2), ("regenerated", 3), ("boinc_cancelled", 4), ("boinc_superseded_calls", 5)):
+    for name, n in (("reissued", 2), ("regenerated", 3), ("boinc_cancelled", 4), ("superseded_calls", 5)):
         r.hset(store.k("counters"), name, n)
     php = PhpServer(ops, {"BDL_REDIS_URL": "", "BDL_REDIS_PASSWORD_FILE": "", "BDL_ADMIN_CONFIG": ""})
     try:

@@ -28,18 +28,17 @@ import yaml
 
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc import spool as spool_consumer
+from boinc_dl.server.backends.boinc import toolcall
 from boinc_dl.server.common.spec import parse_spec, spec_to_json
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 from boinc_dl.server.common.workunit import unit_name
+from tests.boinc.conftest import make_project
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 SHIM = DOCKER / "shims" / "bdl_assimilate_spool.sh"
 COMPOSE = DOCKER / "compose.yaml"
-CONSUMER = DOCKER / "spool_consumer.py"
-
-sys.path.insert(0, str(DOCKER))
-import spool_consumer  # noqa: E402  (a script in docker/, imported for its functions)
 
 # Where a compose-spec JSON schema may be found (Debian's docker-compose ships one;
 # .ci/deps.sh installs it). BDL_COMPOSE_SCHEMA overrides.
@@ -55,6 +54,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture()
+def proj(tmp_path: Path):
+    """The BOINC project volume both containers mount."""
+    return make_project(tmp_path / "project")
 
 
 @pytest.fixture()
@@ -281,7 +286,7 @@ def test_shim_error_call_resolves_wu_name(tmp_path: Path) -> None:
 
 
 # ---- the consumer ---------------------------------------------------------------------
-def test_consumer_assimilates_and_is_idempotent(tmp_path: Path, rds: redis.Redis) -> None:
+def test_consumer_assimilates_and_is_idempotent(tmp_path: Path, proj, rds: redis.Redis) -> None:
     store, units, fp = make_job(rds)
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -292,7 +297,7 @@ def test_consumer_assimilates_and_is_idempotent(tmp_path: Path, rds: redis.Redis
     kept = tmp_path / "kept"
     shutil.copytree(entry, kept)  # a copy to replay: the at-least-once redelivery
 
-    consumer = spool_consumer.SpoolConsumer(spool, rds)
+    consumer = spool_consumer.SpoolConsumer(spool, proj, rds)
     (res,) = consumer.run_once()
     assert (res.action, res.status, res.job, res.unit) == ("done", "merged", store.job, units[0])
     assert entries(spool) == []
@@ -311,7 +316,7 @@ def test_consumer_assimilates_and_is_idempotent(tmp_path: Path, rds: redis.Redis
     assert entries(spool) == [] and list((spool / "trash").iterdir()) == []
 
 
-def test_consumer_records_rejection_and_failure(tmp_path: Path, rds: redis.Redis) -> None:
+def test_consumer_records_rejection_and_failure(tmp_path: Path, proj, rds: redis.Redis) -> None:
     store, units, fp = make_job(rds)
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -320,7 +325,7 @@ def test_consumer_records_rejection_and_failure(tmp_path: Path, rds: redis.Redis
     assert run_shim(spool, "102", *map(str, files)).returncode == 0
     # 1.6-style error call with the name in argv
     assert run_shim(spool, "--error", "8", units[2], "103", "0").returncode == 0
-    consumer = spool_consumer.SpoolConsumer(spool, rds)
+    consumer = spool_consumer.SpoolConsumer(spool, proj, rds)
     results = {r.unit: r for r in consumer.run_once()}
     assert results[units[1]].status == "rejected" and "NaN" in results[units[1]].reason
     assert results[units[2]].status == "failed"
@@ -332,7 +337,7 @@ def test_consumer_records_rejection_and_failure(tmp_path: Path, rds: redis.Redis
     assert store.get_weights("0")[1] == 0
 
 
-def test_consumer_buries_unattributable_entries(tmp_path: Path, rds: redis.Redis) -> None:
+def test_consumer_buries_unattributable_entries(tmp_path: Path, proj, rds: redis.Redis) -> None:
     store, units, fp = make_job(rds)
     spool = tmp_path / "spool"
     spool.mkdir()
@@ -342,17 +347,17 @@ def test_consumer_buries_unattributable_entries(tmp_path: Path, rds: redis.Redis
     other = write_result(tmp_path / "o", "no-such-job", "no-such-job__m0_e0001_s0000", fp, 1.0)
     assert run_shim(spool, "6", *map(str, other)).returncode == 0
     assert run_shim(spool, "--error", "8", "99").returncode == 0  # 1.2 call, name unresolved
-    results = spool_consumer.SpoolConsumer(spool, rds).run_once()
+    results = spool_consumer.SpoolConsumer(spool, proj, rds).run_once()
     assert [r.action for r in results] == ["dead"] * 3
     dead = sorted((spool / "dead").iterdir())
     reasons = " | ".join((d / "reason").read_text() for d in dead)
-    assert "cannot be attributed" in reasons and "unknown job 'no-such-job'" in reasons
+    assert "cannot be attributed" in reasons and "job 'no-such-job' is not in Redis" in reasons
     assert "could not be resolved" in reasons
     assert all((d / "files").is_dir() for d in dead)  # nothing is lost
     assert store.get_weights("0")[1] == 0
 
 
-def test_consumer_keeps_entries_while_redis_is_down(tmp_path: Path) -> None:
+def test_consumer_keeps_entries_while_redis_is_down(tmp_path: Path, proj) -> None:
     srv = EmbeddedRedis(tmp_path / "redis").start()
     r = srv.client()
     store, units, fp = make_job(r)
@@ -360,7 +365,7 @@ def test_consumer_keeps_entries_while_redis_is_down(tmp_path: Path) -> None:
     spool.mkdir()
     files = write_result(tmp_path / "up", store.job, units[0], fp, 2.0)
     assert run_shim(spool, "101", *map(str, files)).returncode == 0
-    consumer = spool_consumer.SpoolConsumer(spool, r)
+    consumer = spool_consumer.SpoolConsumer(spool, proj, r)
     srv.stop()
     (res,) = consumer.run_once()
     assert res.action == "retry" and res.reason.startswith("redis")
@@ -372,7 +377,7 @@ def test_consumer_keeps_entries_while_redis_is_down(tmp_path: Path) -> None:
     srv.stop()
 
 
-def test_consumer_cli_once_and_mod_sharding(tmp_path: Path) -> None:
+def test_consumer_cli_once_and_mod_sharding(tmp_path: Path, proj) -> None:
     port = free_port()
     srv = EmbeddedRedis(tmp_path / "redis", port=port).start()
     try:
@@ -387,11 +392,11 @@ def test_consumer_cli_once_and_mod_sharding(tmp_path: Path) -> None:
         pw = tmp_path / "redis_password"
         pw.write_text("p@ss:/word\n")
         env = {**os.environ, "BDL_REDIS_URL": f"redis://127.0.0.1:{port}/0", "BDL_REDIS_PASSWORD_FILE": str(pw),
-               "PYTHONPATH": str(ROOT)}
+               "BDL_PROJECT": str(proj.root)}
         done = []
         for i in range(2):
-            out = subprocess.run(
-                [sys.executable, str(CONSUMER), "--spool", str(spool), "--once", "--mod", "2", str(i)],
+            out = subprocess.run(  # the command the compose file runs
+                ["boinc-dl", "boinc", "spool", "--spool", str(spool), "--once", "--mod", "2", str(i)],
                 env=env, capture_output=True, text=True, timeout=120,
             )
             assert out.returncode == 0, out.stderr
@@ -405,9 +410,9 @@ def test_consumer_cli_once_and_mod_sharding(tmp_path: Path) -> None:
         srv.stop()
 
 
-def test_consumer_cleans_stale_staging_and_trash(tmp_path: Path, rds: redis.Redis) -> None:
+def test_consumer_cleans_stale_staging_and_trash(tmp_path: Path, proj, rds: redis.Redis) -> None:
     spool = tmp_path / "spool"
-    consumer = spool_consumer.SpoolConsumer(spool, rds)
+    consumer = spool_consumer.SpoolConsumer(spool, proj, rds)
     stale = spool / "tmp" / "20200101T000000Z-abcdefgh"
     fresh = spool / "tmp" / "20990101T000000Z-abcdefgh"
     for d in (stale, fresh):
@@ -418,11 +423,6 @@ def test_consumer_cleans_stale_staging_and_trash(tmp_path: Path, rds: redis.Redi
     consumer.run_once()
     assert not stale.exists() and fresh.exists()
     assert list((spool / "trash").iterdir()) == []
-
-
-def test_describe_error_mask() -> None:
-    assert spool_consumer.describe_error_mask(16) == "16 (cancelled)"
-    assert spool_consumer.describe_error_mask(10) == "10 (too many errors, too many total results)"
 
 
 # ---- compose file --------------------------------------------------------------------
@@ -606,7 +606,8 @@ def test_call_bridge_runs_tool_in_project(tmp_path: Path, fake_project: Path) ->
     batch.write_bytes(b"--wu_name u1\n--wu_name u2\n")
     with batch.open("rb") as stdin:
         client = subprocess.Popen(
-            [sys.executable, str(DOCKER / "boinc_call.py"), "create_work", "--appname", "boincdl", "--stdin",
+            [sys.executable, "-m", "boinc_dl.server.backends.boinc.toolcall", "create_work", "--appname", "boincdl",
+             "--stdin",
              "a b  c"], env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )
     deadline = time.monotonic() + 20
@@ -625,9 +626,6 @@ def test_call_bridge_runs_tool_in_project(tmp_path: Path, fake_project: Path) ->
 
 
 def test_call_bridge_exit_status_refusal_and_restart(tmp_path: Path, fake_project: Path) -> None:
-    sys.path.insert(0, str(DOCKER))
-    import boinc_call
-
     spool = tmp_path / "spool"
     spool.mkdir()
     # exit status passes through; a tool outside the allow-list is refused (126)
@@ -636,7 +634,7 @@ def test_call_bridge_exit_status_refusal_and_restart(tmp_path: Path, fake_projec
     results: dict[str, tuple] = {}
 
     def go(key: str, tool: str, args: list[str]) -> None:
-        results[key] = boinc_call.call(tool, args, spool=spool, timeout=30)
+        results[key] = toolcall.call(tool, args, spool=spool, timeout=30)
 
     threads = [threading.Thread(target=go, args=("fail", "create_work", ["fail"])),
                threading.Thread(target=go, args=("evil", "rm", ["-rf", "/"]))]
@@ -658,11 +656,11 @@ def test_call_bridge_exit_status_refusal_and_restart(tmp_path: Path, fake_projec
     assert run_runner(spool, fake_project).returncode == 0
     assert (spool / "calls-done" / running.name / "rc").read_text().strip() == "75"
     # no runner: the client times out with EX_TEMPFAIL and withdraws its request
-    with pytest.raises(boinc_call.CallError, match="withdrawn"):
-        boinc_call.call("create_work", ["x"], spool=spool, timeout=0.5)
+    with pytest.raises(toolcall.CallError, match="withdrawn"):
+        toolcall.call("create_work", ["x"], spool=spool, timeout=0.5)
     assert list((spool / "calls").iterdir()) == []
-    with pytest.raises(boinc_call.CallError):
-        boinc_call.call("create_work", ["bad\narg"], spool=spool, timeout=1)
+    with pytest.raises(toolcall.CallError):
+        toolcall.call("create_work", ["bad\narg"], spool=spool, timeout=1)
 
 
 # ---- the dispatcher used as boinc-dl's --command inside the BOINC container -----------

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from boinc_dl.server.assimilator.connection import connect
-from boinc_dl.server.assimilator.core import assimilate_files
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.weights import WeightsFile, write_weights
@@ -23,6 +22,7 @@ from boinc_dl.server.work_generator.prepare import prepare_job
 from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 from tests.support.audit import audit_job
 from tests.support.harness import run_headless, small_spec
+from tests.support.results import assimilate_files
 
 from .conftest import REPO
 

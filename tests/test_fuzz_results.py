@@ -10,7 +10,7 @@ reason recorded in Redis) and never raise; the server weights stay finite and th
 version moves only on a merge.
 
 The property is checked on the parameter server's entry point
-(:func:`boinc_dl.server.backends.local.assimilate_guarded`, what each assimilator process runs
+(:func:`boinc_dl.server.backends.local.assimilate_message`, what each assimilator process runs
 per result), and on ``assimilate_files`` (what the BOINC scripts call) for an
 array-valued attribute, which once let a ``TypeError`` escape ``read_header``.
 """
@@ -34,13 +34,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boinc_dl.server.assimilator.connection import connect
-from boinc_dl.server.assimilator.core import assimilate_files
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
-from boinc_dl.server.backends.local import assimilate_guarded
+from boinc_dl.server.backends.local import assimilate_message
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.common.weights import FORMAT, WeightsFile, write_weights
-from boinc_dl.server.validator.checks import validate_result
+from tests.support.results import assimilate_files, validate
 
 from .conftest import REPO, tiny_fingerprint, tiny_spec
 
@@ -236,12 +235,12 @@ def test_fuzzed_result_files_never_crash_the_assimilator(stores, workdir, data) 
             paths.append(paths[0])
         paths = data.draw(st.permutations(paths))
         v0, r0 = store.version("0"), store.counters().get("rejected", 0)
-        out = assimilate_guarded(store, spec, "result", d.name, issued, paths)
+        out = assimilate_message(store, spec, "result", d.name, issued, paths)
         _check_outcome(store, out, v0, r0)
         if out.status == "merged":
             assert store.is_assimilated(issued)
         try:
-            validate_result(paths, store, spec.units.max_upload_bytes, issued)
+            validate(paths, store, spec.units.max_upload_bytes, issued)
         except ResultRejected as e:
             assert e.reason
     finally:
@@ -276,7 +275,7 @@ def test_mutated_bytes_of_valid_results_never_crash(stores, workdir, data) -> No
         w.write_bytes(bytes(raw))
         (d / "metrics.json").write_text("{}")
         v0, r0 = store.version("0"), store.counters().get("rejected", 0)
-        out = assimilate_guarded(store, spec, "result", d.name, issued, [str(w), str(d / "metrics.json")])
+        out = assimilate_message(store, spec, "result", d.name, issued, [str(w), str(d / "metrics.json")])
         _check_outcome(store, out, v0, r0)
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -288,10 +287,10 @@ def test_unknown_job_store_rejects_cleanly(stores, tmp_path: Path) -> None:
     d = tmp_path / "g"
     d.mkdir()
     write_weights(d / "w.h5", WeightsFile(np.zeros(FP.n_params, np.float32), FP, job="ghost", unit="u0"))
-    with pytest.raises(ResultRejected, match="no job named"):
-        validate_result([str(d / "w.h5")], ghost, 10**9, "u0")
+    with pytest.raises(ResultRejected, match="unknown unit 'u0' for job 'ghost'"):
+        validate([str(d / "w.h5")], ghost, 10**9, "u0")
     out = assimilate_files(ghost, [str(d / "w.h5")], JOBS["fz"], "g_0", unit="u0")
-    assert out.status == "rejected" and "no job named" in out.reason
+    assert out.status == "ignored" and "not in Redis" in out.reason
 
 
 def _array_attr_result(d: Path) -> list[str]:
@@ -305,7 +304,7 @@ def _array_attr_result(d: Path) -> list[str]:
 
 
 def test_array_attribute_is_rejected_by_the_parameter_server(stores, tmp_path: Path) -> None:
-    out = assimilate_guarded(stores["fz"], JOBS["fz"], "result", "arr_0", "u1", _array_attr_result(tmp_path / "a"))
+    out = assimilate_message(stores["fz"], JOBS["fz"], "result", "arr_0", "u1", _array_attr_result(tmp_path / "a"))
     assert out.status == "rejected" and out.reason
 
 
@@ -340,7 +339,7 @@ def test_rejections_are_visible_in_boinc_dl_status(stores, tmp_path: Path) -> No
         write_weights(d / "w.h5", WeightsFile(flat, FP, job="fznorm", unit=unit))
         (d / "metrics.json").write_text("{oops")
         paths = [str(d / "w.h5")] + ([str(d / "metrics.json")] if i == 0 else [])
-        assert assimilate_guarded(store, JOBS["fznorm"], "result", f"s{i}_0", unit, paths).status == "rejected"
+        assert assimilate_message(store, JOBS["fznorm"], "result", f"s{i}_0", unit, paths).status == "rejected"
     url = store.r.connection_pool.connection_kwargs
     redis_url = f"unix://{url['path']}" if "path" in url else f"redis://{url['host']}:{url['port']}"
     res = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "status", "fznorm", "--redis-url", redis_url,

@@ -27,14 +27,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boinc_dl.server.assimilator import norms
-from boinc_dl.server.assimilator.core import assimilate_error, assimilate_files
-from boinc_dl.server.backends.local import assimilate_guarded
+from boinc_dl.server.backends.local import assimilate_message
 from boinc_dl.server.common import bounded
 from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
 from boinc_dl.server.common.paths import check_name, confined, is_safe_name
 from boinc_dl.server.common.weights import WeightsFile, read_header, read_weights, write_weights
-from boinc_dl.server.validator.checks import read_metrics, validate_result
+from boinc_dl.server.validator.checks import read_metrics
 from tests.support.audit import audit_job
+from tests.support.results import assimilate_error, assimilate_files, validate
 
 from .conftest import REPO, tiny_fingerprint
 from .hostile_corpus import (
@@ -175,8 +175,8 @@ def test_result_merges_only_into_its_issued_unit(tiny_job, tmp_path: Path, job, 
     store, spec, _fp = tiny_job
     paths = _result(tmp_path / "r", job=job, unit=unit)
     with pytest.raises(ResultRejected, match=reason):
-        validate_result(paths, store, 10**9, "u0")
-    out = assimilate_guarded(store, spec, "result", "r_0", "u0", paths)  # the local backend's entry
+        validate(paths, store, 10**9, "u0")
+    out = assimilate_message(store, spec, "result", "r_0", "u0", paths)  # the local backend's entry
     assert out.status == "rejected" and reason.split(",")[0] in out.reason and out.unit == "u0"
     assert store.version("0") == 0 and not store.assimilated()
     assert store.rejections(1)[0]["unit"] == "u0"  # recorded against the issued unit
@@ -198,7 +198,7 @@ def test_unsafe_issued_unit_is_refused(tiny_job, tmp_path: Path) -> None:
     paths = _result(tmp_path / "r", unit="../../x")
     for unit in ("../../x", "", "a/b"):
         with pytest.raises(ResultRejected, match="not a safe name"):
-            validate_result(paths, store, 10**9, unit)
+            validate(paths, store, 10**9, unit)
 
 
 def test_symlinked_result_file_is_refused(tiny_job, tmp_path: Path) -> None:
@@ -207,7 +207,7 @@ def test_symlinked_result_file_is_refused(tiny_job, tmp_path: Path) -> None:
     link = tmp_path / "r" / "link.h5"
     link.symlink_to(paths[0])
     with pytest.raises(ResultRejected, match="symbolic link"):
-        validate_result([str(link), paths[1]], store, 10**9, "u0")
+        validate([str(link), paths[1]], store, 10**9, "u0")
 
 
 # ---- paths -----------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def test_huge_declaration_through_the_validator(tiny_job, tmp_path: Path) -> Non
     BY_NAME["huge-optimizer"].build(d / "weights_out.h5", fp, "tiny", "u0", tmp_path)
     t0 = time.perf_counter()
     with pytest.raises(ResultRejected, match=str(4 * HUGE)):
-        validate_result([str(d / "weights_out.h5")], store, spec.units.max_upload_bytes, "u0")
+        validate([str(d / "weights_out.h5")], store, spec.units.max_upload_bytes, "u0")
     assert time.perf_counter() - t0 < 1.0
 
 

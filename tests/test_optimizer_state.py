@@ -10,7 +10,7 @@ import pytest
 
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.common.weights import OptimizerState, WeightsFile, read_weights, write_weights
-from boinc_dl.server.validator.checks import validate_result
+from tests.support.results import validate
 
 from .conftest import tiny_fingerprint
 
@@ -39,4 +39,4 @@ def test_bad_optimizer_state_rejected(tiny_job, tmp_path: Path, arrays, reason: 
                                                  optimizer=OptimizerState("adam", arrays)))
     (tmp_path / "m.json").write_text(json.dumps({"unit": "u0"}))
     with pytest.raises(ResultRejected, match=reason):
-        validate_result([tmp_path / "w.h5", tmp_path / "m.json"], store, 10**9, "u0")
+        validate([tmp_path / "w.h5", tmp_path / "m.json"], store, 10**9, "u0")

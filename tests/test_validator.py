@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from boinc_dl.server.assimilator.core import assimilate_error, assimilate_files
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
-from boinc_dl.server.validator.checks import validate_result
+from tests.support.results import assimilate_error, assimilate_files, validate
 
 
 def _result(tmp: Path, fp, flat=None, unit="u0", job="tiny", metrics: str | None = None, name="r") -> list[str]:
@@ -47,7 +46,7 @@ def test_rejections(tiny_job, tmp_path: Path, kwargs, reason: str) -> None:
     store, spec, fp = tiny_job
     paths = _result(tmp_path, fp, **kwargs)
     with pytest.raises(ResultRejected, match=reason):
-        validate_result(paths, store, spec.units.max_upload_bytes, "u0")
+        validate(paths, store, spec.units.max_upload_bytes, "u0")
     out = assimilate_files(store, paths, spec, "r_0", unit="u0")
     assert out.status == "rejected" and reason.split()[0] in out.reason
     assert store.version("0") == 0
@@ -58,9 +57,9 @@ def test_wrong_shapes_and_sizes(tiny_job, tmp_path: Path) -> None:
     store, spec, _fp = tiny_job
     other = fingerprint_of(["dense/kernel", "dense/bias"], [np.zeros((5, 3)), np.zeros(3)])
     with pytest.raises(ResultRejected, match="shape"):
-        validate_result(_result(tmp_path, other, np.ones(18, np.float32)), store, 10**9, "u0")
+        validate(_result(tmp_path, other, np.ones(18, np.float32)), store, 10**9, "u0")
     with pytest.raises(ResultRejected, match="over the"):
-        validate_result(_result(tmp_path, _fp, name="big"), store, 100, "u0")
+        validate(_result(tmp_path, _fp, name="big"), store, 100, "u0")
 
 
 def test_truncated_and_missing(tiny_job, tmp_path: Path) -> None:
@@ -69,9 +68,9 @@ def test_truncated_and_missing(tiny_job, tmp_path: Path) -> None:
     data = Path(paths[0]).read_bytes()
     Path(paths[0]).write_bytes(data[: len(data) // 2])
     with pytest.raises(ResultRejected):
-        validate_result(paths, store, 10**9, "u0")
+        validate(paths, store, 10**9, "u0")
     with pytest.raises(ResultRejected, match="missing"):
-        validate_result([str(tmp_path / "nothing.h5")], store, 10**9, "u0")
+        validate([str(tmp_path / "nothing.h5")], store, 10**9, "u0")
 
 
 def test_update_norm_bound(tiny_job, tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ from typing import Protocol
 from boinc_dl.server.assimilator.core import AssimilationOutcome, assimilate_valid
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable, UnknownJob
-from boinc_dl.server.common.paths import is_safe_name
+from boinc_dl.server.common.paths import check_name, is_safe_name
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
 from boinc_dl.server.common.workunit import parse_unit_name, unit_name
 from boinc_dl.server.validator.checks import Expected, validate_result
@@ -113,6 +113,7 @@ def unit_for_workunit(store: JobStore, wu_name: str) -> str | None:
 
 def expected_of(store: JobStore, unit: str) -> Expected:
     """What a result of ``unit`` must be, from the job's records (ResultRejected if unknown)."""
+    check_name(unit, "unit")
     info = store.unit_info(unit)
     if info is None:
         raise ResultRejected(f"unknown unit {unit!r} for job {store.job!r}")

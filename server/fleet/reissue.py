@@ -1,7 +1,7 @@
 """The fleet controller's one hook into re-issue: "re-issue these workunits now".
 
 The controller adds the workunit names of a reclaimed host to the job's
-``reissue_now`` set (:func:`boinc_dl.server.backends.boinc.reissue_now_key`); the work
+``reissue_now`` set (:class:`boinc_dl.server.backends.boinc.registry.BoincRegistry`); the work
 generator daemon's next pass regenerates them from the freshest weights exactly as it
 does for a unit past its deadline (VC-ASGD ``reissue: fresh``). The regeneration logic
 stays in one place; this module only files requests, each workunit once.
@@ -14,7 +14,7 @@ import time
 import redis
 
 from boinc_dl.server.assimilator.store import PREFIX, JobStore
-from boinc_dl.server.backends.boinc.jobsystem import reissue_now_key
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.workunit import parse_unit_name
 
 #: Workunit names already requested (a warning then a preemption of the same host, or
@@ -38,7 +38,7 @@ def request_reissue(r: redis.Redis, workunits: list[str], now: float | None = No
             continue
         # ZADD NX: only the first request of a name counts.
         if r.zadd(REQUESTED_KEY, {name: now}, nx=True):
-            key = reissue_now_key(JobStore(r, parsed["job"]))
+            key = BoincRegistry(JobStore(r, parsed["job"])).reissue_key
             p = r.pipeline()
             p.sadd(key, name)
             p.expire(key, REQUEST_TTL_S)

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 
 from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import RetryLimits
 from boinc_dl.server.backends.boinc.jobsystem import (
     BoincJobSystem,
     BoincToolError,
-    created_key,
-    current_instance,
-    issued_key,
 )
 from boinc_dl.server.backends.boinc.project import BoincProject, BoincSettings, dir_hier_path
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.workunit import Workunit
 from tests.boinc.conftest import calls, fake_db, seed_db_app
@@ -109,7 +108,7 @@ def test_batched_create_work_command_line(setup) -> None:
     w = db["workunits"][wus[0].unit]
     assert (w["delay_bound"], w["max_error_results"], w["max_total_results"], w["min_quorum"]) == (90, 3, 6, 1)
     assert be.pending() == []
-    assert r.smembers(created_key(store)) == {wu.unit.encode() for wu in wus}
+    assert r.smembers(BoincRegistry(store).created_key) == {wu.unit.encode() for wu in wus}
     assert (project.root / opts["--result_template"]).is_file()
 
 
@@ -167,13 +166,13 @@ def test_duplicate_in_batch_falls_back_to_one_by_one(setup) -> None:
     wus = make_inputs(project, spec.name, units_of(spec, 3))
     be.submit(wus[0], LIMITS)
     be.flush()
-    r.srem(created_key(store), wus[0].unit)  # crash after create_work, before the ledger write
+    r.srem(BoincRegistry(store).created_key, wus[0].unit)  # crash after create_work, before the ledger write
     be2 = BoincJobSystem(project, r)
     for wu in wus:
         be2.submit(wu, LIMITS)
     assert be2.flush() == 3
     assert sorted(fake_db(project.root)["workunits"]) == sorted(wu.unit for wu in wus)
-    assert r.smembers(created_key(store)) == {wu.unit.encode() for wu in wus}
+    assert r.smembers(BoincRegistry(store).created_key) == {wu.unit.encode() for wu in wus}
 
 
 def test_create_work_failure_keeps_units_queued(setup) -> None:
@@ -293,7 +292,7 @@ def test_fresh_regeneration_requests_and_resubmit(setup, mariadb_name) -> None:
     be.flush()
     store.transition_unit(wu.unit, "created", "in_progress")
     assert be.regeneration_requests(spec.name) == []  # never sent: not late
-    key = issued_key(store)
+    key = BoincRegistry(store).issued_key
     rec = json.loads(r.hget(key, wu.unit))
     assert rec["name"] == wu.unit and rec["attempt"] == 0 and rec["delay"] == 90.0
     fake_server.send(project, [wu.unit], now=time.time() - 91)  # sent 91 s ago: past its deadline
@@ -306,7 +305,7 @@ def test_fresh_regeneration_requests_and_resubmit(setup, mariadb_name) -> None:
     be.flush()
     assert [c["argv"] for c in calls(project.root, "cancel_jobs")] == [["--name", wu.unit]]
     assert f"{wu.unit}_r1" in fake_db(project.root)["workunits"]
-    assert current_instance(r, spec.name, wu.unit) == f"{wu.unit}_r1"
+    assert BoincRegistry(JobStore(r, spec.name)).current_instance(wu.unit) == f"{wu.unit}_r1"
     assert be.regeneration_requests(spec.name) == []  # the new workunit has its own deadline
     be.cancel(wu.unit)  # cancels the current workunit, not the superseded one
     assert calls(project.root, "cancel_jobs")[-1]["argv"] == ["--name", f"{wu.unit}_r1"]
@@ -334,7 +333,7 @@ def test_no_regeneration_without_boinc_database(setup) -> None:
     be.submit(wu, LIMITS)
     be.flush()
     store.transition_unit(wu.unit, "created", "in_progress")
-    key = issued_key(store)
+    key = BoincRegistry(store).issued_key
     rec = json.loads(r.hget(key, wu.unit))
     r.hset(key, wu.unit, json.dumps({**rec, "t": rec["t"] - 1000}))
     assert be.regeneration_requests(spec.name) == []

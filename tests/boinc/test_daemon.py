@@ -13,7 +13,7 @@ import pytest
 
 from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon, finalize_job, job_is_ours
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
-from boinc_dl.server.backends.boinc.jobsystem import created_key
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.backends.boinc.submit import cancel_job
 from boinc_dl.server.common.errors import BoincDLError
 from tests.boinc.conftest import REPO, calls, fake_db, script_env
@@ -84,7 +84,7 @@ def test_finished_job_is_swept_and_cancel(installed, tiny_boinc_job) -> None:
     import json
 
     (installed.root / "fake_boinc_db.json").write_text(json.dumps(db))
-    store.r.sadd(created_key(store), *units)
+    store.r.sadd(BoincRegistry(store).created_key, *units)
     for u in units:
         store.transition_unit(u, "created", "in_progress")
     n = cancel_job(installed.root, spec.name)

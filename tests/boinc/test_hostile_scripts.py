@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
-from boinc_dl.server.backends.boinc.scripts import copy_result
+from boinc_dl.server.backends.boinc.intake import copy_result
 from boinc_dl.server.common.errors import ResultRejected
 from tests.boinc.conftest import make_result, run_script, script_env, tiny_fp
 from tests.hostile_corpus import gzip_bomb
@@ -47,8 +47,7 @@ def test_traversal_unit_in_the_file_writes_nothing_outside(env, tmp_path: Path, 
     assert rej["unit"] == u and "embeds unit" in rej["reason"]  # recorded against BOINC's unit
     assert store.version("0") == 0
     assert not _files_named(tmp_path, "escaped") and not Path("/tmp/escaped-abs").exists()
-    kept = project.job_dir(spec.name) / "results" / u
-    assert (kept / "weights_out.h5").exists()  # a rejected result is kept, under its real unit
+    assert not (project.job_dir(spec.name) / "results").exists()  # nothing of a rejected upload is kept
 
 
 def test_result_for_another_unit_is_never_merged_into_it(env) -> None:

@@ -118,7 +118,7 @@ def test_launcher_is_python_itself(unit_src: Path, launcher: Path, tmp_path: Pat
     try:
         wait_until(lambda: checkpointed(slot) > 0, "a first checkpoint", log)
         argv = cmdline(pid)
-        assert "client_app" in argv and argv[0] == sys.executable, argv
+        assert "boinc_dl.client_app" in argv and argv[0] == sys.executable, argv
         assert descendants(w.pid) == [pid], "a process between the wrapper and Python"
     finally:
         w.send_signal(signal.SIGTERM)

@@ -14,13 +14,9 @@ import pytest
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
-from boinc_dl.server.backends.boinc.scripts import (
-    UNRESOLVED_KEY,
-    parse_call,
-    result_name_of,
-    split_results,
-    wu_name_of_result,
-)
+from boinc_dl.server.backends.boinc.intake import result_name_of, split_results, wu_name_of_result
+from boinc_dl.server.backends.boinc.registry import UNRESOLVED_KEY
+from boinc_dl.server.backends.boinc.scripts import parse_call
 from tests.boinc.conftest import make_result, run_script, script_env, tiny_fp
 
 N = tiny_fp().n_params
@@ -219,7 +215,9 @@ def test_rejected_at_assimilation_gives_the_unit_up(env) -> None:
     assert store.version("0") == 0
     assert "NaN" in store.failed()[u]
     assert store.rejections()[0]["unit"] == u
-    assert (project.job_dir(spec.name) / "results" / u / "weights_out.h5").exists()
+    # nothing of a rejected upload stays on the server (keep_weights is off)
+    assert not (project.job_dir(spec.name) / "results" / u).exists()
+    assert list((project.boincdl_dir / "spool").iterdir()) == []
 
 
 def test_unknown_job_is_ignored(env) -> None:

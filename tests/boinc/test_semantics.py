@@ -23,7 +23,8 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.daemon import finalize_job
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
-from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, _Pending, issued_key
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, _Pending
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from tests.boinc import fake_server
 from tests.boinc.conftest import calls, make_result, run_script, script_env, seed_db_app
 from tests.boinc.test_backend import LIMITS, make_inputs, units_of
@@ -40,8 +41,8 @@ def job(db_project, tiny_boinc_job, redis_server):
 
 
 def live_key(store: JobStore) -> str:
-    """The ledger of workunits BOINC may still run (``server.backends.boinc.live_key``)."""
-    return store.k("boinc", "live")
+    """The ledger of workunits BOINC may still run."""
+    return BoincRegistry(store).live_key
 
 
 def create_units(project, r, spec, n: int) -> tuple[BoincJobSystem, list[str]]:
@@ -58,9 +59,9 @@ def create_units(project, r, spec, n: int) -> tuple[BoincJobSystem, list[str]]:
 
 def age_ledger(r, store: JobStore, seconds: float) -> None:
     """Pretend every workunit was created ``seconds`` ago (a long wait in BOINC's queue)."""
-    for unit, raw in r.hgetall(issued_key(store)).items():
+    for unit, raw in r.hgetall(BoincRegistry(store).issued_key).items():
         rec = json.loads(raw)
-        r.hset(issued_key(store), unit, json.dumps({**rec, "t": rec["t"] - seconds}))
+        r.hset(BoincRegistry(store).issued_key, unit, json.dumps({**rec, "t": rec["t"] - seconds}))
 
 
 # ---- finding 1: re-issue from send time --------------------------------------------------
@@ -164,7 +165,7 @@ def test_late_calls_of_superseded_workunit_change_nothing(job) -> None:
     assert store.unit_states_of([u]) == ["assimilated"] and store.version("0") == 1
     counts = store.epoch_counts(1)
     assert counts.get("assimilated") == 1 and not counts.get("failed")
-    assert store.counters().get("boinc_superseded_calls") == 3
+    assert store.counters().get("superseded_calls") == 3
 
 
 def test_given_up_unit_is_never_merged(job) -> None:
@@ -220,12 +221,12 @@ def test_stray_workunits_are_cancelled(job) -> None:
     # v is merged through v1 (BOINC: assimilated); a regenerated u2 races with u1's merge
     fake_server.assimilated(project, v1)
     store.transition_unit(v, "in_progress", "assimilated")
-    r.hdel(live_key(store), v1)
+    r.hdel(BoincRegistry(store).live_key, v1)
     u2 = regenerate(be, project, spec, u, 2, cancel_old=False)
     store.transition_unit(u, "in_progress", "assimilated")
     assert be.cancel_stray(spec.name) >= 1
     assert fake_server.live_workunits(project) == []
-    assert r.hlen(live_key(store)) == 0
+    assert r.hlen(BoincRegistry(store).live_key) == 0
     assert u2 not in fake_server.live_workunits(project)
 
 
@@ -240,7 +241,7 @@ def test_job_end_cancels_every_workunit(job) -> None:
     finalize_job(store, be)
     # no host can be sent a workunit whose inputs were removed with the job
     assert fake_server.live_workunits(project) == []
-    assert r.hlen(live_key(store)) == 0
+    assert r.hlen(BoincRegistry(store).live_key) == 0
 
 
 # ---- finding 4: bin/stop returns before the daemons exit ----------------------------------

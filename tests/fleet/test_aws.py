@@ -13,7 +13,8 @@ import pytest
 
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
-from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, issued_key, live_key
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
+from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.workunit import unit_name
 from boinc_dl.server.fleet.aws import AwsProvider, parse_event
 from boinc_dl.server.fleet.boinchosts import BoincHosts
@@ -50,8 +51,8 @@ def boinc_job(r, project, name: str = "storm", n_units: int = 200):
     for k, u in enumerate(units):
         store.register_unit(u, {"epoch": 1, "shard": k, "model": "0"}, 1)
         store.transition_unit(u, "created", "in_progress")
-        r.hset(issued_key(store), u, json.dumps({"name": u, "t": now, "delay": 3600.0, "attempt": 0}))
-        r.hset(live_key(store), u, u)  # created in BOINC, not yet handled by the assimilator
+        r.hset(BoincRegistry(store).issued_key, u, json.dumps({"name": u, "t": now, "delay": 3600.0, "attempt": 0}))
+        r.hset(BoincRegistry(store).live_key, u, u)  # created in BOINC, not yet handled by the assimilator
     return store, units
 
 

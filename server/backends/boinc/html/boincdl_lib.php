@@ -839,11 +839,11 @@ function bdl_job_detail($j) {
         . '<td>' . bdl_counter($c, 'reissued') . '</td>'
         . '<td>' . bdl_counter($c, 'regenerated') . '</td>'
         . '<td>' . bdl_counter($c, 'boinc_cancelled') . '</td>'
-        . '<td>' . bdl_counter($c, 'boinc_superseded_calls') . '</td>'
+        . '<td>' . bdl_counter($c, 'superseded_calls') . '</td>'
         . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . bdl_counter($c, 'rejected') . '</td>'
         . '<td>' . $st['cancelled'] . "</td></tr></table>\n";
     $extra = array_diff_key($c, array('reissued' => 1, 'regenerated' => 1, 'rejected' => 1,
-                                      'boinc_cancelled' => 1, 'boinc_superseded_calls' => 1));
+                                      'boinc_cancelled' => 1, 'superseded_calls' => 1));
     if ($extra) {
         ksort($extra);
         $o .= '<p class=muted>Other counters: ';
