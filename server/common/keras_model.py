@@ -19,6 +19,9 @@ from boinc_dl.server.common.errors import ModelError
 from boinc_dl.server.common.tf_env import quiet_python_logging, require_tensorflow
 from boinc_dl.server.common.weights import Fingerprint, fingerprint_of
 
+#: boinc-dl's one top-level import name: no user module may take it.
+OWN_NAME = "boinc_dl"
+
 
 def configure_tf(threads: int | None = None, deterministic: bool = True) -> Any:
     """Import TensorFlow quietly, with bounded threads and deterministic ops."""
@@ -72,12 +75,18 @@ def resolve_builder(ref: str, search_path: str | Path | None = None) -> Any:
     never replaces the one beside the spec. boinc-dl's own import name cannot be taken.
     """
     mod_name, _, fn_name = ref.partition(":")
-    if mod_name.split(".")[0] == "boinc_dl":
-        raise ModelError(f"model module {mod_name!r}: 'boinc_dl' is boinc-dl's own package name; "
+    if mod_name.split(".")[0] == OWN_NAME:
+        raise ModelError(f"model module {mod_name!r}: {OWN_NAME!r} is boinc-dl's own package name; "
                          "give your module another name")
     # Kept on sys.path: later calls (evaluation) import the same module. Put in order:
     # the spec's folder at the front, the working directory right behind it.
     wanted = [str(p) for p in (search_path, os.getcwd()) if p is not None]
+    for p in wanted:
+        # A module of that name ahead of the installed package on sys.path would replace
+        # boinc-dl itself in every process started from here (slots, evaluators).
+        if (Path(p) / f"{OWN_NAME}.py").exists() or (Path(p) / OWN_NAME / "__init__.py").exists():
+            raise ModelError(f"{p} holds a Python module named {OWN_NAME!r}, which would shadow boinc-dl "
+                             "itself; rename it")
     for p in reversed(wanted):
         while p in sys.path:
             sys.path.remove(p)

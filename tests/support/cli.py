@@ -1,0 +1,35 @@
+"""Run the installed ``boinc-dl`` as a user does: the console script, as a subprocess.
+
+The console script is the one installed beside the interpreter running the tests (a
+virtualenv's, or the system's): its ``sys.path`` starts at its own bin directory, not at
+the user's working directory, exactly as when a user types ``boinc-dl``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+#: The environment of a user's shell, minus the noise of TensorFlow's start-up lines.
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "COLUMNS": "120"}
+
+
+def boinc_dl_command() -> list[str]:
+    """The installed ``boinc-dl`` console script (the one beside this interpreter)."""
+    here = Path(sys.executable).parent / "boinc-dl"
+    if here.exists():
+        return [str(here)]
+    found = shutil.which("boinc-dl")
+    if found is None:
+        raise RuntimeError("boinc-dl is not installed: pip install -e '.[cpu,dev]'")
+    return [found]
+
+
+def boinc_dl(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | None = None,
+             input: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``boinc-dl ARGS`` in ``cwd`` and wait for it."""
+    return subprocess.run([*boinc_dl_command(), *args], cwd=cwd, env=env or ENV, capture_output=True, text=True,
+                          timeout=timeout, input=input)
