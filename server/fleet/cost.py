@@ -237,6 +237,8 @@ def cost_report(r: redis.Redis, job: str) -> dict[str, Any]:
         "waived_n": raw.get("waived_n", 0),
         "waived_usd": (Decimal(raw.get("waived_nusd", 0)) / NANO).quantize(CENT),
         "drain_saved_usd": (Decimal(raw.get("drain_saved_nusd", 0)) / NANO).quantize(CENT),
+        "waived_nusd": raw.get("waived_nusd", 0),
+        "provisional_nusd": pending.get("nusd", 0),
         "provisional_hours": (Decimal(pending.get("ms", 0)) / 3_600_000).quantize(Decimal("0.001")),
         "provisional_usd": (Decimal(pending.get("nusd", 0)) / NANO).quantize(CENT),
     }
@@ -246,4 +248,4 @@ def publish_summaries(r: redis.Redis, state: FleetState, jobs: set[str]) -> None
     """Refresh the admin page's ``bdl:J:cost_summary`` of ``jobs`` from the ledgers."""
     for job in sorted(jobs):
         rep = cost_report(r, job)
-        state.write_summary(job, {k: str(v) for k, v in rep.items() if k not in ("lines", "total_nusd")})
+        state.write_summary(job, {k: str(v) for k, v in rep.items() if k != "lines" and not k.endswith("_nusd")})

@@ -11,9 +11,10 @@
   (GCP gives the guest 30 s, which the operation does not precede: a preemption is
   reported when it happens); the operation's ``targetId`` names the life preempted;
 * an instance's end: its ``lastStopTimestamp``;
-* replacement: ``recreateInstances`` of preempted members (the group would recreate
-  them on its own; asking makes it immediate), only while the member of that name is
-  still the life asked for (a name is reused: never recreate its next life);
+* replacement: a preempted member is recreated by the group itself (asking as well would
+  race with it: ``recreateInstances`` names a VM by its reused name); a running one
+  (``reclaim_action: terminate``) with ``recreateInstances``, only while the member of
+  that name is still the life asked for;
 * refusals: managed instances still being created whose last attempt failed for
   want of capacity (``ZONE_RESOURCE_POOL_EXHAUSTED``...);
 * prices: GCP publishes SPOT prices per machine type and changes them at most monthly
@@ -178,18 +179,20 @@ class GcpProvider:
                 self._sizes[mig] = size
 
     def drain(self, uids: list[str]) -> list[str]:
-        """A preempted VM has stopped already: draining it is recreating it."""
+        """A preempted VM has stopped already: the group recreates it by itself."""
         return self.replace(uids)
 
     def replace(self, uids: list[str]) -> list[str]:
-        """Recreate the members that are still these lives; the others (recreated or
-        deleted meanwhile) need nothing more."""
+        """Recreate the members that are still these lives and still running. A stopped
+        (preempted) member is left to the group, which recreates it by itself: asking as
+        well races with it, and a ``recreateInstances`` that lands after the group's own
+        recreation would destroy the VM's next life (the call names a VM by its name)."""
         current = {i.uid: i for i in self._list()[0]}
-        done = [u for u in uids if u not in current]
+        done = [u for u in uids if u not in current or current[u].state == "gone"]
         by_mig: dict[str, list[str]] = {}
         for u in uids:
             inst = current.get(u)
-            if inst is not None and NAME.match(inst.name):
+            if inst is not None and inst.state != "gone" and NAME.match(inst.name):
                 mig = self.s.on_demand_mig if inst.market == "on-demand" and self.s.on_demand_mig else self.s.mig
                 by_mig.setdefault(mig, []).append(inst.name)
                 done.append(u)
