@@ -125,7 +125,8 @@ class Ledger:
                 bill_end = rules.billed_end_ms(rec.launched_ms, end_ms)
                 full = self._usd(rec, rec.market, rec.charged_from_ms, bill_end)
                 # what terminating when its units were re-issued would have cost: billable then
-                handled = rec.handled_ms if rec.handled_ms is not None else end_ms
+                # (handled after its end: a termination then would have changed nothing)
+                handled = min(rec.handled_ms if rec.handled_ms is not None else end_ms, end_ms)
                 would = self._usd(rec, rec.market, rec.charged_from_ms, rules.billed_end_ms(rec.launched_ms, handled))
                 tail_od = self._usd(rec, "on-demand", rec.charged_ms, end_ms)
             else:
@@ -137,7 +138,8 @@ class Ledger:
             paid_notice = 0
             if not waived and rec.action == "drain" and rec.handled_ms is not None and rec.reclaim_ms is not None:
                 # drained past its first hour: the notice time was paid (terminate would not have)
-                paid_notice = self._usd(rec, rec.market, rules.billed_end_ms(rec.launched_ms, rec.handled_ms),
+                handled = min(rec.handled_ms, end_ms)
+                paid_notice = self._usd(rec, rec.market, rules.billed_end_ms(rec.launched_ms, handled),
                                         rules.billed_end_ms(rec.launched_ms, end_ms))
         except UnknownPrice as e:
             log.warning("%s (%s): %s; its life is settled once a price is known", rec.uid, rec.type, e)
