@@ -70,26 +70,27 @@ class World:
         return _iso(self._t())
 
     def _new_instance(self, mig: dict[str, Any]) -> None:
-        n = next(self.ids)
+        n, t = next(self.ids), self._t()
         name = f"{mig['base']}-{n:04x}"
         self.instances[name] = {
             "id": str(n), "name": name, "status": "PROVISIONING", "mig": mig["name"],
-            "machine_type": mig["machine_type"], "created": self._now(), "ip": f"10.128.{n // 256 % 256}.{n % 256}",
+            "machine_type": mig["machine_type"], "created": _iso(t), "ip": f"10.128.{n // 256 % 256}.{n % 256}",
             "action": "CREATING", "errors": [], "stopped": ""}
-        self.lives[str(n)] = {"name": name, "mig": mig["name"], "created": self._t(), "ended": None}
+        self.lives[str(n)] = {"name": name, "mig": mig["name"], "created": t, "ended": None}
         mig["members"].append(name)
 
-    def _end_life(self, inst: dict[str, Any]) -> None:
+    def _end_life(self, inst: dict[str, Any], t: float) -> None:
         life = self.lives[inst["id"]]
         if life["ended"] is None:
-            life["ended"] = self._t()
+            life["ended"] = t
 
     def _recreate(self, inst: dict[str, Any]) -> None:
         """The group deletes the VM and creates it anew: same name, new id."""
-        self._end_life(inst)
+        t = self._t()
+        self._end_life(inst, t)
         n = next(self.ids)
-        inst.update(id=str(n), status="PROVISIONING", action="RECREATING", created=self._now(), stopped="")
-        self.lives[str(n)] = {"name": inst["name"], "mig": inst["mig"], "created": self._t(), "ended": None}
+        inst.update(id=str(n), status="PROVISIONING", action="RECREATING", created=_iso(t), stopped="")
+        self.lives[str(n)] = {"name": inst["name"], "mig": inst["mig"], "created": t, "ended": None}
 
     def resize(self, name: str, size: int) -> None:
         mig = self.migs[name]
@@ -100,7 +101,7 @@ class World:
             gone = mig["members"].pop()
             inst = self.instances.pop(gone, None)
             if inst:
-                self._end_life(inst)
+                self._end_life(inst, self._t())
 
     def tick(self) -> None:
         """Reconcile: creations finish (or fail while exhausted), preempted members come back."""
@@ -117,9 +118,10 @@ class World:
 
     def preempt(self, name: str) -> None:
         inst = self.instances[name]
-        now = self._now()
+        t = self._t()  # one reading: the VM's stop, the operation and the life's record agree
+        now = _iso(t)
         inst.update(status="TERMINATED", stopped=now)
-        self._end_life(inst)
+        self._end_life(inst, t)
         n = next(self.ids)
         self.operations.append({
             "kind": "compute#operation", "id": str(n), "name": f"systemevent-{n}",

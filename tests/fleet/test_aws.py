@@ -284,6 +284,29 @@ def test_a_warning_is_acknowledged_only_once_handled(aws_session, moto_url, boin
     assert queued(aws_session, moto_url, fleet["queue"]) == 0
 
 
+def test_a_warning_for_an_instance_never_seen(aws_session, moto_url, boinc_db, project, redis_server) -> None:
+    """Warned and reclaimed while no controller watched: the instance is no longer in the
+    group, but EC2 still knows it (tagged with the group's name): its units are re-issued.
+    A warning for an instance of no fleet of ours is dropped."""
+    r = connect(redis_server.url)
+    store, units = boinc_job(r, project, n_units=4)
+    fleet = make_fleet(aws_session, moto_url, 2)
+    ctl = controller(aws_config(moto_url, fleet, str(project.root)), aws_session, project, r)
+    instances = ctl.provider.observe().instances
+    lay_out(boinc_db, instances, units, time.time())
+    gone = instances[0].uid
+    ec2_reclaim(aws_session, moto_url, [gone])  # the group drops it and launches another
+    stranger = aws_session.client("ec2", endpoint_url=moto_url).run_instances(
+        ImageId=AMI, MinCount=1, MaxCount=1, InstanceType="g5.xlarge")["Instances"][0]["InstanceId"]
+    put_interruptions(aws_session, moto_url, [(gone, "warning", time.time() - 100),
+                                              (stranger, "warning", time.time())])
+    rep = ctl.step()  # the controller's first look at this fleet
+    assert sorted(rep.reissued) == sorted(units[:2])
+    recs = ctl.state.records()
+    assert gone in recs and recs[gone].reclaim_ms and recs[gone].settled_ms and stranger not in recs
+    assert queued(aws_session, moto_url, fleet["queue"]) == 0  # both handled: the stranger's dropped
+
+
 def test_budget_applies_from_the_first_period(aws_session, moto_url, boinc_db, project, redis_server,
                                               monkeypatch) -> None:
     """Nothing runs yet: a new host is priced at the dearest type the group may launch."""
