@@ -41,7 +41,7 @@ import os
 import re
 import socket
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -363,7 +363,3 @@ def _retry(fn: Callable[[], Any], retry_s: float = DEFAULT_RETRY_S) -> Any:
                 raise
             backoff.wait(None, e)
 
-
-def fleet_records(r: redis.Redis, fleets: Iterable[str]) -> dict[str, dict[str, InstanceRecord]]:
-    """Every fleet's instance records (for a job's provisional charges)."""
-    return {f: FleetState(r, f).records() for f in fleets}
