@@ -74,29 +74,37 @@ def watch(
 
 @fleet_app.command()
 def status(config: ConfigOpt) -> None:
-    """The controller's last period as it published it in Redis."""
+    """The controller's last period and its durable fallback state, from Redis."""
+    import time
+
     from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.backends.boinc.project import BoincProject
     from boinc_dl.server.fleet.config import load_config
-    from boinc_dl.server.fleet.controller import STATUS_KEY
+    from boinc_dl.server.fleet.state import FleetState
 
     try:
         cfg = load_config(config)
-        r = connect(BoincProject(cfg.project).require().redis_url())
-        raw = {k.decode(): v.decode() for k, v in r.hgetall(STATUS_KEY).items()}
+        st = FleetState(connect(BoincProject(cfg.project).require().redis_url()), cfg.fleet_name())
+        raw, fb, holder = st.status(), st.fallback(), st.holder()
     except BoincDLError as e:
         _fail(e)
         return
-    if not raw:
-        _fail(BoincDLError("no fleet status yet: is 'boinc-dl fleet watch' running?"))
-    import time
-
-    t = Table(show_header=False, title=f"fleet ({raw.get('provider', '?')})")
-    age = time.time() - float(raw.get("time", 0))
-    t.add_row("last period", f"{age:.0f} s ago")
-    t.add_row("hosts", f"{raw.get('running')} running, {raw.get('desired')} desired")
+    if not raw.get("time"):
+        _fail(BoincDLError(f"no status of fleet {st.fleet} yet: is 'boinc-dl fleet watch' running?"))
+    now = time.time()
+    t = Table(show_header=False, title=f"fleet {st.fleet} ({raw.get('provider', '?')})")
+    t.add_row("last period", f"{now - float(raw['time']):.0f} s ago")
+    t.add_row("controller", f"{holder[0]} (lease {holder[1]:.0f} s more)" if holder else "none holds the lease")
+    draining = int(raw.get("draining") or 0)
+    t.add_row("hosts", f"{raw.get('running')} running" + (f" (+{draining} draining)" if draining else "")
+              + f", {raw.get('desired')} desired")
     t.add_row("on-demand share", f"{raw.get('on_demand_percent')}%")
-    t.add_row("fallback", raw.get("fallback") or "no (spot is calm)")
+    if fb.active:
+        t.add_row("fallback", f"since {now - fb.since:.0f} s: {fb.reason}; last trouble "
+                  f"{now - fb.last_trouble:.0f} s ago (hold {cfg.fallback.hold_s:.0f} s)")
+    else:
+        t.add_row("fallback", "no (spot is calm)")
+    t.add_row("reclaims in window", f"{raw.get('reclaims_in_window', 0)} in {cfg.fallback.window_s:.0f} s")
     t.add_row("re-issued early", f"{raw.get('reissued_total', 0)} units in all")
     t.add_row("decision time", f"{raw.get('decision_ms')} ms")
     if raw.get("last_reasons"):
@@ -110,7 +118,6 @@ def cost(
     project: Annotated[Path | None, typer.Option(help="BOINC project whose Redis holds the job")] = None,
 ) -> None:
     """What a job's fleet time cost: by instance type and market, lost to reclaims, saved."""
-
     from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.assimilator.store import JobStore
     from boinc_dl.server.common.errors import UnknownJob
@@ -134,3 +141,10 @@ def cost(
     console.print(f"on-demand equivalent ${rep['on_demand_usd']}: saved ${rep['saving_usd']} "
                   f"({rep['saving_pct']}%)")
     console.print(f"lost to {rep['reclaims']} reclaim(s): {rep['lost_hours']} instance-hours, ${rep['lost_usd']}")
+    if rep["waived_n"] or rep["drain_saved_usd"]:
+        console.print(f"draining instead of terminating: the cloud waived {rep['waived_n']} first-hour "
+                      f"bill(s) (${rep['waived_usd']}); saved ${rep['drain_saved_usd']} against terminating "
+                      "on the warning")
+    if rep["provisional_hours"]:
+        console.print(f"provisional: {rep['provisional_hours']} instance-hours, ${rep['provisional_usd']} "
+                      "(spot instances in their first hour: waived if the cloud reclaims them)")

@@ -8,8 +8,18 @@
 * reclaims: EventBridge delivers ``EC2 Spot Instance Interruption Warning`` (two minutes
   ahead) and ``EC2 Instance Rebalance Recommendation`` events to an SQS queue; each
   message is parsed with bounds and deleted once read;
-* replacement: ``TerminateInstanceInAutoScalingGroup`` without decrementing, so the
-  group launches a replacement now rather than after its next health check;
+* drain (the default for a warned instance): ``DetachInstances`` without decrementing,
+  so the group launches a replacement now while EC2 reclaims the detached instance
+  itself: EC2 does not bill a spot instance it interrupts in its first hour, but bills
+  one its owner terminates;
+* replacement (``reclaim_action: terminate``): ``TerminateInstanceInAutoScalingGroup``
+  without decrementing;
+* an instance's end: the time in its ``StateTransitionReason`` (``User initiated
+  (2026-01-02 03:04:05 GMT)``); whether EC2 reclaimed it: its ``StateReason`` code
+  ``Server.SpotInstanceTermination``;
+* acknowledging: a queue message is deleted only once the controller has handled it (it
+  is received with a short visibility timeout, so a controller that died holding it
+  sees it again on restart);
 * refusals: failed scaling activities whose message says capacity was not available;
 * prices: ``DescribeSpotPriceHistory``.
 """
@@ -24,6 +34,7 @@ from datetime import datetime, timezone
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from boinc_dl.server.fleet.billing import BillingRules
 from boinc_dl.server.fleet.config import AwsSettings
 from boinc_dl.server.fleet.provider import (
     FleetShape,
@@ -43,6 +54,14 @@ SPOT_NOTICE_S = 120.0
 MAX_MESSAGES_PER_PERIOD = 2000
 CAPACITY_WORDS = ("InsufficientInstanceCapacity", "capacity-not-available", "SpotMaxPriceTooLow",
                   "MaxSpotInstanceCountExceeded", "no Spot capacity", "insufficient capacity")
+#: Per second, 60 s minimum; a spot instance EC2 interrupts in its first hour is free.
+BILLING = BillingRules(increment_ms=1000, minimum_ms=60_000, reclaim_waiver_ms=3_600_000)
+#: How long a received, unacknowledged interruption message stays hidden from the next
+#: receive: a restarted controller sees what its dead predecessor had received by then.
+VISIBILITY_S = 10
+SPOT_TERMINATION = "Server.SpotInstanceTermination"
+ENDED_AT = re.compile(r"\((\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}) (?:GMT|UTC)\)")
+ASG_TAG = "aws:autoscaling:groupName"
 STATES = {"pending": "pending", "running": "running", "stopping": "stopping", "stopped": "gone",
           "shutting-down": "gone", "terminated": "gone"}
 
@@ -73,10 +92,19 @@ def parse_event(body: str) -> Interruption | None:
                         t + SPOT_NOTICE_S if warning else t, str(ev.get("id", ""))[:128])
 
 
+def ended_at(reason: str) -> float | None:
+    """The time in an EC2 ``StateTransitionReason`` (``User initiated (... GMT)``)."""
+    m = ENDED_AT.search(reason or "")
+    if not m:
+        return None
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc).timestamp()
+
+
 class AwsProvider:
     """The :class:`~boinc_dl.server.fleet.provider.FleetProvider` of an AWS auto scaling group."""
 
     name = "aws"
+    billing = BILLING
 
     def __init__(self, settings: AwsSettings, session: Any = None):
         import boto3
@@ -94,6 +122,7 @@ class AwsProvider:
         self._max_size = 0
         self._activities_seen: set[str] = set()
         self._members: set[str] = set()
+        self._junk: list[str] = []
 
     # ---- reading ----------------------------------------------------------------------------
     def _group(self) -> dict[str, Any]:
@@ -111,11 +140,20 @@ class AwsProvider:
         members = {m["InstanceId"]: m for m in g.get("Instances", [])}
         self._members = set(members)
         instances = self._describe(members)
+        overrides = (self._policy or {}).get("LaunchTemplate", {}).get("Overrides", [])
+        candidates = [(o["InstanceType"], z) for o in overrides if o.get("InstanceType")
+                      for z in g.get("AvailabilityZones", [])]
         return Observation(time=datetime.now(timezone.utc).timestamp(), instances=instances,
                            shape=FleetShape(int(g.get("DesiredCapacity", 0)), percent),
-                           interruptions=self._drain_queue(), refusals=self._refusals())
+                           interruptions=self._receive(), refusals=self._refusals(), candidates=candidates)
 
-    def _describe(self, members: dict[str, dict[str, Any]]) -> list[Instance]:
+    def describe(self, uids: list[str]) -> list[Instance]:
+        """Instances by id, members of the group or not (``member``: still tagged with
+        the group's name, or listed by it)."""
+        return [i for i in self._describe({u: {} for u in uids if INSTANCE_ID.match(u)}, strict=False)
+                if i.launched > 0]
+
+    def _describe(self, members: dict[str, dict[str, Any]], strict: bool = True) -> list[Instance]:
         out: list[Instance] = []
         ids = sorted(members)
         found: set[str] = set()
@@ -129,21 +167,35 @@ class AwsProvider:
                         if m.get("LifecycleState", "InService").startswith("Terminat"):
                             state = "gone"
                         names = tuple(n for n in (i.get("PrivateDnsName", ""), i.get("PublicDnsName", "")) if n)
+                        tags = {t.get("Key"): t.get("Value") for t in i.get("Tags", [])}
+                        code = (i.get("StateReason") or {}).get("Code")
                         out.append(Instance(
-                            id=i["InstanceId"], type=i.get("InstanceType", m.get("InstanceType", "")),
+                            uid=i["InstanceId"], name=i["InstanceId"],
+                            type=i.get("InstanceType", m.get("InstanceType", "")),
                             market="spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
                             zone=i.get("Placement", {}).get("AvailabilityZone", m.get("AvailabilityZone", "")),
                             state=state, launched=i["LaunchTime"].timestamp(),
                             private_ip=i.get("PrivateIpAddress", ""), public_ip=i.get("PublicIpAddress", ""),
-                            names=names))
-        for iid in set(ids) - found:  # a member EC2 no longer lists: gone
-            m = members[iid]
-            out.append(Instance(iid, m.get("InstanceType", ""), "on-demand", m.get("AvailabilityZone", ""),
-                                "gone", 0.0))
+                            names=names, member=i["InstanceId"] in self._members or tags.get(ASG_TAG) == self.s.asg_name,
+                            ended=ended_at(i.get("StateTransitionReason", "")) if state == "gone" else None,
+                            reclaimed_by_cloud=(code == SPOT_TERMINATION) if state == "gone" and code else None))
+        if strict:
+            for iid in set(ids) - found:  # a member EC2 no longer lists: gone
+                m = members[iid]
+                out.append(Instance(iid, iid, m.get("InstanceType", ""), "on-demand", m.get("AvailabilityZone", ""),
+                                    "gone", 0.0))
         return out
 
     def poll_interruptions(self) -> list[Interruption]:
-        return self._drain_queue()
+        return self._receive()
+
+    def ack(self, events: list[Interruption]) -> None:
+        """Delete the handled events' messages (and the malformed ones met on the way)."""
+        handles = list(dict.fromkeys([e.receipt for e in events if e.receipt] + self._junk))
+        self._junk = []
+        for k in range(0, len(handles), 10):
+            self.sqs.delete_message_batch(QueueUrl=self.s.queue_url, Entries=[
+                {"Id": str(n), "ReceiptHandle": h} for n, h in enumerate(handles[k:k + 10])])
 
     def _pages(self, ids: list[str]) -> Any:
         """describe_instances of ``ids``; by id (a direct lookup), or, when one of them is
@@ -158,12 +210,14 @@ class AwsProvider:
                 raise
             return list(pager.paginate(Filters=[{"Name": "instance-id", "Values": ids}]))
 
-    def _drain_queue(self) -> list[Interruption]:
+    def _receive(self) -> list[Interruption]:
+        """Messages now visible in the queue, as events carrying their receipt handles
+        (deleted by :meth:`ack` once handled; the malformed ones with the next ack)."""
         events: list[Interruption] = []
         read = 0
         while read < MAX_MESSAGES_PER_PERIOD:
             msgs = self.sqs.receive_message(QueueUrl=self.s.queue_url, MaxNumberOfMessages=10,
-                                            WaitTimeSeconds=0).get("Messages", [])
+                                            VisibilityTimeout=VISIBILITY_S, WaitTimeSeconds=0).get("Messages", [])
             if not msgs:
                 break
             read += len(msgs)
@@ -171,10 +225,12 @@ class AwsProvider:
                 ev = parse_event(m.get("Body", ""))
                 if ev is None:
                     log.warning("ignoring a message of the interruption queue that is not an interruption event")
+                    self._junk.append(m["ReceiptHandle"])
                 else:
+                    ev.receipt = m["ReceiptHandle"]
                     events.append(ev)
-            self.sqs.delete_message_batch(QueueUrl=self.s.queue_url, Entries=[
-                {"Id": str(n), "ReceiptHandle": m["ReceiptHandle"]} for n, m in enumerate(msgs)])
+        if self._junk and not events:
+            self.ack([])
         return events
 
     def _refusals(self) -> list[str]:
@@ -215,18 +271,56 @@ class AwsProvider:
         self.asg.set_desired_capacity(AutoScalingGroupName=self.s.asg_name, DesiredCapacity=desired,
                                       HonorCooldown=False)
 
-    def replace(self, instance_ids: list[str]) -> list[str]:
+    def _current_members(self) -> set[str]:
+        g = self._group()
+        self._members = {m["InstanceId"] for m in g.get("Instances", [])
+                         if not m.get("LifecycleState", "InService").startswith(("Terminat", "Detach"))}
+        return self._members
+
+    def drain(self, uids: list[str]) -> list[str]:
+        """Detach from the group (a replacement launches now); EC2 reclaims them."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        done = []
-        # Members only: the group already replaced those EC2 terminated and dropped.
-        for iid in [i for i in instance_ids if i in self._members]:
+        members = self._current_members()
+        done = [u for u in uids if u not in members]  # detached already, or gone and dropped
+        todo = [u for u in uids if u in members]
+        for k in range(0, len(todo), 20):  # DetachInstances takes 20 ids per call
+            batch = todo[k:k + 20]
+            try:
+                self.asg.detach_instances(AutoScalingGroupName=self.s.asg_name, InstanceIds=batch,
+                                          ShouldDecrementDesiredCapacity=False)
+                done += batch
+            except (ClientError, BotoCoreError) as e:  # one left meanwhile: the rest one by one
+                log.info("detach %s: %s", ", ".join(batch), e)
+                for u in batch:
+                    try:
+                        self.asg.detach_instances(AutoScalingGroupName=self.s.asg_name, InstanceIds=[u],
+                                                  ShouldDecrementDesiredCapacity=False)
+                        done.append(u)
+                    except (ClientError, BotoCoreError) as e2:
+                        if u not in self._current_members():
+                            done.append(u)
+                        else:
+                            log.warning("detach %s: %s", u, e2)
+        self._members -= set(done)
+        return done
+
+    def replace(self, uids: list[str]) -> list[str]:
+        """Terminate members now; the group launches replacements (no double launch:
+        an instance no longer a member is done already)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        members = self._current_members()
+        done = [u for u in uids if u not in members]
+        for iid in [u for u in uids if u in members]:
             try:
                 self.asg.terminate_instance_in_auto_scaling_group(InstanceId=iid,
                                                                   ShouldDecrementDesiredCapacity=False)
                 done.append(iid)
             except (ClientError, BotoCoreError) as e:  # replaced meanwhile / left the group
                 log.info("replace %s: %s", iid, e)
+                if iid not in self._current_members():
+                    done.append(iid)
         return done
 
     def spot_prices(self, types: list[str], start: float, end: float) -> list[PricePoint]:

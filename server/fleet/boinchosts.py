@@ -1,28 +1,51 @@
 """What the fleet controller reads from BOINC's database: hosts, results in flight, queue.
 
 BOINC alone knows which host runs which result (``result.hostid``, ``server_state``
-4 = in progress, 2 = unsent). A cloud instance is matched to its BOINC host(s) by,
-in order of trust:
+4 = in progress, 2 = unsent). Every query is :class:`~boinc_dl.server.backends.boinc.boincdb.BoincDB`'s
+(the one home of BOINC's SQL: read-only session, SELECT only, bounded rows); this module
+holds the fleet's logic on top. A cloud instance is matched to its BOINC host(s) by, in
+order of trust:
 
-1. ``host.domain_name`` equal to the instance's id (AWS ``i-...``) or name (GCP): the
-   naming convention our cloud-init applies (``hostnamectl set-hostname <id>`` before
-   the BOINC client first contacts the project; GCP's default hostname is the name);
+1. ``host.domain_name`` equal to the instance's name (AWS: its id ``i-...``; GCP: its
+   name): the naming convention our cloud-init applies (``hostnamectl set-hostname``
+   before the BOINC client first contacts the project; GCP's default hostname is the name);
 2. ``host.domain_name`` equal to one of the cloud's DNS names for it;
 3. ``host.last_ip_addr`` / ``host.external_ip_addr`` equal to its private or public IP.
 
-A client attached twice has two host rows; both are taken. Read-only: the controller
-never writes BOINC's database (re-issue goes through the work generator).
+A client attached twice has two host rows; both are taken. GCP recreates a preempted VM
+under the same name, so one name may stand for several lives: the results of one life
+are those sent while it existed (:meth:`BoincHosts.in_flight` with ``since``/``until``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
+from boinc_dl.server.backends.boinc.boincdb import (
+    RESULT_SERVER_STATE_IN_PROGRESS,
+    RESULT_SERVER_STATE_UNSENT,
+    HostAddressRow,
+    InProgressRow,
+)
 from boinc_dl.server.fleet.provider import Instance
 
-UNSENT, IN_PROGRESS = 2, 4
+#: Seconds of clock difference tolerated between BOINC's server and the cloud when a
+#: result's send time is placed within an instance's life (a host boots and attaches for
+#: far longer than this before its first result is sent).
+LIFE_SLACK_S = 5.0
+
+
+class HostQueries(Protocol):
+    """The queries of BOINC's database the fleet needs (BoincDB's methods)."""
+
+    def hosts_named(self, names: list[str], ips: list[str]) -> list[HostAddressRow]: ...
+
+    def results_in_progress(self, app: str, host_ids: list[int]) -> list[InProgressRow]: ...
+
+    def result_counts(self, app: str) -> dict[int, int]: ...
+
+    def workunits_in_progress(self, app: str) -> list[str]: ...
 
 
 @dataclass
@@ -44,78 +67,54 @@ class QueueDemand:
 
 
 class BoincHosts:
-    """Queries on a DB-API connection to BOINC's database (MySQL/MariaDB in production)."""
+    """The fleet's view of BOINC's hosts and results (see module docstring)."""
 
-    def __init__(self, conn: Any, app: str = "boincdl", paramstyle: str = "format"):
-        self.conn = conn
+    def __init__(self, db: HostQueries, app: str = "boincdl"):
+        self.db = db
         self.app = app
-        self.mark = "?" if paramstyle == "qmark" else "%s"
 
     @classmethod
-    def from_project(cls, project: Any) -> BoincHosts:
-        """A read-only session with the credentials of the project's ``config.xml``
-        (:class:`~boinc_dl.server.backends.boinc.boincdb.BoincDB`: db_host/db_port/db_socket as BOINC reads them)."""
+    def from_project(cls, project: object) -> BoincHosts:
+        """A read-only session with the credentials of the project's ``config.xml``."""
         from boinc_dl.server.backends.boinc.boincdb import BoincDB
         from boinc_dl.server.backends.boinc.project import APP_NAME
 
-        return cls(BoincDB.connect(project, timeout_s=30).conn, APP_NAME, "format")
-
-    def _rows(self, sql: str, args: Iterable[Any] = ()) -> list[tuple]:
-        cur = self.conn.cursor()
-        try:
-            cur.execute(sql.replace("?", self.mark), tuple(args))
-            return list(cur.fetchall())
-        finally:
-            cur.close()
+        return cls(BoincDB.connect(project, timeout_s=30), APP_NAME)  # type: ignore[arg-type]
 
     def hosts_of(self, instances: list[Instance]) -> dict[str, list[int]]:
-        """BOINC host ids of each instance (see the module docstring for the matching)."""
-        names = {n for i in instances for n in (i.id, *i.names) if n}
-        ips = {ip for i in instances for ip in (i.private_ip, i.public_ip) if ip}
+        """BOINC host ids of each instance, by its ``uid`` (see the module docstring)."""
+        names = sorted({n for i in instances for n in (i.name, *i.names) if n})
+        ips = sorted({ip for i in instances for ip in (i.private_ip, i.public_ip) if ip})
         if not names and not ips:
             return {}
-        conds, args = [], []
-        if names:
-            conds.append(f"domain_name IN ({','.join('?' * len(names))})")
-            args += sorted(names)
-        if ips:
-            marks = ",".join("?" * len(ips))
-            conds.append(f"last_ip_addr IN ({marks}) OR external_ip_addr IN ({marks})")
-            args += sorted(ips) * 2
-        # Only placeholders are formatted in; every value is a bound parameter.
-        rows = self._rows(f"SELECT id, domain_name, last_ip_addr, external_ip_addr FROM host WHERE {' OR '.join(conds)}",  # nosec B608
-                          args)
+        rows = self.db.hosts_named(names, ips)
         out: dict[str, list[int]] = {}
         for inst in instances:
-            mine = {inst.id, *inst.names} - {""}
+            mine = {inst.name, *inst.names} - {""}
             addrs = {inst.private_ip, inst.public_ip} - {""}
-            by_name = [r[0] for r in rows if r[1] in mine]
-            hits = by_name or [r[0] for r in rows if r[2] in addrs or r[3] in addrs]
+            by_name = [r.id for r in rows if r.domain_name in mine]
+            # an address is only trusted when no host row carries the instance's name
+            hits = by_name or [r.id for r in rows if r.last_ip_addr in addrs or r.external_ip_addr in addrs]
             if hits:
-                out[inst.id] = sorted(set(hits))
+                out[inst.uid] = sorted(set(hits))
         return out
 
-    def in_flight(self, host_ids: list[int]) -> list[InFlight]:
-        """Results of our app in progress on these hosts."""
+    def in_flight(self, host_ids: list[int], since: float | None = None,
+                  until: float | None = None) -> list[InFlight]:
+        """Results of our app in progress on these hosts, sent within [since, until]
+        (give an instance's life: its launch and, once known, its end)."""
         if not host_ids:
             return []
-        rows = self._rows(
-            "SELECT r.name, w.name, r.hostid, r.sent_time FROM result r JOIN workunit w ON r.workunitid = w.id "
-            f"JOIN app a ON r.appid = a.id WHERE a.name = ? AND r.server_state = ? "
-            f"AND r.hostid IN ({','.join('?' * len(host_ids))})",  # nosec B608 - placeholders only, values bound
-            [self.app, IN_PROGRESS, *host_ids])
-        return [InFlight(str(r[0]), str(r[1]), int(r[2]), float(r[3] or 0)) for r in rows]
+        lo = -float("inf") if since is None else since - LIFE_SLACK_S
+        hi = float("inf") if until is None else until + LIFE_SLACK_S
+        return [InFlight(r.result, r.workunit, r.hostid, float(r.sent_time))
+                for r in self.db.results_in_progress(self.app, host_ids) if lo <= r.sent_time <= hi]
 
     def demand(self) -> QueueDemand:
         """Unsent and in-progress results of our app."""
-        rows = self._rows("SELECT r.server_state, COUNT(*) FROM result r JOIN app a ON r.appid = a.id "
-                          "WHERE a.name = ? AND r.server_state IN (?, ?) GROUP BY r.server_state",
-                          [self.app, UNSENT, IN_PROGRESS])
-        counts = {int(s): int(n) for s, n in rows}
-        return QueueDemand(counts.get(UNSENT, 0), counts.get(IN_PROGRESS, 0))
+        counts = self.db.result_counts(self.app)
+        return QueueDemand(counts.get(RESULT_SERVER_STATE_UNSENT, 0), counts.get(RESULT_SERVER_STATE_IN_PROGRESS, 0))
 
     def running_workunits(self) -> list[str]:
         """Workunit names of our app's results in progress (for the cost split by job)."""
-        return [str(r[0]) for r in self._rows(
-            "SELECT w.name FROM result r JOIN workunit w ON r.workunitid = w.id JOIN app a ON r.appid = a.id "
-            "WHERE a.name = ? AND r.server_state = ?", [self.app, IN_PROGRESS])]
+        return self.db.workunits_in_progress(self.app)

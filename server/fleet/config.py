@@ -7,6 +7,7 @@ See ``docs/fleet.md`` and ``examples/fleet-aws.yaml`` / ``examples/fleet-gcp.yam
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +49,9 @@ class GcpSettings(_Strict):
     on_demand_mig: str | None = Field(None, description="managed instance group of standard "
                                       "(on-demand) VMs used by the fallback")
     endpoint_url: str | None = Field(None, description="another API endpoint (a local stand-in)")
+    credentials: Literal["default", "anonymous"] = Field("default", description="'default': Application "
+                                                          "Default Credentials; 'anonymous': none (a local "
+                                                          "stand-in at endpoint_url)")
     spot_prices: dict[str, Decimal] = Field(default_factory=dict, description="$/h of SPOT VMs by "
                                             "machine type (GCP publishes them; no history API)")
 
@@ -79,6 +83,14 @@ class FleetConfig(_Strict):
     aws: AwsSettings | None = None
     gcp: GcpSettings | None = None
     project: str = Field(..., min_length=1, description="the BOINC project directory")
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="the fleet's "
+                             "name in Redis (bdl:fleet:{name}:...); default: the group's name")
+    reclaim_action: Literal["drain", "terminate"] = Field(
+        "drain", description="what happens to a warned instance once its units are re-issued: 'drain' takes "
+        "it out of the group (a replacement starts now) and leaves it to the cloud, which does not bill a spot "
+        "instance it reclaims in its first hour (AWS); 'terminate' stops it now (billed as the owner's stop)")
+    lease_s: float = Field(15.0, ge=1, description="a controller's lease on the fleet: a restarted "
+                           "controller waits at most this long for a dead one's to lapse")
     min_hosts: int = Field(0, ge=0)
     max_hosts: int = Field(..., ge=1)
     slots_per_host: int = Field(1, ge=1, description="units one host runs at once")
@@ -106,6 +118,14 @@ class FleetConfig(_Strict):
             except FleetFileError as e:
                 raise ValueError(f"planner section: {e}") from None
         return self
+
+    def fleet_name(self) -> str:
+        """The fleet's name in Redis: ``name``, else the (spot) group's name."""
+        if self.name:
+            return self.name
+        group = self.aws.asg_name if self.provider == "aws" and self.aws else self.gcp.mig if self.gcp else ""
+        # a group's name may hold characters a key's hash tag must not (e.g. braces)
+        return re.sub(r"[^A-Za-z0-9._-]", "-", group).lstrip("-._")[:64] or "fleet"
 
     def planner_types(self) -> list[str]:
         """The instance types this file names: the GCP group's machine type, its SPOT

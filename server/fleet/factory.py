@@ -7,10 +7,12 @@ from typing import Any
 from boinc_dl.server.fleet.boinchosts import BoincHosts
 from boinc_dl.server.fleet.config import FleetConfig
 from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.state import FleetState
 
 
 def build_controller(cfg: FleetConfig) -> FleetController:
-    """Provider, BOINC database, Redis and controller for a validated config."""
+    """Provider, BOINC database, the fleet's Redis state and controller for a validated
+    config."""
     from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.backends.boinc.project import BoincProject
 
@@ -23,5 +25,12 @@ def build_controller(cfg: FleetConfig) -> FleetController:
     else:
         from boinc_dl.server.fleet.gcp import GcpProvider
 
-        provider = GcpProvider(cfg.gcp)
-    return FleetController(cfg, provider, BoincHosts.from_project(project), connect(project.redis_url()))
+        creds = None
+        if cfg.gcp.credentials == "anonymous":
+            from google.auth.credentials import AnonymousCredentials
+
+            creds = AnonymousCredentials()
+        provider = GcpProvider(cfg.gcp, credentials=creds)
+    # wait_s: a daemon restarted while Redis restarts waits for it rather than exiting
+    state = FleetState(connect(project.redis_url(), wait_s=30.0), cfg.fleet_name())
+    return FleetController(cfg, provider, BoincHosts.from_project(project), state)

@@ -5,11 +5,16 @@
 * instances: ``listManagedInstances`` (status, current action, creation errors) and
   ``instances.list`` filtered to the groups' base instance names (machine type,
   creation time, addresses);
+* identity: a VM's ``id`` (the group recreates a preempted VM under the same *name*
+  with a new ``id``: each is a life of its own);
 * reclaims: ``zoneOperations.list`` with ``operationType = "compute.instances.preempted"``
   (GCP gives the guest 30 s, which the operation does not precede: a preemption is
-  reported when it happens);
-* replacement: ``recreateInstances`` of preempted members (the group would recreate
-  them on its own; asking makes it immediate);
+  reported when it happens); the operation's ``targetId`` names the life preempted;
+* an instance's end: its ``lastStopTimestamp``;
+* replacement: a preempted member is recreated by the group itself (asking as well would
+  race with it: ``recreateInstances`` names a VM by its reused name); a running one
+  (``reclaim_action: terminate``) with ``recreateInstances``, only while the member of
+  that name is still the life asked for;
 * refusals: managed instances still being created whose last attempt failed for
   want of capacity (``ZONE_RESOURCE_POOL_EXHAUSTED``...);
 * prices: GCP publishes SPOT prices per machine type and changes them at most monthly
@@ -23,6 +28,7 @@ import re
 from datetime import datetime
 from typing import Any
 
+from boinc_dl.server.fleet.billing import BillingRules
 from boinc_dl.server.fleet.config import GcpSettings
 from boinc_dl.server.fleet.provider import (
     FleetShape,
@@ -42,6 +48,9 @@ STATES = {"PROVISIONING": "pending", "STAGING": "pending", "RUNNING": "running",
           "SUSPENDING": "stopping", "REPAIRING": "pending", "TERMINATED": "gone", "STOPPED": "gone",
           "SUSPENDED": "gone"}
 NAME = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+UID = re.compile(r"^[0-9]{1,20}$")
+#: Per second with a one-minute minimum; no waiver for preempted VMs.
+BILLING = BillingRules(increment_ms=1000, minimum_ms=60_000, reclaim_waiver_ms=0)
 
 
 def _ts(s: str) -> float:
@@ -56,6 +65,7 @@ class GcpProvider:
     """The :class:`~boinc_dl.server.fleet.provider.FleetProvider` of GCP managed instance groups."""
 
     name = "gcp"
+    billing = BILLING
 
     def __init__(self, settings: GcpSettings, credentials: Any = None):
         from google.cloud import compute_v1
@@ -84,6 +94,21 @@ class GcpProvider:
 
     # ---- reading ----------------------------------------------------------------------------
     def observe(self) -> Observation:
+        instances, refusals = self._list()
+        od = self._sizes.get(self.s.on_demand_mig or "", 0)
+        total = sum(self._sizes.values())
+        percent = round(100 * od / total) if total and self.s.on_demand_mig else 0
+        candidates = [(self.s.machine_type, self.s.zone)]
+        return Observation(time=0.0, instances=instances, shape=FleetShape(total, percent),
+                           interruptions=self._preemptions(), refusals=refusals, candidates=candidates)
+
+    def describe(self, uids: list[str]) -> list[Instance]:
+        """The groups' VMs among ``uids`` (a deleted VM, e.g. a recreated life, is gone
+        from the API and absent here)."""
+        want = set(uids)
+        return [i for i in self._list()[0] if i.uid in want]
+
+    def _list(self) -> tuple[list[Instance], list[str]]:
         instances: list[Instance] = []
         refusals: list[str] = []
         for mig, market in self._groups():
@@ -103,19 +128,24 @@ class GcpProvider:
                 refusals += [f"{e.code}: {e.message}"[:300] for e in errors]
                 nic = d.network_interfaces[0] if d and d.network_interfaces else None
                 nat = nic.access_configs[0].nat_i_p if nic and nic.access_configs else ""
-                instances.append(Instance(
-                    id=name, type=_last(d.machine_type) if d else self.s.machine_type, market=market,
+                uid = str(d.id) if d and d.id else str(m.id or "")
+                if not uid:  # being created: no identity yet
+                    continue
+                gone = state == "gone"
+                inst = Instance(
+                    uid=uid, name=name, type=_last(d.machine_type) if d else self.s.machine_type, market=market,
                     zone=self.s.zone, state=state, launched=_ts(d.creation_timestamp) if d else 0.0,
                     private_ip=nic.network_i_p if nic else "", public_ip=nat,
-                    names=tuple(n for n in ((d.hostname if d else ""),) if n)))
-        od = self._sizes.get(self.s.on_demand_mig or "", 0)
-        total = sum(self._sizes.values())
-        percent = round(100 * od / total) if total and self.s.on_demand_mig else 0
-        return Observation(time=0.0, instances=instances, shape=FleetShape(total, percent),
-                           interruptions=self._preemptions(), refusals=refusals)
+                    names=tuple(n for n in ((d.hostname if d else ""),) if n),
+                    ended=_ts(d.last_stop_timestamp) or None if gone and d else None)
+                instances.append(inst)
+        return instances, refusals
 
     def poll_interruptions(self) -> list[Interruption]:
         return self._preemptions()
+
+    def ack(self, events: list[Interruption]) -> None:
+        """Nothing to do: operations stay listed; the controller's records dedupe them."""
 
     def _preemptions(self) -> list[Interruption]:
         out = []
@@ -124,12 +154,12 @@ class GcpProvider:
             oid = str(op.id or op.name)
             if oid in self._seen_ops:
                 continue
-            name = _last(op.target_link)
-            if not NAME.match(name):
+            uid = str(op.target_id or "")
+            if not NAME.match(_last(op.target_link)) or not UID.match(uid):
                 continue
             t = _ts(op.insert_time)
             self._seen_ops[oid] = t
-            out.append(Interruption(name, "preempted", t, t, oid))
+            out.append(Interruption(uid, "preempted", t, t, oid))
         if len(self._seen_ops) > 10000:  # keep the newest ones
             keep = sorted(self._seen_ops.items(), key=lambda kv: kv[1])[-5000:]
             self._seen_ops = dict(keep)
@@ -148,15 +178,30 @@ class GcpProvider:
                 self.igm.resize(**self._where(mig), size=size)
                 self._sizes[mig] = size
 
-    def replace(self, instance_ids: list[str]) -> list[str]:
-        names = [n for n in instance_ids if NAME.match(n)]
-        if not names:
-            return []
-        urls = [f"projects/{self.s.project}/zones/{self.s.zone}/instances/{n}" for n in names]
-        req = self.compute.InstanceGroupManagersRecreateInstancesRequest(instances=urls)
-        self.igm.recreate_instances(**self._where(self.s.mig),
-                                    instance_group_managers_recreate_instances_request_resource=req)
-        return names
+    def drain(self, uids: list[str]) -> list[str]:
+        """A preempted VM has stopped already: the group recreates it by itself."""
+        return self.replace(uids)
+
+    def replace(self, uids: list[str]) -> list[str]:
+        """Recreate the members that are still these lives and still running. A stopped
+        (preempted) member is left to the group, which recreates it by itself: asking as
+        well races with it, and a ``recreateInstances`` that lands after the group's own
+        recreation would destroy the VM's next life (the call names a VM by its name)."""
+        current = {i.uid: i for i in self._list()[0]}
+        done = [u for u in uids if u not in current or current[u].state == "gone"]
+        by_mig: dict[str, list[str]] = {}
+        for u in uids:
+            inst = current.get(u)
+            if inst is not None and inst.state != "gone" and NAME.match(inst.name):
+                mig = self.s.on_demand_mig if inst.market == "on-demand" and self.s.on_demand_mig else self.s.mig
+                by_mig.setdefault(mig, []).append(inst.name)
+                done.append(u)
+        for mig, names in by_mig.items():
+            urls = [f"projects/{self.s.project}/zones/{self.s.zone}/instances/{n}" for n in names]
+            req = self.compute.InstanceGroupManagersRecreateInstancesRequest(instances=urls)
+            self.igm.recreate_instances(**self._where(mig),
+                                        instance_group_managers_recreate_instances_request_resource=req)
+        return done
 
     def spot_prices(self, types: list[str], start: float, end: float) -> list[PricePoint]:
         return []  # fixed prices from fleet.yaml (see module docstring)

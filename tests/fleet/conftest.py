@@ -5,19 +5,23 @@ are boto3's own, pointed at it with ``endpoint_url``. moto answers spot price hi
 with a placeholder price, so :func:`inject_spot_prices` replaces the answer of
 ``DescribeSpotPriceHistory`` (still served over HTTP) with a realistic history.
 
-BOINC's database is not here: :func:`boinc_db` creates, in SQLite, the columns of
-BOINC's ``host``, ``app``, ``workunit`` and ``result`` tables that the controller
-reads (names and meanings as in BOINC's ``db/schema.sql``).
+BOINC's database: :func:`boinc_db` creates, in a real MariaDB (127.0.0.1:3306; the
+tests skip, saying why, without one), the columns of BOINC's ``app``, ``host``,
+``workunit`` and ``result`` tables that the controller reads, and points the test's
+project at it; the controller reads it through ``BoincDB`` as in production.
+
+EC2's side of a reclaim is played by :func:`ec2_reclaim`: the instance is terminated
+through the API and marked as EC2 marks an instance it interrupts.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import socket
-import sqlite3
 from datetime import datetime, timezone
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
 
@@ -26,58 +30,170 @@ TYPES = ["g4dn.xlarge", "g5.xlarge", "c6i.xlarge"]
 #: moto does not check image ids (DescribeImages would load its whole catalogue: slow)
 AMI = "ami-0abcdef1234567890"
 
-BOINC_SCHEMA = """
-CREATE TABLE app (id INTEGER PRIMARY KEY, name VARCHAR(254) NOT NULL UNIQUE);
-CREATE TABLE host (id INTEGER PRIMARY KEY, domain_name VARCHAR(254), last_ip_addr VARCHAR(256),
-                   external_ip_addr VARCHAR(256), rpc_time DOUBLE);
-CREATE TABLE workunit (id INTEGER PRIMARY KEY, appid INTEGER NOT NULL, name VARCHAR(254) NOT NULL UNIQUE);
-CREATE TABLE result (id INTEGER PRIMARY KEY, appid INTEGER NOT NULL, workunitid INTEGER NOT NULL,
-                     hostid INTEGER NOT NULL DEFAULT 0, name VARCHAR(254) NOT NULL UNIQUE,
-                     server_state INTEGER NOT NULL, outcome INTEGER NOT NULL DEFAULT 0,
-                     sent_time INTEGER NOT NULL DEFAULT 0, report_deadline INTEGER NOT NULL DEFAULT 0);
-"""
+#: The columns of BOINC's ``app``, ``host``, ``workunit`` and ``result`` tables that the
+#: fleet reads (names and meanings as in BOINC's ``db/schema.sql``), in MariaDB.
+BOINC_SCHEMA = (
+    "CREATE TABLE app (id INTEGER NOT NULL PRIMARY KEY, name VARCHAR(254) NOT NULL UNIQUE)",
+    """CREATE TABLE host (id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY, create_time INTEGER NOT NULL DEFAULT 0,
+       rpc_time INTEGER NOT NULL DEFAULT 0, domain_name VARCHAR(254) NOT NULL DEFAULT '',
+       last_ip_addr VARCHAR(256) NOT NULL DEFAULT '', external_ip_addr VARCHAR(256) NOT NULL DEFAULT '',
+       p_ncpus INTEGER NOT NULL DEFAULT 1, p_fpops DOUBLE NOT NULL DEFAULT 0)""",
+    """CREATE TABLE workunit (id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY, create_time INTEGER NOT NULL DEFAULT 0,
+       appid INTEGER NOT NULL, name VARCHAR(254) NOT NULL UNIQUE, delay_bound INTEGER NOT NULL DEFAULT 3600,
+       error_mask INTEGER NOT NULL DEFAULT 0, assimilate_state INTEGER NOT NULL DEFAULT 0,
+       canonical_resultid INTEGER NOT NULL DEFAULT 0)""",
+    """CREATE TABLE result (id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY, create_time INTEGER NOT NULL DEFAULT 0,
+       appid INTEGER NOT NULL, workunitid INTEGER NOT NULL, hostid INTEGER NOT NULL DEFAULT 0,
+       name VARCHAR(254) NOT NULL UNIQUE, server_state INTEGER NOT NULL, outcome INTEGER NOT NULL DEFAULT 0,
+       validate_state INTEGER NOT NULL DEFAULT 0, sent_time INTEGER NOT NULL DEFAULT 0,
+       report_deadline INTEGER NOT NULL DEFAULT 0, received_time INTEGER NOT NULL DEFAULT 0,
+       elapsed_time DOUBLE NOT NULL DEFAULT 0, flops_estimate DOUBLE NOT NULL DEFAULT 0,
+       KEY (workunitid), KEY (hostid))""",
+)
+MARIADB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
 
 
-class BoincDB:
-    """The SQLite stand-in of BOINC's tables, with helpers that write rows as BOINC does."""
+def mariadb_or_skip():  # noqa: ANN201 - a pymysql connection
+    try:
+        import pymysql
 
-    def __init__(self, path: Path):
-        self.conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self.conn.executescript(BOINC_SCHEMA)
-        self.conn.execute("INSERT INTO app (id, name) VALUES (1, 'boincdl'), (2, 'example_app')")
+        return pymysql.connect(**MARIADB, connect_timeout=3, autocommit=True)
+    except Exception as e:  # noqa: BLE001 - any reason means "not available here"
+        pytest.skip(f"BOINC's database needs MariaDB on 127.0.0.1:3306 (root, no password): {e}")
+
+
+class FleetBoincDB:
+    """BOINC's tables in a MariaDB database of their own, written as BOINC's scheduler
+    writes them; :meth:`point` makes a project's config.xml name it, so the controller
+    reads it through :class:`~boinc_dl.server.backends.boinc.boincdb.BoincDB`."""
+
+    def __init__(self, name: str):
+        import pymysql
+
+        self.name = name
+        self.conn = pymysql.connect(**MARIADB, database=name, autocommit=True, connect_timeout=5)
+        with self.conn.cursor() as c:
+            for t in ("result", "workunit", "host", "app"):
+                c.execute(f"DROP TABLE IF EXISTS {t}")
+            for ddl in BOINC_SCHEMA:
+                c.execute(ddl)
+            c.execute("INSERT INTO app (id, name) VALUES (1, 'boincdl'), (2, 'example_app')")
+
+    def _exec(self, sql: str, args: tuple = ()) -> int:
+        with self.conn.cursor() as c:
+            c.execute(sql, args)
+            return int(c.lastrowid or 0)
+
+    def point(self, project) -> None:  # noqa: ANN001 - a BoincProject
+        """Make ``project``'s config.xml name this database."""
+        import re
+
+        text = project.config_xml.read_text()
+        for tag, value in (("db_name", self.name), ("db_host", MARIADB["host"]), ("db_user", MARIADB["user"]),
+                           ("db_passwd", MARIADB["password"])):
+            text = re.sub(rf"<{tag}>.*?</{tag}>", f"<{tag}>{value}</{tag}>", text)
+        if "<db_port>" not in text:
+            text = text.replace("</db_passwd>", f"</db_passwd>\n    <db_port>{MARIADB['port']}</db_port>", 1)
+        project.config_xml.write_text(text)
+        project.__dict__.pop("config", None)
 
     def add_host(self, domain_name: str, ip: str = "", external_ip: str = "") -> int:
-        cur = self.conn.execute("INSERT INTO host (domain_name, last_ip_addr, external_ip_addr) VALUES (?, ?, ?)",
-                                (domain_name, ip, external_ip))
-        return int(cur.lastrowid)
+        return self._exec("INSERT INTO host (domain_name, last_ip_addr, external_ip_addr) VALUES (%s, %s, %s)",
+                          (domain_name, ip, external_ip))
 
     def add_workunit(self, name: str, app: int = 1) -> int:
-        return int(self.conn.execute("INSERT INTO workunit (appid, name) VALUES (?, ?)", (app, name)).lastrowid)
+        return self._exec("INSERT INTO workunit (appid, name) VALUES (%s, %s)", (app, name))
 
     def send(self, wu_name: str, host_id: int, sent_time: float, app: int = 1, replica: int = 0) -> None:
         """The scheduler sent result ``<wu>_<replica>`` to a host (server_state 4)."""
-        wu = self.conn.execute("SELECT id FROM workunit WHERE name = ?", (wu_name,)).fetchone()
-        wu_id = wu[0] if wu else self.add_workunit(wu_name, app)
-        self.conn.execute("INSERT INTO result (appid, workunitid, hostid, name, server_state, sent_time) "
-                          "VALUES (?, ?, ?, ?, 4, ?)", (app, wu_id, host_id, f"{wu_name}_{replica}", int(sent_time)))
+        with self.conn.cursor() as c:
+            c.execute("SELECT id FROM workunit WHERE name = %s", (wu_name,))
+            row = c.fetchone()
+        wu_id = row[0] if row else self.add_workunit(wu_name, app)
+        self._exec("INSERT INTO result (appid, workunitid, hostid, name, server_state, sent_time, report_deadline) "
+                   "VALUES (%s, %s, %s, %s, 4, %s, %s)",
+                   (app, wu_id, host_id, f"{wu_name}_{replica}", int(sent_time), int(sent_time) + 3600))
 
     def unsent(self, wu_name: str, app: int = 1) -> None:
         wu_id = self.add_workunit(wu_name, app)
-        self.conn.execute("INSERT INTO result (appid, workunitid, name, server_state) VALUES (?, ?, ?, 2)",
-                          (app, wu_id, f"{wu_name}_0"))
+        self._exec("INSERT INTO result (appid, workunitid, name, server_state) VALUES (%s, %s, %s, 2)",
+                   (app, wu_id, f"{wu_name}_0"))
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+@pytest.fixture(scope="session")
+def fleet_mariadb():
+    """A database of this test session (dropped at the end)."""
+    conn = mariadb_or_skip()
+    name = f"bdl_fleet_{os.getpid()}_{os.urandom(3).hex()}"
+    with conn.cursor() as c:
+        c.execute(f"CREATE DATABASE `{name}`")
+    try:
+        yield name
+    finally:
+        with conn.cursor() as c:
+            c.execute(f"DROP DATABASE IF EXISTS `{name}`")
+        conn.close()
 
 
 @pytest.fixture
-def boinc_db(tmp_path):
-    db = BoincDB(tmp_path / "boinc.sqlite")
+def project(tmp_path):
+    """The fake BOINC project of the BOINC tests (real layout, fake tools)."""
+    from tests.boinc.conftest import make_project
+
+    return make_project(tmp_path / "project")
+
+
+@pytest.fixture
+def boinc_db(fleet_mariadb, project):
+    """BOINC's tables, fresh for each test, named by ``project``'s config.xml."""
+    db = FleetBoincDB(fleet_mariadb)
+    db.point(project)
     yield db
-    db.conn.close()
+    db.close()
+
+
+def boinc_hosts(project):  # noqa: ANN001, ANN201
+    """The controller's view of BOINC's hosts, through BoincDB (read-only)."""
+    from boinc_dl.server.fleet.boinchosts import BoincHosts
+
+    return BoincHosts.from_project(project)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def launch_spot_as_the_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    """moto launches every instance of a group on-demand; AWS launches a mixed
+    instances policy's share above ``OnDemandPercentageAboveBaseCapacity`` on spot
+    (``InstanceLifecycle: spot``). Mark moto's new group instances so."""
+    from moto.autoscaling.models import FakeAutoScalingGroup
+
+    launch = FakeAutoScalingGroup.replace_autoscaling_group_instances
+
+    def replace(self, count_needed, propagated_tags):  # noqa: ANN001, ANN202 - moto's signature
+        before = {s.instance.id for s in self.instance_states}
+        launch(self, count_needed, propagated_tags)
+        dist = (self.mixed_instances_policy or {}).get("InstancesDistribution")
+        if dist is None:
+            return
+        pct = int(dist.get("OnDemandPercentageAboveBaseCapacity", 100))
+        states = [s for s in self.instance_states if s.instance._state.name != "terminated"]
+        od = sum(1 for s in states if s.instance.id in before and s.instance.lifecycle != "spot")
+        want_od = math.ceil(len(states) * pct / 100)
+        for s in states:
+            if s.instance.id not in before:
+                if od < want_od:
+                    od += 1
+                else:
+                    s.instance.lifecycle = "spot"
+
+    monkeypatch.setattr(FakeAutoScalingGroup, "replace_autoscaling_group_instances", replace)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +206,9 @@ def moto_url():
     port = free_port()
     srv = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     srv.start()
-    yield f"http://127.0.0.1:{port}"
+    with pytest.MonkeyPatch.context() as mp:
+        launch_spot_as_the_policy_says(mp)
+        yield f"http://127.0.0.1:{port}"
     srv.stop()
 
 
@@ -182,9 +300,51 @@ def inject_spot_prices(monkeypatch, history: list[tuple[str, str, float, Decimal
     monkeypatch.setattr(SpotInstances, "describe_spot_price_history", describe)
 
 
-@pytest.fixture
-def project(tmp_path):
-    """The fake BOINC project of the BOINC tests (real layout, fake tools)."""
-    from tests.boinc.conftest import make_project
+def moto_ec2():  # noqa: ANN201 - moto's EC2 backend of the test account (the server runs in this process)
+    from moto.backends import get_backend
 
-    return make_project(tmp_path / "project")
+    return get_backend("ec2")["123456789012"][REGION]
+
+
+def ec2_reclaim(session, url: str, ids: list[str]) -> None:
+    """EC2 interrupts spot instances: terminated (through the API, so the group hears
+    of it), with the state reason and transition reason EC2 gives an interruption."""
+    from moto.ec2.models.instances import StateReason
+
+    if not ids:
+        return
+    session.client("ec2", endpoint_url=url).terminate_instances(InstanceIds=ids)
+    be = moto_ec2()
+    for iid in ids:
+        inst = be.get_instance(iid)
+        inst.state_reason = StateReason("Server.SpotInstanceTermination: Spot instance termination",
+                                        "Server.SpotInstanceTermination")
+        inst._reason = inst._reason.replace("User initiated", "Service initiated")
+
+
+def backdate_launch(ids: list[str], launched: dict[str, float]) -> None:
+    """Instances that have run for a while: their launch time, as EC2 records it."""
+    be = moto_ec2()
+    for iid in ids:
+        be.get_instance(iid).launch_time = datetime.fromtimestamp(int(launched[iid]), timezone.utc)
+
+
+def ec2_lives(session, url: str, ids: list[str] | None = None) -> dict[str, dict]:
+    """Every instance EC2 knows (of ``ids``), with its launch and end by EC2's own record:
+    what an independent bill is computed from."""
+    from boinc_dl.server.fleet.aws import ended_at
+
+    ec2 = session.client("ec2", endpoint_url=url)
+    pages = ec2.get_paginator("describe_instances").paginate(**({"InstanceIds": ids} if ids else {}))
+    out = {}
+    for page in pages:
+        for res in page["Reservations"]:
+            for i in res["Instances"]:
+                gone = i["State"]["Name"] in ("terminated", "shutting-down", "stopped")
+                out[i["InstanceId"]] = {
+                    "type": i["InstanceType"], "zone": i["Placement"]["AvailabilityZone"],
+                    "market": "spot" if i.get("InstanceLifecycle") == "spot" else "on-demand",
+                    "launch": i["LaunchTime"].timestamp(),
+                    "end": ended_at(i.get("StateTransitionReason", "")) if gone else None,
+                    "by_ec2": (i.get("StateReason") or {}).get("Code") == "Server.SpotInstanceTermination"}
+    return out

@@ -10,9 +10,13 @@ A threaded ``http.server`` answering, with the JSON shapes of the real API (v1):
 * ``GET  .../zones/Z/operations?filter=operationType = "..."``
 
 Its world: managed instance groups whose members become RUNNING on :meth:`tick`
-(like a MIG's reconciliation), ``preempt`` (TERMINATED + a
-``compute.instances.preempted`` operation; the group recreates it on a later tick, as
-GCP's MIGs do), and ``exhausted`` (creations fail with ZONE_RESOURCE_POOL_EXHAUSTED).
+(like a MIG's reconciliation), ``preempt`` (TERMINATED with a ``lastStopTimestamp``,
+and a ``compute.instances.preempted`` operation naming the VM's ``targetId``), and
+``exhausted`` (creations fail with ZONE_RESOURCE_POOL_EXHAUSTED). As a managed
+instance group does, it recreates a preempted member (on a later tick, or at once on
+``recreateInstances``) under the same *name* with a new instance ``id``. Every life
+(id, name, creation, stop) is kept in :attr:`World.lives`: the cloud's own record that
+an independent bill is computed from.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import itertools
 import json
 import re
 import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -29,15 +35,17 @@ from urllib.parse import parse_qs, urlparse
 BASE = "https://www.googleapis.com/compute/v1"
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="milliseconds")
 
 
 class World:
     """The stand-in's state (one project, one zone)."""
 
-    def __init__(self, project: str, zone: str):
+    def __init__(self, project: str, zone: str, clock: Callable[[], float] = time.time):
         self.project, self.zone = project, zone
+        self.clock = clock
+        self.lives: dict[str, dict[str, Any]] = {}  # id -> name, mig, created, ended
         self.lock = threading.Lock()
         self.migs: dict[str, dict[str, Any]] = {}
         self.instances: dict[str, dict[str, Any]] = {}
@@ -54,14 +62,35 @@ class World:
         self.resize(name, size)
         self.tick()
 
+    def _t(self) -> float:
+        """Now, to the millisecond (the API's timestamps carry milliseconds)."""
+        return round(self.clock(), 3)
+
+    def _now(self) -> str:
+        return _iso(self._t())
+
     def _new_instance(self, mig: dict[str, Any]) -> None:
-        n = next(self.ids)
+        n, t = next(self.ids), self._t()
         name = f"{mig['base']}-{n:04x}"
         self.instances[name] = {
             "id": str(n), "name": name, "status": "PROVISIONING", "mig": mig["name"],
-            "machine_type": mig["machine_type"], "created": _now(), "ip": f"10.128.{n // 256 % 256}.{n % 256}",
-            "action": "CREATING", "errors": []}
+            "machine_type": mig["machine_type"], "created": _iso(t), "ip": f"10.128.{n // 256 % 256}.{n % 256}",
+            "action": "CREATING", "errors": [], "stopped": ""}
+        self.lives[str(n)] = {"name": name, "mig": mig["name"], "created": t, "ended": None}
         mig["members"].append(name)
+
+    def _end_life(self, inst: dict[str, Any], t: float) -> None:
+        life = self.lives[inst["id"]]
+        if life["ended"] is None:
+            life["ended"] = t
+
+    def _recreate(self, inst: dict[str, Any]) -> None:
+        """The group deletes the VM and creates it anew: same name, new id."""
+        t = self._t()
+        self._end_life(inst, t)
+        n = next(self.ids)
+        inst.update(id=str(n), status="PROVISIONING", action="RECREATING", created=_iso(t), stopped="")
+        self.lives[str(n)] = {"name": inst["name"], "mig": inst["mig"], "created": t, "ended": None}
 
     def resize(self, name: str, size: int) -> None:
         mig = self.migs[name]
@@ -70,7 +99,9 @@ class World:
             self._new_instance(mig)
         while len(mig["members"]) > size:
             gone = mig["members"].pop()
-            self.instances.pop(gone, None)
+            inst = self.instances.pop(gone, None)
+            if inst:
+                self._end_life(inst, self._t())
 
     def tick(self) -> None:
         """Reconcile: creations finish (or fail while exhausted), preempted members come back."""
@@ -83,25 +114,28 @@ class World:
                     continue
                 inst.update(status="RUNNING", action="NONE", errors=[], created=inst["created"])
             elif inst["status"] == "TERMINATED":
-                inst.update(status="PROVISIONING", action="RECREATING", created=_now())
+                self._recreate(inst)
 
     def preempt(self, name: str) -> None:
         inst = self.instances[name]
-        inst["status"] = "TERMINATED"
+        t = self._t()  # one reading: the VM's stop, the operation and the life's record agree
+        now = _iso(t)
+        inst.update(status="TERMINATED", stopped=now)
+        self._end_life(inst, t)
         n = next(self.ids)
         self.operations.append({
             "kind": "compute#operation", "id": str(n), "name": f"systemevent-{n}",
             "zone": self.zone_url(), "operationType": "compute.instances.preempted",
             "targetLink": f"{self.zone_url()}/instances/{name}", "targetId": inst["id"],
             "status": "DONE", "statusMessage": "Instance was preempted.", "user": "system",
-            "progress": 100, "insertTime": _now(), "startTime": _now(), "endTime": _now(),
+            "progress": 100, "insertTime": now, "startTime": now, "endTime": now,
             "selfLink": f"{self.zone_url()}/operations/systemevent-{n}"})
 
     def recreate(self, mig: str, urls: list[str]) -> None:
         for u in urls:
             inst = self.instances.get(u.rsplit("/", 1)[-1])
             if inst and inst["mig"] == mig:
-                inst.update(status="PROVISIONING", action="RECREATING", created=_now())
+                self._recreate(inst)
 
     # ---- JSON shapes -------------------------------------------------------------------------
     def mig_json(self, name: str) -> dict[str, Any]:
@@ -127,8 +161,9 @@ class World:
         return out
 
     def instance_json(self, inst: dict[str, Any]) -> dict[str, Any]:
+        extra = {"lastStopTimestamp": inst["stopped"]} if inst["stopped"] else {}
         return {"kind": "compute#instance", "id": inst["id"], "name": inst["name"], "status": inst["status"],
-                "creationTimestamp": inst["created"], "zone": self.zone_url(),
+                "creationTimestamp": inst["created"], "zone": self.zone_url(), **extra,
                 "machineType": f"{self.zone_url()}/machineTypes/{inst['machine_type']}",
                 "scheduling": {"provisioningModel": "SPOT" if "spot" in inst["mig"] else "STANDARD"},
                 "networkInterfaces": [{"name": "nic0", "networkIP": inst["ip"], "accessConfigs": []}],
@@ -138,7 +173,7 @@ class World:
         n = next(self.ids)
         return {"kind": "compute#operation", "id": str(n), "name": f"operation-{n}", "zone": self.zone_url(),
                 "operationType": kind, "targetLink": target, "status": "DONE", "progress": 100,
-                "insertTime": _now(), "selfLink": f"{self.zone_url()}/operations/operation-{n}"}
+                "insertTime": self._now(), "selfLink": f"{self.zone_url()}/operations/operation-{n}"}
 
 
 def _filter(expr: str) -> tuple[str, str] | None:

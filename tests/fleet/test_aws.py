@@ -1,6 +1,8 @@
 """The fleet controller against AWS in moto's server: an auto scaling group with a mixed
-instances policy, EventBridge -> SQS interruption events, a reclaim storm, the
-on-demand fallback, spot price history."""
+instances policy, EventBridge -> SQS interruption events, a reclaim storm (drained, not
+terminated), the on-demand fallback, spot price history, the budget from the first
+period, a rebalance then a warning counted once, a warning handled only once it is
+durable."""
 
 from __future__ import annotations
 
@@ -16,13 +18,23 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.workunit import unit_name
-from boinc_dl.server.fleet.aws import AwsProvider, parse_event
-from boinc_dl.server.fleet.boinchosts import BoincHosts
+from boinc_dl.server.fleet.aws import AwsProvider, ended_at, parse_event
 from boinc_dl.server.fleet.config import parse_config
 from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.cost import cost_report
+from boinc_dl.server.fleet.decide import decide
 from boinc_dl.server.fleet.provider import FleetShape
-from tests.boinc.conftest import make_project, tiny_fp
-from tests.fleet.conftest import AMI, REGION, inject_spot_prices, make_fleet, put_interruptions
+from boinc_dl.server.fleet.state import FleetState
+from tests.boinc.conftest import tiny_fp
+from tests.fleet.conftest import (
+    AMI,
+    REGION,
+    boinc_hosts,
+    ec2_reclaim,
+    inject_spot_prices,
+    make_fleet,
+    put_interruptions,
+)
 
 
 def aws_config(url: str, fleet: dict[str, str], project: str, **over) -> object:
@@ -76,98 +88,253 @@ def test_parse_event_rejects_what_is_not_an_interruption() -> None:
     assert parse_event("x" * (300 * 1024)) is None
     assert parse_event('{"detail-type": "EC2 Instance Rebalance Recommendation", "detail": {"instance-id": 5}}') is None
     sns = '{"Type": "Notification", "Message": ' + __import__("json").dumps(good) + "}"
-    assert parse_event(sns).instance_id == "i-0123456789abcdef0"
+    assert parse_event(sns).uid == "i-0123456789abcdef0"
 
 
-def test_eventbridge_delivers_to_the_queue_and_provider_reads_it(aws_session, moto_url) -> None:
+def controller(cfg, session, project, r, **kw) -> FleetController:  # noqa: ANN001
+    """The controller as the daemon builds it: BOINC's hosts through BoincDB, its state in Redis."""
+    return FleetController(cfg, AwsProvider(cfg.aws, session), boinc_hosts(project), FleetState(r, cfg.fleet_name()),
+                           **kw)
+
+
+def ec2_instances(session, url: str) -> list[dict]:
+    ec2 = session.client("ec2", endpoint_url=url)
+    return [i for rv in ec2.describe_instances()["Reservations"] for i in rv["Instances"]]
+
+
+def queued(session, url: str, queue: str) -> int:
+    """Messages in the queue, visible or received and not yet deleted."""
+    attrs = session.client("sqs", endpoint_url=url).get_queue_attributes(
+        QueueUrl=queue, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])
+    return sum(int(v) for v in attrs["Attributes"].values())
+
+
+def test_eventbridge_delivers_and_a_message_goes_once_handled(aws_session, moto_url, monkeypatch) -> None:
+    import boinc_dl.server.fleet.aws as aws
+
+    monkeypatch.setattr(aws, "VISIBILITY_S", 1)
     fleet = make_fleet(aws_session, moto_url, 3)
     p = AwsProvider(aws_config(moto_url, fleet, "/nope").aws, aws_session)
     obs = p.observe()
     assert obs.shape == FleetShape(3, 0) and len(obs.instances) == 3
     assert {i.state for i in obs.instances} == {"running"} and all(i.private_ip for i in obs.instances)
-    iid = obs.instances[0].id
+    assert all(i.uid == i.name and i.member for i in obs.instances)
+    assert sorted(obs.candidates) == sorted((t, f"{REGION}a") for t in ("g4dn.xlarge", "g5.xlarge", "c6i.xlarge"))
+    iid = obs.instances[0].uid
     put_interruptions(aws_session, moto_url, [(iid, "rebalance", time.time()), (iid, "warning", time.time())])
     aws_session.client("sqs", endpoint_url=moto_url).send_message(QueueUrl=fleet["queue"], MessageBody="not json")
     evs = p.observe().interruptions
-    assert sorted(e.kind for e in evs) == ["rebalance", "warning"] and {e.instance_id for e in evs} == {iid}
-    assert p.observe().interruptions == []  # read messages were deleted
+    assert sorted(e.kind for e in evs) == ["rebalance", "warning"] and {e.uid for e in evs} == {iid}
+    assert all(e.receipt for e in evs)
+    assert p.poll_interruptions() == []  # received: hidden for a while, not deleted
+    time.sleep(1.5)  # a controller that died holding them: they come back
+    again = p.poll_interruptions()
+    assert sorted(e.kind for e in again) == ["rebalance", "warning"]
+    p.ack(again)
+    assert queued(aws_session, moto_url, fleet["queue"]) == 0  # handled ones and the junk deleted
 
 
-def test_reclaim_storm(aws_session, moto_url, boinc_db, redis_server, tmp_path) -> None:
-    """100 hosts x 2 units; 30% reclaimed within a simulated minute: the group is back at
-    100 running, each lost unit is filed once and handed to the work generator once."""
-    project = make_project(tmp_path / "project")
+def test_ended_at_reads_ec2s_transition_reason() -> None:
+    assert ended_at("User initiated (2026-11-22 10:00:05 GMT)") == 1795341605.0
+    assert ended_at("Service initiated (2026-11-22 10:00:05 UTC)") == 1795341605.0
+    assert ended_at("") is None and ended_at("Server.InternalError") is None
+
+
+def lay_out(boinc_db, instances, units, sent: float) -> dict[str, list[str]]:  # noqa: ANN001
+    """Each instance's BOINC host (half by the host-name convention, half by address)
+    holds two results."""
+    on_host = {}
+    for k, inst in enumerate(instances):
+        hid = boinc_db.add_host(inst.uid) if k % 2 else boinc_db.add_host("ip-unknown", ip=inst.private_ip)
+        for u in units[2 * k:2 * k + 2]:
+            boinc_db.send(u, hid, sent)
+        on_host[inst.uid] = units[2 * k:2 * k + 2]
+    return on_host
+
+
+def test_reclaim_storm_drains_and_counts_each_instance_once(aws_session, moto_url, boinc_db, project,
+                                                            redis_server) -> None:
+    """40 hosts x 2 units; 12 reclaimed (8 already terminated by EC2 when the controller
+    looks, 4 only warned; rebalances first, duplicates after): each lost unit filed once,
+    the warned ones drained (detached: the group launches replacements now, EC2 reclaims
+    them), one replacement per reclaim, 12 reclaims counted, their first-hour bills waived."""
     from boinc_dl.server.backends.boinc.install import InstallOptions, install
 
     install(project.root, InstallOptions(run_db_tools=False, gpu=False))
     r = connect(redis_server.url)
-    store, units = boinc_job(r, project)
-    fleet = make_fleet(aws_session, moto_url, 100)
+    store, units = boinc_job(r, project, n_units=80)
+    fleet = make_fleet(aws_session, moto_url, 40)
     cfg = aws_config(moto_url, fleet, str(project.root))
-    hosts = BoincHosts(boinc_db.conn, paramstyle="qmark")
-    ctl = FleetController(cfg, AwsProvider(cfg.aws, aws_session), hosts, r)
+    ctl = controller(cfg, aws_session, project, r)
     instances = ctl.provider.observe().instances
-    assert len(instances) == 100
-    on_host: dict[str, list[str]] = {}
-    t0 = time.time()
-    for k, inst in enumerate(instances):
-        # half follow the host-name convention, half are found by their address
-        hid = boinc_db.add_host(inst.id) if k % 2 else boinc_db.add_host("ip-unknown", ip=inst.private_ip)
-        for u in units[2 * k:2 * k + 2]:
-            boinc_db.send(u, hid, t0 - 600)
-        on_host[inst.id] = units[2 * k:2 * k + 2]
+    on_host = lay_out(boinc_db, instances, units, time.time())
     rep = ctl.step()
-    assert rep.desired == 100 and rep.running == 100 and rep.reissued == []
+    assert rep.desired == 40 and rep.running == 40 and rep.reissued == []
 
     rng = random.Random(7)
-    victims = rng.sample([i.id for i in instances], 30)
+    victims = rng.sample([i.uid for i in instances], 12)
     storm_t = time.time()
-    aws_session.client("ec2", endpoint_url=moto_url).terminate_instances(InstanceIds=victims[:20])
-    events = [(v, "warning", storm_t + rng.uniform(0, 60)) for v in victims]
-    events += [(v, "rebalance", storm_t) for v in victims[:5]]  # risk signals come first
-    events += [(v, "warning", storm_t + 61) for v in victims[:10]]  # at-least-once delivery
+    ec2_reclaim(aws_session, moto_url, victims[:8])
+    events = [(v, "warning", storm_t - rng.uniform(0, 20)) for v in victims]
+    events += [(v, "rebalance", storm_t - 30) for v in victims[:5]]  # risk signals come first
+    events += [(v, "warning", storm_t) for v in victims[:4]]  # at-least-once delivery
     put_interruptions(aws_session, moto_url, events)
-
-    periods = 0
     lost = sorted(u for v in victims for u in on_host[v])
-    filed: list[str] = []
-    while True:
-        rep = ctl.step()
-        periods += 1
-        filed += rep.reissued
-        if running_members(aws_session, moto_url, fleet["asg"]) == 100 or periods > 5:
-            break
-    assert running_members(aws_session, moto_url, fleet["asg"]) == 100
-    assert periods == 1
-    assert sorted(filed) == lost  # every lost unit filed, once
+    rep = ctl.step()
+    assert sorted(rep.reissued) == lost  # every lost unit filed, once
+    assert running_members(aws_session, moto_url, fleet["asg"]) == 40  # replacements launched now
+    assert rep.draining == 4 and rep.running == 36  # as observed before the replacements
+    assert len(ec2_instances(aws_session, moto_url)) == 52  # one replacement per reclaim: no double launch
     be = BoincJobSystem(project, r)
     handed = be.regeneration_requests(store.job)
     assert sorted(u for u, _ in handed) == lost and all(a == 0 for _, a in handed)
     assert be.regeneration_requests(store.job) == []  # none twice
-    # the same events delivered again: nothing is filed twice
-    put_interruptions(aws_session, moto_url, [(v, "warning", storm_t + 62) for v in victims])
-    assert ctl.step().reissued == []
-    assert be.regeneration_requests(store.job) == []
-    # 30 reclaims over 100 hosts in the window: half the fleet goes on-demand
+    # the same events delivered again: nothing is filed or counted twice
+    put_interruptions(aws_session, moto_url, [(v, "warning", storm_t + 1) for v in victims])
+    rep = ctl.step()
+    assert rep.reissued == [] and be.regeneration_requests(store.job) == []
+    assert rep.running == 40 and rep.draining == 4
+    assert len(ctl.state.reclaims_since(0)) == 12
+    # 12 reclaims over 40 hosts in the window: half the fleet goes on-demand
     g = aws_session.client("autoscaling", endpoint_url=moto_url).describe_auto_scaling_groups(
         AutoScalingGroupNames=[fleet["asg"]])["AutoScalingGroups"][0]
-    dist = g["MixedInstancesPolicy"]["InstancesDistribution"]
-    assert dist["OnDemandPercentageAboveBaseCapacity"] == 50
+    assert g["MixedInstancesPolicy"]["InstancesDistribution"]["OnDemandPercentageAboveBaseCapacity"] == 50
     assert g["MixedInstancesPolicy"]["LaunchTemplate"]["Overrides"]  # the rest of the policy kept
-    assert "reclaims" in ctl.fallback.reason
+    fb = ctl.state.fallback()
+    assert fb.active and "12 reclaims in 600s over 40 hosts" in fb.reason  # the fleet as it was
+    # EC2 reclaims the drained ones; their lives are settled, all within their first hour: free
+    ec2_reclaim(aws_session, moto_url, victims[8:])
+    rep = ctl.step()
+    assert rep.draining == 0
+    assert all(ctl.state.records()[v].settled_ms for v in victims)
+    job = cost_report(r, store.job)
+    assert job["reclaims"] == 12 and job["waived_n"] == 12 and job["drain_saved_usd"] >= 0
+    assert len(ec2_instances(aws_session, moto_url)) == 52
 
 
-def test_sizing_budget_and_fallback_back(aws_session, moto_url, boinc_db, redis_server, monkeypatch) -> None:
+def test_terminate_action_stops_at_once_and_is_billed(aws_session, moto_url, boinc_db, project, redis_server) -> None:
+    r = connect(redis_server.url)
+    store, units = boinc_job(r, project, n_units=4)
+    fleet = make_fleet(aws_session, moto_url, 2)
+    cfg = aws_config(moto_url, fleet, str(project.root), reclaim_action="terminate")
+    ctl = controller(cfg, aws_session, project, r)
+    instances = ctl.provider.observe().instances
+    lay_out(boinc_db, instances, units, time.time())
+    ctl.step()
+    victim = instances[0].uid
+    put_interruptions(aws_session, moto_url, [(victim, "warning", time.time())])
+    assert sorted(ctl.fast_path()) == sorted(units[:2])
+    ec2 = {i["InstanceId"]: i for i in ec2_instances(aws_session, moto_url)}
+    assert ec2[victim]["State"]["Name"] == "terminated" and len(ec2) == 3  # stopped now, one replacement
+    ctl.step()
+    rec = ctl.state.records()[victim]
+    assert rec.terminated_ms and rec.settled_ms and rec.end_ms == round(ended_at(ec2[victim]["StateTransitionReason"]) * 1000)
+    job = cost_report(r, store.job)
+    assert job["waived_n"] == 0 and job["reclaims"] == 1 and job["total_nusd"] > 0  # the owner's stop: billed
+
+
+def test_rebalance_then_warning_is_one_reclaim(aws_session, moto_url, boinc_db, project, redis_server) -> None:
+    r = connect(redis_server.url)
+    store, units = boinc_job(r, project, n_units=6)
+    fleet = make_fleet(aws_session, moto_url, 3)
+    cfg = aws_config(moto_url, fleet, str(project.root), reissue_on_rebalance=True)
+    ctl = controller(cfg, aws_session, project, r)
+    instances = ctl.provider.observe().instances
+    lay_out(boinc_db, instances, units, time.time())
+    ctl.step()
+    put_interruptions(aws_session, moto_url, [(i.uid, "rebalance", time.time()) for i in instances])
+    assert sorted(ctl.step().reissued) == sorted(units)  # re-issued on the risk signal, as configured
+    assert ctl.state.reclaims_since(0) == [] and ctl.state.records()[instances[0].uid].action == ""
+    put_interruptions(aws_session, moto_url, [(i.uid, "warning", time.time()) for i in instances])
+    rep = ctl.step()
+    assert rep.reissued == [] and len(ctl.state.reclaims_since(0)) == 3
+    assert cost_report(r, store.job)["reclaims"] == 3  # not 6
+
+
+def test_a_warning_is_acknowledged_only_once_handled(aws_session, moto_url, boinc_db, project, redis_server,
+                                                     monkeypatch) -> None:
+    """A controller dying after filing the units and before marking the reclaim: the
+    warning comes back, the same units are not filed twice, the reclaim counts once."""
+    import boinc_dl.server.fleet.aws as aws
+
+    monkeypatch.setattr(aws, "VISIBILITY_S", 1)
+    r = connect(redis_server.url)
+    store, units = boinc_job(r, project, n_units=2)
+    fleet = make_fleet(aws_session, moto_url, 1)
+    ctl = controller(aws_config(moto_url, fleet, str(project.root)), aws_session, project, r)
+    (inst,) = ctl.provider.observe().instances
+    lay_out(boinc_db, [inst], units, time.time())
+    ctl.step()
+    put_interruptions(aws_session, moto_url, [(inst.uid, "warning", time.time())])
+    real = ctl.state.commit
+    calls = []
+
+    def dies_once(c, horizon):  # noqa: ANN001, ANN202
+        if c.reclaims and not calls:
+            calls.append(c)
+            raise RuntimeError("killed")
+        return real(c, horizon)
+
+    monkeypatch.setattr(ctl.state, "commit", dies_once)
+    with pytest.raises(RuntimeError):
+        ctl.fast_path()
+    assert set(ctl.state.requested()) == set(units) and ctl.state.records()[inst.uid].reclaim_ms is None
+    assert queued(aws_session, moto_url, fleet["queue"]) == 1  # not acknowledged
+    time.sleep(1.5)
+    assert ctl.fast_path() == []  # handled now: nothing new to file
+    assert ctl.state.records()[inst.uid].reclaim_ms is not None and len(ctl.state.reclaims_since(0)) == 1
+    assert queued(aws_session, moto_url, fleet["queue"]) == 0
+
+
+def test_a_warning_for_an_instance_never_seen(aws_session, moto_url, boinc_db, project, redis_server) -> None:
+    """Warned and reclaimed while no controller watched: the instance is no longer in the
+    group, but EC2 still knows it (tagged with the group's name): its units are re-issued.
+    A warning for an instance of no fleet of ours is dropped."""
+    r = connect(redis_server.url)
+    store, units = boinc_job(r, project, n_units=4)
+    fleet = make_fleet(aws_session, moto_url, 2)
+    ctl = controller(aws_config(moto_url, fleet, str(project.root)), aws_session, project, r)
+    instances = ctl.provider.observe().instances
+    lay_out(boinc_db, instances, units, time.time())
+    gone = instances[0].uid
+    ec2_reclaim(aws_session, moto_url, [gone])  # the group drops it and launches another
+    stranger = aws_session.client("ec2", endpoint_url=moto_url).run_instances(
+        ImageId=AMI, MinCount=1, MaxCount=1, InstanceType="g5.xlarge")["Instances"][0]["InstanceId"]
+    put_interruptions(aws_session, moto_url, [(gone, "warning", time.time() - 100),
+                                              (stranger, "warning", time.time())])
+    rep = ctl.step()  # the controller's first look at this fleet
+    assert sorted(rep.reissued) == sorted(units[:2])
+    recs = ctl.state.records()
+    assert gone in recs and recs[gone].reclaim_ms and recs[gone].settled_ms and stranger not in recs
+    assert queued(aws_session, moto_url, fleet["queue"]) == 0  # both handled: the stranger's dropped
+
+
+def test_budget_applies_from_the_first_period(aws_session, moto_url, boinc_db, project, redis_server,
+                                              monkeypatch) -> None:
+    """Nothing runs yet: a new host is priced at the dearest type the group may launch."""
+    fleet = make_fleet(aws_session, moto_url, 0)
+    now = time.time()
+    inject_spot_prices(monkeypatch, [(t, f"{REGION}a", now - 7200, Decimal(p)) for t, p in
+                                     (("g4dn.xlarge", "0.1578"), ("g5.xlarge", "0.3018"), ("c6i.xlarge", "0.0621"))])
+    cfg = aws_config(moto_url, fleet, str(project.root), budget_per_hour="3.00", max_hosts=50)
+    ctl = controller(cfg, aws_session, project, connect(redis_server.url))
+    for k in range(40):
+        boinc_db.unsent(unit_name("j", 1, k))
+    rep = ctl.step()  # 40 unsent, 2 slots: 20 hosts wanted; $3/h at 0.3018 $/h buys 9
+    assert rep.desired == 9 and any("budget $3.00/h buys 9 hosts at $0.3018/h" in x for x in rep.reasons)
+    assert running_members(aws_session, moto_url, fleet["asg"]) == 9
+
+
+def test_sizing_budget_and_fallback_back(aws_session, moto_url, boinc_db, project, redis_server, monkeypatch) -> None:
     fleet = make_fleet(aws_session, moto_url, 2)
     now = [time.time()]
-    cfg = aws_config(moto_url, fleet, "/p", budget_per_hour="2.00", max_hosts=50, min_hosts=1)
+    cfg = aws_config(moto_url, fleet, str(project.root), budget_per_hour="2.00", max_hosts=50, min_hosts=1)
     r = connect(redis_server.url)
     hist = [(t, f"{REGION}a", now[0] - 7200, Decimal(p)) for t, p in
             (("g4dn.xlarge", "0.1578"), ("g5.xlarge", "0.3018"), ("c6i.xlarge", "0.0621"))]
     hist.append(("g4dn.xlarge", f"{REGION}a", now[0] - 1800, Decimal("0.2104")))
     inject_spot_prices(monkeypatch, hist)
-    ctl = FleetController(cfg, AwsProvider(cfg.aws, aws_session), BoincHosts(boinc_db.conn, paramstyle="qmark"), r,
-                          clock=lambda: now[0])
+    ctl = controller(cfg, aws_session, project, r, clock=lambda: now[0])
     for k in range(40):
         boinc_db.unsent(unit_name("j", 1, k))
     rep = ctl.step()  # 40 unsent, 2 slots: 20 hosts wanted; g4dn at 0.2104 $/h: the budget buys 9
@@ -177,32 +344,35 @@ def test_sizing_budget_and_fallback_back(aws_session, moto_url, boinc_db, redis_
     assert running_members(aws_session, moto_url, fleet["asg"]) == 9
 
     # the cloud refuses spot capacity: fallback; calm for hold_s: back (hysteresis)
-    ctl.fallback.last_trouble = 0
-    from boinc_dl.server.fleet.controller import decide
-
     assert ctl.provider._refusals() == []
-    rep2 = decide(cfg, hosts_demand := ctl.hosts.demand(), 9, Decimal("0.2"), ctl.fallback, 0,
-                  ["InsufficientInstanceCapacity: no Spot capacity"], now[0])
-    assert rep2.shape.on_demand_percent == 50 and "refused" in rep2.reasons[0]
+    demand = ctl.hosts.demand()
+    d = decide(cfg, demand, 9, Decimal("0.2"), ctl.state.fallback(), 0,
+               ["InsufficientInstanceCapacity: no Spot capacity"], now[0])
+    assert d.shape.on_demand_percent == 50 and "refused" in d.reasons[0]
     now[0] += 300
-    assert decide(cfg, hosts_demand, 9, Decimal("0.2"), ctl.fallback, 0, [], now[0]).shape.on_demand_percent == 50
+    d = decide(cfg, demand, 9, Decimal("0.2"), d.fallback, 0, [], now[0])
+    assert d.shape.on_demand_percent == 50 and d.fallback.active
     now[0] += 900
-    back = decide(cfg, hosts_demand, 9, Decimal("0.2"), ctl.fallback, 0, [], now[0])
-    assert back.shape.on_demand_percent == 0 and "calm" in back.reasons[0]
+    back = decide(cfg, demand, 9, Decimal("0.2"), d.fallback, 0, [], now[0])
+    assert back.shape.on_demand_percent == 0 and "calm" in back.reasons[0] and not back.fallback.active
 
 
 def test_spot_market_is_read_from_instance_lifecycle(aws_session, moto_url) -> None:
     fleet = make_fleet(aws_session, moto_url, 0)
     ec2 = aws_session.client("ec2", endpoint_url=moto_url)
-    ami = AMI
-    out = ec2.run_instances(ImageId=ami, MinCount=1, MaxCount=1, InstanceType="g5.xlarge",
+    out = ec2.run_instances(ImageId=AMI, MinCount=1, MaxCount=1, InstanceType="g5.xlarge",
                             InstanceMarketOptions={"MarketType": "spot"})
     iid = out["Instances"][0]["InstanceId"]
     p = AwsProvider(aws_config(moto_url, fleet, "/p").aws, aws_session)
     (inst,) = p._describe({iid: {}})
     assert inst.market == "spot" and inst.type == "g5.xlarge" and inst.state == "running"
+    assert not inst.member  # not launched by the group
     (gone,) = p._describe({"i-00000000deadbeef0": {"InstanceType": "g5.xlarge"}})
     assert gone.state == "gone"
+    assert p.describe(["i-00000000deadbeef0", "../etc"]) == []  # unknown to EC2, or not an id
+    ec2_reclaim(aws_session, moto_url, [iid])
+    (done,) = p.describe([iid])
+    assert done.state == "gone" and done.reclaimed_by_cloud and abs(done.ended - time.time()) < 5
 
 
 @pytest.mark.parametrize("bad, msg", [

@@ -6,7 +6,8 @@ from typer.testing import CliRunner
 
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.cli import app
-from boinc_dl.server.fleet.controller import STATUS_KEY
+from boinc_dl.server.fleet.records import FallbackState
+from boinc_dl.server.fleet.state import Commit, FleetState
 
 
 def test_watch_refuses_a_bad_config_in_one_line(tmp_path) -> None:
@@ -18,17 +19,25 @@ def test_watch_refuses_a_bad_config_in_one_line(tmp_path) -> None:
     assert out.exit_code == 2 and "No such file" in out.output
 
 
-def test_status_shows_the_last_period(tmp_path, project, redis_server, monkeypatch) -> None:
+def test_status_shows_the_last_period_and_the_durable_fallback(tmp_path, project, redis_server, monkeypatch) -> None:
+    import time
+
     cfg = tmp_path / "fleet.yaml"
     cfg.write_text(f"provider: gcp\nproject: {project.root}\nmax_hosts: 4\n"
                    "gcp: {project: p, zone: z, mig: m, machine_type: g2-standard-4}\n")
     monkeypatch.setenv("BDL_REDIS_URL", redis_server.url)
     out = CliRunner().invoke(app, ["fleet", "status", "--config", str(cfg)])
-    assert out.exit_code != 0 and "no fleet status yet" in out.output
-    connect(redis_server.url).hset(STATUS_KEY, mapping={
-        "time": "0", "provider": "gcp", "running": 3, "desired": 4, "on_demand_percent": 50,
-        "fallback": "the cloud refused spot capacity (ZONE_RESOURCE_POOL_EXHAUSTED)", "reissued_total": 7,
-        "decision_ms": "0.40", "last_reasons": "falling back to 50% on-demand"})
+    assert out.exit_code != 0 and "no status of fleet m yet" in out.output
+    st = FleetState(connect(redis_server.url), "m", owner="ctl-host:123")
+    assert st.hold(30)[0]
+    now = time.time()
+    st.commit(Commit(fallback=FallbackState(True, now - 300, now - 60, "the cloud refused spot capacity "
+                                                                        "(ZONE_RESOURCE_POOL_EXHAUSTED)")), 0)
+    st.publish_status({"time": f"{now:.3f}", "provider": "gcp", "running": 3, "draining": 1, "desired": 4,
+                       "on_demand_percent": 50, "decision_ms": "0.40",
+                       "last_reasons": "falling back to 50% on-demand"}, reissued=7)
     out = CliRunner().invoke(app, ["fleet", "status", "--config", str(cfg)])
     assert out.exit_code == 0, out.output
-    assert "3 running, 4 desired" in out.output and "50%" in out.output and "7 units" in out.output
+    text = " ".join(out.output.split())
+    assert "3 running (+1 draining), 4 desired" in text and "50%" in text and "7 units" in text
+    assert "ctl-host:123" in text and "since 300 s" in text and "ZONE_RESOURCE_POOL_EXHAUSTED" in text

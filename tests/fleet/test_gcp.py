@@ -1,6 +1,8 @@
 """The fleet controller against the GCP stand-in, with the real google-cloud-compute
 client (REST transport, anonymous credentials): MIG sizing, preemption operations ->
-early re-issue, recreation, the on-demand MIG fallback and back."""
+early re-issue, recreation under the same name with a new id (a life of its own:
+counted, charged, and re-issued again when preempted again), the on-demand MIG
+fallback and back."""
 
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 
 from boinc_dl.server.assimilator.connection import connect
-from boinc_dl.server.fleet.boinchosts import BoincHosts
 from boinc_dl.server.fleet.config import parse_config
 from boinc_dl.server.fleet.controller import FleetController
+from boinc_dl.server.fleet.cost import UNATTRIBUTED, cost_report
 from boinc_dl.server.fleet.gcp import GcpProvider
 from boinc_dl.server.fleet.provider import FleetShape
-from boinc_dl.server.fleet.reissue import REQUESTED_KEY
-from tests.boinc.conftest import make_project
+from boinc_dl.server.fleet.state import FleetState
+from tests.fleet.conftest import boinc_hosts
 from tests.fleet.gcp_standin import GcpStandin, World
 
 ZONE = "us-central1-a"
@@ -62,53 +64,78 @@ def test_provider_reads_and_acts_through_the_real_client(gcp) -> None:
     assert ("POST", "instanceGroupManagers/bdl-ondemand/resize") in w.calls
 
 
-def test_preemption_reissues_and_falls_back(gcp, boinc_db, redis_server, tmp_path) -> None:
+def test_preemption_reissues_and_falls_back(gcp, boinc_db, project, redis_server) -> None:
     from tests.fleet.test_aws import boinc_job  # the same BOINC job as the AWS storm
 
     w, s = gcp
-    project = make_project(tmp_path / "project")
     r = connect(redis_server.url)
-    store, units = boinc_job(r, project, "gcpjob", 4)
-    now = [time.time()]
-    cfg = gcp_config(s.url)
-    ctl = FleetController(cfg, GcpProvider(cfg.gcp, credentials=AnonymousCredentials()),
-                          BoincHosts(boinc_db.conn, paramstyle="qmark"), r, clock=lambda: now[0])
+    store, units = boinc_job(r, project, "gcpjob", 6)
+    now = [float(int(time.time()) - 3600)]  # whole seconds, as BOINC's send times
+    w.clock = lambda: now[0]  # the cloud and the controller share a clock
+    w.resize("bdl-spot", 0)
+    w.resize("bdl-spot", 4)
+    w.tick()
+    cfg = gcp_config(s.url, project=str(project.root), min_hosts=4)
+    ctl = FleetController(cfg, GcpProvider(cfg.gcp, credentials=AnonymousCredentials()), boinc_hosts(project),
+                          FleetState(r, cfg.fleet_name()), clock=lambda: now[0])
     names = sorted(n for n in w.instances if w.instances[n]["mig"] == "bdl-spot")
-    from datetime import datetime, timezone
-
-    for n in names:  # up for an hour already
-        w.instances[n]["created"] = datetime.fromtimestamp(now[0] - 3600, timezone.utc).isoformat()
+    ids = {n: w.instances[n]["id"] for n in names}
+    ctl.step()  # watched from the start
+    now[0] += 3300  # up for 55 minutes
     for k, n in enumerate(names):  # GCP's hostname is the instance name: BOINC's domain_name
-        hid = boinc_db.add_host(n)
-        boinc_db.send(units[k], hid, now[0] - 300)
+        boinc_db.send(units[k], boinc_db.add_host(n), now[0] - 300)
     rep = ctl.step()
     assert rep.desired == 4 and rep.running == 4 and rep.on_demand_percent == 0
+    assert set(ctl.state.records()) == set(ids.values())  # keyed by id, never by name
 
     w.preempt(names[0])
     now[0] += 30
     rep = ctl.step()
-    assert rep.reissued == [units[0]] and rep.replaced == [names[0]]
-    assert r.zscore(REQUESTED_KEY, units[0]) is not None
-    assert w.instances[names[0]]["action"] == "RECREATING"
+    assert rep.reissued == [units[0]] and rep.replaced == [ids[names[0]]]
+    assert units[0] in ctl.state.requested()
+    # left to the group, which recreates it under the same name with a new id
+    assert ("POST", "instanceGroupManagers/bdl-spot/recreateInstances") not in w.calls
     # 1 preemption over 4 hosts > 0.2: half the fleet on the on-demand MIG
     assert rep.on_demand_percent == 50
     assert (w.migs["bdl-spot"]["target"], w.migs["bdl-ondemand"]["target"]) == (2, 2)
     w.tick()
+    assert w.instances[names[0]]["id"] != ids[names[0]]
+    w.tick()
     now[0] += 30
     rep = ctl.step()
-    assert rep.reissued == [] and rep.running == 4  # the same operation is not handled twice
+    # the recreated VM counts; the operation is handled once; the two VMs the spot group
+    # deleted to make room for on-demand ones lost their units: re-issued too
+    assert sorted(rep.reissued) == units[2:4] and rep.running == 4
+    second = w.instances[names[0]]["id"]
+    assert ctl.state.records()[second].name == names[0] and ctl.state.records()[second].settled_ms is None
+
+    # the recreated VM (same name, new id) gets work and is preempted again: its own reclaim
+    now[0] += 60
+    boinc_db.send(units[4], boinc_db.add_host(names[0]), now[0])  # a fresh BOINC host row
+    now[0] += 60
+    w.preempt(names[0])
+    now[0] += 30
+    rep = ctl.step()
+    assert rep.reissued == [units[4]]  # not skipped as "already handled"; units[0] not filed again
+    assert len(ctl.state.reclaims_since(0)) == 2
+    w.tick()
+
     # calm: past the window and hold_s, back to all spot
     now[0] += 700
     rep = ctl.step()
-    assert rep.on_demand_percent == 0 and (w.migs["bdl-spot"]["target"], w.migs["bdl-ondemand"]["target"]) == (4, 0)
+    # (five results in progress now: five hosts)
+    assert rep.on_demand_percent == 0 and (w.migs["bdl-spot"]["target"], w.migs["bdl-ondemand"]["target"]) == (5, 0)
     assert any("calm" in x for x in rep.reasons)
-    # the preempted instance's time was charged at the SPOT price, the on-demand MIG's at list price
-    from boinc_dl.server.fleet.cost import UNATTRIBUTED, cost_report
-
+    # both lives of the name were charged, each to its own end, at the SPOT price
+    recs = ctl.state.records()
+    first, second_rec = recs[ids[names[0]]], recs[second]
+    assert first.end_ms == round(w.lives[ids[names[0]]]["ended"] * 1000) and first.settled_ms
+    assert second_rec.end_ms == round(w.lives[second]["ended"] * 1000) and second_rec.settled_ms
     rep_job = cost_report(r, store.job)
-    assert rep_job["total_usd"] > 0 and rep_job["reclaims"] == 1
-    # lost: the 300 s since the result was sent (the preemption op carries the real time)
-    assert Decimal("0.08") <= rep_job["lost_hours"] <= Decimal("0.1") and rep_job["lost_usd"] == Decimal("0.02")
+    assert rep_job["reclaims"] == 2
+    # lost: 300 s of the first life (the operation carries the real time), 60 s of the second,
+    # 360 s of each VM deleted by the resize (up to when the controller found it gone)
+    assert rep_job["lost_hours"] == Decimal("0.300") and rep_job["lost_usd"] == Decimal("0.08")
     assert rep_job["on_demand_usd"] > rep_job["total_usd"]
     spot = next(ln for ln in rep_job["lines"] if ln["market"] == "spot")
     assert abs(spot["usd"] - spot["hours"] * Decimal("0.2827")) < Decimal("0.000001")

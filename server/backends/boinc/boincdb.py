@@ -89,6 +89,26 @@ class HostRow:
     p_fpops: float
 
 
+@dataclass(frozen=True)
+class HostAddressRow:
+    """How a host row names itself: what a cloud instance is matched against."""
+
+    id: int
+    domain_name: str
+    last_ip_addr: str
+    external_ip_addr: str
+
+
+@dataclass(frozen=True)
+class InProgressRow:
+    """A result in progress on a host: its name, its workunit's, and when it was sent."""
+
+    result: str
+    workunit: str
+    hostid: int
+    sent_time: int
+
+
 @dataclass
 class WorkunitState:
     """A workunit and its results, as BOINC sees them."""
@@ -259,3 +279,52 @@ class BoincDB:
         rows = self.query("SELECT p_fpops FROM host WHERE rpc_time > UNIX_TIMESTAMP() - %s AND p_fpops > 0",
                           (float(active_within_s),), limit=10_000)
         return [float(r["p_fpops"]) for r in rows]
+
+    # ---- what the fleet controller reads (server/fleet/boinchosts.py) ----------------------
+    def hosts_named(self, names: Iterable[str], ips: Iterable[str]) -> list[HostAddressRow]:
+        """Host rows whose ``domain_name`` is one of ``names`` or whose last or external
+        IP address is one of ``ips`` (each list chunked)."""
+        out: dict[int, HostAddressRow] = {}
+        for column_sets, values in ((("domain_name",), sorted(set(names))),
+                                    (("last_ip_addr", "external_ip_addr"), sorted(set(ips)))):
+            for i in range(0, len(values), CHUNK):
+                chunk = values[i : i + CHUNK]
+                marks = ",".join(["%s"] * len(chunk))
+                where = " OR ".join(f"{col} IN ({marks})" for col in column_sets)
+                # Only fixed column names and "%s" placeholders are formatted in.
+                for row in self.query("SELECT id, domain_name, last_ip_addr, external_ip_addr FROM host "  # nosec B608
+                                      f"WHERE {where}", chunk * len(column_sets)):
+                    out[int(row["id"])] = HostAddressRow(int(row["id"]), str(row["domain_name"] or ""),
+                                                         str(row["last_ip_addr"] or ""),
+                                                         str(row["external_ip_addr"] or ""))
+        return [out[k] for k in sorted(out)]
+
+    def results_in_progress(self, app: str, host_ids: Iterable[int]) -> list[InProgressRow]:
+        """Results of ``app`` in progress (sent, not back) on these hosts."""
+        ids = sorted({int(h) for h in host_ids})
+        out: list[InProgressRow] = []
+        for i in range(0, len(ids), CHUNK):
+            chunk = ids[i : i + CHUNK]
+            marks = ",".join(["%s"] * len(chunk))
+            # Only "%s" placeholders are formatted in; the values go as query parameters.
+            for row in self.query("SELECT r.name AS result, w.name AS workunit, r.hostid, r.sent_time "  # nosec B608
+                                  "FROM result r JOIN workunit w ON r.workunitid = w.id JOIN app a ON r.appid = a.id "
+                                  f"WHERE a.name = %s AND r.server_state = %s AND r.hostid IN ({marks}) "
+                                  "ORDER BY r.id", [app, RESULT_SERVER_STATE_IN_PROGRESS, *chunk]):
+                out.append(InProgressRow(str(row["result"]), str(row["workunit"]), int(row["hostid"]),
+                                         int(row["sent_time"] or 0)))
+        return out
+
+    def result_counts(self, app: str) -> dict[int, int]:
+        """Results of ``app`` unsent and in progress, by ``server_state``."""
+        rows = self.query("SELECT r.server_state, COUNT(*) AS n FROM result r JOIN app a ON r.appid = a.id "
+                          "WHERE a.name = %s AND r.server_state IN (%s, %s) GROUP BY r.server_state",
+                          (app, RESULT_SERVER_STATE_UNSENT, RESULT_SERVER_STATE_IN_PROGRESS), limit=10)
+        return {int(r["server_state"]): int(r["n"]) for r in rows}
+
+    def workunits_in_progress(self, app: str) -> list[str]:
+        """Workunit names of ``app``'s results in progress (one per result)."""
+        rows = self.query("SELECT w.name FROM result r JOIN workunit w ON r.workunitid = w.id "
+                          "JOIN app a ON r.appid = a.id WHERE a.name = %s AND r.server_state = %s",
+                          (app, RESULT_SERVER_STATE_IN_PROGRESS))
+        return [str(r["name"]) for r in rows]
