@@ -124,12 +124,14 @@ def validate_result(paths: Sequence[str | Path], expected: Expected, max_bytes: 
         wf = read_weights(files.weights, expected.fingerprint, max_bytes)
     except WeightsFormatError as e:
         raise ResultRejected(str(e)) from None
-    if wf.job != expected.job:
-        raise ResultRejected(f"result embeds job {wf.job[:80]!r}, but was uploaded for a unit of {expected.job!r}")
-    if wf.unit != expected.unit:
-        raise ResultRejected(f"result embeds unit {wf.unit[:80]!r}, but was uploaded for {expected.unit!r}")
-    if wf.model != expected.model:
-        raise ResultRejected(f"result is for model {wf.model[:40]!r}, unit trains model {expected.model!r}")
+    # What the file says it is must be what the job system issued it for.
+    for got, want, why in (
+        (wf.job, expected.job, f"result embeds job {wf.job[:80]!r}, but was uploaded for a unit of {expected.job!r}"),
+        (wf.unit, expected.unit, f"result embeds unit {wf.unit[:80]!r}, but was uploaded for {expected.unit!r}"),
+        (wf.model, expected.model, f"result is for model {wf.model[:40]!r}, unit trains model {expected.model!r}"),
+    ):
+        if got != want:
+            raise ResultRejected(why)
     if wf.optimizer is not None:
         if not all(np.isfinite(a).all() for a in wf.optimizer.arrays if a.dtype.kind == "f"):
             raise ResultRejected("optimizer state contains NaN/Inf values")

@@ -36,9 +36,6 @@ from boinc_dl.server.common.errors import BoincDLError, ModelError
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.common.weights import OptimizerState, WeightsFile, write_weights
 from boinc_dl.server.common.workunit import (
-    DATA,
-    MODEL,
-    VAL,
     WEIGHTS_IN,
     WU_JSON,
     Workunit,
@@ -49,7 +46,7 @@ from boinc_dl.server.work_generator.mop.procedures import make_search
 from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
 from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
 from boinc_dl.server.work_generator.mop.state import MopState
-from boinc_dl.server.work_generator.prepare import JobFiles
+from boinc_dl.server.work_generator.prepare import JobFiles, unit_training
 from boinc_dl.server.work_generator.vcasgd import FINISHED, unit_seed
 
 log = logging.getLogger(__name__)
@@ -214,22 +211,19 @@ class MOPWorkGenerator:
 
     def _describe(self, a: Assignment) -> Workunit:
         cfg = self._config(a.model)
-        t = self.spec.training
         version, wpath = self._weights_path(a.model)
         name = self._unit(a)
         wu = Workunit(
             job=self.spec.name, unit=name, mode="mop", epoch=a.epoch, model=a.model, shard=a.partition,
             weights_version=version, weights_shard_versions=load_shard_versions(wpath),
-            training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
-                      "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
+            training=unit_training(self.spec),
             hyper=cfg.get("hyper", {}),
             # The seed depends on (model, epoch, partition), not the attempt: a re-run unit
             # reproduces the lost one.
             seed=unit_seed(self.spec.seed + zlib.crc32(a.model.encode()) % 100_003, a.epoch, a.partition),
             checkpoint_every_s=self.spec.units.checkpoint_every_s,
         )
-        wu.files = {WU_JSON: str(self.files.wu_json(name)), MODEL: str(model_file(self.files, a.model)),
-                    WEIGHTS_IN: str(wpath), DATA: str(self.files.shard(a.partition)), VAL: str(self.files.val)}
+        wu.files = self.files.inputs(name, model_file(self.files, a.model), wpath, a.partition)
         if self.availability is not None and self.host_of:
             wu.hosts = sorted({self.host_of[w] for w, ps in self.availability.items() if a.partition in ps})
         return wu

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.datasets import Dataset, load_dataset, save_npz, split_shards
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_to_json
 from boinc_dl.server.common.spec_checks import check_model_fits, check_split
+from boinc_dl.server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,19 @@ class JobFiles:
 
     def wu_json(self, unit: str) -> Path:
         return self.dir / f"{unit}.json"
+
+    def inputs(self, wu_name: str, model: Path, weights: Path, shard: int) -> dict[str, str]:
+        """A unit's input files by logical name: its description, the model, the weights it
+        starts from, its data subset or partition and the validation split."""
+        return {WU_JSON: str(self.wu_json(wu_name)), MODEL: str(model), WEIGHTS_IN: str(weights),
+                DATA: str(self.shard(shard)), VAL: str(self.val)}
+
+
+def unit_training(spec: JobSpec) -> dict[str, Any]:
+    """The training settings every unit of ``spec`` carries (identical on every host)."""
+    t = spec.training
+    return {"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
+            "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss}
 
 
 def n_shards(spec: JobSpec) -> int:

@@ -50,15 +50,12 @@ from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.common.workunit import (
-    DATA,
-    MODEL,
-    VAL,
     WEIGHTS_IN,
     WU_JSON,
     Workunit,
     unit_name,
 )
-from boinc_dl.server.work_generator.prepare import JobFiles, n_shards
+from boinc_dl.server.work_generator.prepare import JobFiles, n_shards, unit_training
 
 log = logging.getLogger(__name__)
 
@@ -134,23 +131,16 @@ class VCASGDWorkGenerator:
     def _describe(self, epoch: int, shard: int, version: int, wpath: Path, attempt: int = 0) -> Workunit:
         """The unit of (epoch, shard) from weights ``version``; ``attempt`` > 0 for a
         regenerated one (its own ``wu.json`` file, same unit identity)."""
-        t = self.spec.training
         name = unit_name(self.spec.name, epoch, shard, self.model)
         wu = Workunit(
             job=self.spec.name, unit=name, mode="vcasgd", epoch=epoch, model=self.model, shard=shard,
             weights_version=version, weights_shard_versions=load_shard_versions(wpath),
-            training={"batch_size": t.batch_size, "optimizer": t.optimizer, "learning_rate": t.learning_rate,
-                      "momentum": t.momentum, "local_epochs": t.local_epochs, "loss": t.loss},
+            training=unit_training(self.spec),
             seed=unit_seed(self.spec.seed, epoch, shard),
             checkpoint_every_s=self.spec.units.checkpoint_every_s,
         )
-        wu.files = {
-            WU_JSON: str(self.files.wu_json(unit_name(self.spec.name, epoch, shard, self.model, attempt))),
-            MODEL: str(self.files.model),
-            WEIGHTS_IN: str(wpath),
-            DATA: str(self.files.shard(shard)),
-            VAL: str(self.files.val),
-        }
+        wu.files = self.files.inputs(unit_name(self.spec.name, epoch, shard, self.model, attempt),
+                                     self.files.model, wpath, shard)
         return wu
 
     def _submit(self, wu: Workunit) -> None:
