@@ -67,7 +67,10 @@ def effective_spec(spec: JobSpec, store: JobStore) -> JobSpec:
     """``spec`` with the defaults it leaves out as the job derived them (its stored spec)."""
     if not missing(spec):
         return spec
-    return fill_from(spec, spec_from_json(store.spec_json()))
+    spec = fill_from(spec, spec_from_json(store.spec_json()))
+    if missing(spec):  # a job recorded without them (not through prepare_job): derive them now
+        spec, _ = derive(spec, int(float(store.meta().get("n_train", 0) or 0)), None)
+    return spec
 
 
 def derived_settings(store: JobStore) -> list[Chosen]:
