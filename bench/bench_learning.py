@@ -246,6 +246,14 @@ def own_spec(args: argparse.Namespace) -> None:
     emit("learning", job=spec.name, epochs=spec.training.epochs, vcasgd_final=curve[-1], single_final=single[-1],
          gap_points=gap * 100, meets_goal=gap * 100 <= 3.0, vcasgd_s=vc["elapsed_s"], single_s=single_s,
          vcasgd_curve=curve, single_curve=single, **{f"overhead_{k}": v for k, v in ov.items()})
+    from boinc_dl.server.run.outputs import plot_learning_curve
+
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+    plot_learning_curve(Path(args.plot), {
+        f"{spec.name} VC-ASGD": [{"epoch": i + 1, "val_acc": a} for i, a in enumerate(curve)],
+        f"{spec.name} single-process": [{"epoch": i + 1, "val_acc": a} for i, a in enumerate(single)],
+    }, f"VC-ASGD ({vc['slots']} slots) vs single-process Keras")
+    print(f"curves: {args.plot}")
 
 
 def main() -> None:
@@ -257,6 +265,8 @@ def main() -> None:
     ap.add_argument("--no-defaults", action="store_true", help="only the candidates")
     ap.add_argument("--repeats", type=int, default=1, help="runs per dataset (seeds 0, 1, ...)")
     ap.add_argument("--epochs", type=int, default=None, help="override each dataset's epochs")
+    ap.add_argument("--plot", default=str(ROOT / "bench" / "results" / "learning_curves.png"),
+                    help="with --spec: the two learning curves")
     args = ap.parse_args()
     if args.spec:
         own_spec(args)

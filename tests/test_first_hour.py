@@ -301,3 +301,11 @@ def test_mop_legend_names_whole_configurations_inside_the_figure() -> None:
     fig.canvas.draw()
     box, canvas = legend.get_window_extent(), fig.bbox
     assert box.x0 >= canvas.x0 and box.x1 <= canvas.x1 + 0.5 and box.y0 >= canvas.y0, (box, canvas)
+
+
+def test_live_view_epoch_row_reads_well_at_the_end() -> None:
+    from boinc_dl.server.run.vcasgd import _epoch_line
+
+    assert _epoch_line(20, 20, 20, "done") == "20 / 20 closed"
+    assert _epoch_line(3, 20, 4, "running") == "3 / 20 closed · training epoch 4"
+    assert _epoch_line(3, 20, 5, "running") == "3 / 20 closed · units of epochs 4-5 in flight"
