@@ -182,7 +182,9 @@ def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
 
     lines = _Lines(running)
     lines.wait_for("epoch 1/3", running)
-    # While it runs, neither a plain run nor --resume touches its directory.
+    # Frozen mid-run (so that it cannot finish meanwhile), it still owns its directory:
+    # neither a plain run nor --resume touches it.
+    running.send_signal(signal.SIGSTOP)
     for extra in ([], ["--resume"]):
         res = bdl("run", str(spec), *SMALL, *extra, cwd=tmp_path, timeout=120)
         one_line_error(res, "in use by another boinc-dl run")
