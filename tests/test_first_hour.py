@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-BDL = str(Path(sys.executable).parent / "boinc-dl")  # the installed command
+# The installed command: beside this interpreter (a virtualenv), else on PATH.
+BDL = str(Path(sys.executable).parent / "boinc-dl") if (Path(sys.executable).parent / "boinc-dl").exists() \
+    else (shutil.which("boinc-dl") or "boinc-dl")
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("TF_")}, "COLUMNS": "120", "BDL_THREADS": "1"}
 SMALL = ["--workers", "1", "--slots", "2", "--assimilators", "1"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-BDL = str(Path(sys.executable).parent / "boinc-dl")
+from ..test_first_hour import BDL  # the installed command
 
 MODEL = '''import keras
 
