@@ -131,10 +131,10 @@ def test_a_second_run_offers_resume_new_overwrite(finished) -> None:
     assert "job mine (vcasgd)" in st.stdout and "job mine-2 (vcasgd)" in st.stdout, st.stdout
     assert re.search(r"run directory\s+│ runs/mine\s", st.stdout) and "runs/mine-2" in st.stdout, st.stdout
 
-    (first / "marker").write_text("from the earlier run")
+    (first / "notes.txt").write_text("the user's own file")
     over = bdl("run", "job.yaml", "--overwrite", "--epochs", "1", *SMALL, cwd=tmp)
     assert over.returncode == 0, (over.stdout, over.stderr)
-    assert not (first / "marker").exists()
+    assert (first / "notes.txt").read_text() == "the user's own file"  # only the run's own files go
     assert json.loads((first / "summary.json").read_text())["status"] == "done"
     assert len(merges(first)) == 2  # a fresh job of 1 epoch, not the old one continued
 

@@ -53,14 +53,20 @@ def numbered(spec: JobSpec, base: Path) -> tuple[JobSpec, Path]:
     raise BoincDLError(f"--new: no free numbered directory beside {base}")
 
 
+#: What a run writes into its directory; ``--overwrite`` removes these and nothing else
+#: (a run directory given with ``--run-dir`` may hold the user's own files too).
+RUN_ENTRIES = ("redis", "files", "hosts", "upload", "boinc-dl.log", "local-backend.log", "summary.json",
+               "history.json", "epochs.csv", "units.csv", "learning_curve.png", "learning_curves.png",
+               "leaderboard.csv", "final_model.keras", "best_model.keras")
+
+
 def clear(run_dir: Path) -> None:
-    """Remove everything in ``run_dir`` but its lock file (held by us)."""
-    for p in run_dir.iterdir():
-        if p.name == LOCK_FILE:
-            continue
+    """Remove what an earlier run wrote into ``run_dir`` (:data:`RUN_ENTRIES`)."""
+    for name in RUN_ENTRIES:
+        p = run_dir / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
-        else:
+        elif p.exists() or p.is_symlink():
             p.unlink()
 
 
