@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from boinc_dl.server.common.errors import SpecError
 from boinc_dl.server.common.spec import JobSpec, load_spec, parse_spec, spec_from_json, spec_to_json
+from boinc_dl.server.common.spec_defaults import derive
 from boinc_dl.server.work_generator.prepare import n_shards
 
 FUZZ = settings(max_examples=1000, deadline=None, derandomize=True,
@@ -135,7 +136,9 @@ def _check(spec_or_error: JobSpec | SpecError, source: str = "<fuzz>", one_line:
     spec = spec_or_error
     again = spec_from_json(spec_to_json(spec))
     assert again == spec  # what daemons read back from Redis is the same spec
-    assert n_shards(spec) > 0 and spec.training.epochs > 0
+    # Subsets and local epochs left out (or null) are derived from the data and the slots.
+    derived, _ = derive(spec, n_train=1000, slots=8)
+    assert n_shards(derived) > 0 and derived.training.local_epochs and spec.training.epochs > 0
     for e in (1, 2, 50):
         a = spec.vcasgd.alpha_for(e)
         assert 0.0 <= a < 1.0 and math.isfinite(a)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.text import Text
 
@@ -15,6 +17,32 @@ from boinc_dl.server.common.tf_env import quiet_env
 # TensorFlow's start-up lines flood the terminal from every worker process; keep them
 # in the run's log files instead (set TF_CPP_MIN_LOG_LEVEL yourself to see them).
 quiet_env()
+
+
+
+def _flags_without_values() -> None:
+    """Show on/off flags as ``--resume``, not ``--resume <bool>``.
+
+    typer 0.29's help gives every option its type, flags included (``--help <bool>``),
+    which invites ``--resume true``, and a flag refuses a value. Flags get no type
+    column here; every other option keeps its own. Other typer versions (whose options
+    have no ``display_type_rich``) are left as they are.
+    """
+    option = getattr(typer.core, "TyperOption", None)
+    shown = getattr(option, "display_type_rich", None)
+    if option is None or shown is None or getattr(shown, "_bdl_flags", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        if getattr(self, "is_flag", False) and not getattr(self, "count", False):
+            return None
+        return shown(self, ctx)
+
+    display_type_rich._bdl_flags = True  # type: ignore[attr-defined]
+    option.display_type_rich = display_type_rich
+
+
+_flags_without_values()
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Deep-learning training and model selection on BOINC and preemptible VMs.")

@@ -23,6 +23,8 @@ from boinc_dl.server.common.errors import BoincDLError, UnknownJob
 def run(
     spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     resume: Annotated[bool, typer.Option("--resume", help="continue the job from its saved state")] = False,
+    new: Annotated[bool, typer.Option("--new", help="a fresh run beside an earlier one (runs/<job>-2, ...)")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="delete the earlier run of this job and start over")] = False,
     run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<job name>)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="use this Redis instead of a private one")] = None,
     workers: Annotated[int | None, typer.Option(help="simulated hosts (overrides the spec)")] = None,
@@ -30,15 +32,22 @@ def run(
     assimilators: Annotated[int | None, typer.Option(help="assimilator processes")] = None,
     preempt_prob: Annotated[float | None, typer.Option(help="chance a unit is killed mid-way")] = None,
     epochs: Annotated[int | None, typer.Option(help="override training.epochs")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no live progress view")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress view or progress lines")] = False,
 ) -> None:
-    """Run a job on the embedded local backend (private Redis, N hosts x T slots)."""
+    """Run a job on the embedded local backend (private Redis, N hosts x T slots).
+
+    A terminal shows a live view; other output (a file, a pipe) gets a line per epoch."""
     from boinc_dl.server.common.spec import load_spec
     from boinc_dl.server.common.spec_checks import check_resources
     from boinc_dl.server.common.tf_env import require_tensorflow
     from boinc_dl.server.run import run_job, summary_table
     from boinc_dl.server.run.signals import stop_on_signals
 
+    chosen = [name for name, on in (("--resume", resume), ("--new", new), ("--overwrite", overwrite)) if on]
+    if len(chosen) > 1:
+        error_line(f"{' and '.join(chosen)} do not go together: choose one")
+        raise typer.Exit(2)
+    on_existing = "resume" if resume else "new" if new else "overwrite" if overwrite else "refuse"
     try:
         spec = load_spec(spec_file)
         if epochs is not None:
@@ -50,7 +59,8 @@ def run(
         with stop_on_signals():  # SIGTERM and SIGHUP stop the run as Ctrl-C does
             res = run_job(spec, run_dir, resume=resume, redis_url=redis_url, console=console,
                           live=not quiet and console.is_terminal, backend_opts=opts,
-                          search_path=spec_file.resolve().parent)
+                          search_path=spec_file.resolve().parent, on_existing=on_existing,  # type: ignore[arg-type]
+                          lines=not quiet and not console.is_terminal)
     except BoincDLError as e:
         _fail(e)
         return
@@ -58,7 +68,7 @@ def run(
     if res.status == "interrupted":
         raise typer.Exit(res.exit_code or 130)
     if res.status != "done":
-        error_line(f"job {spec.name} {res.status}" + (f": {res.reason}" if res.reason else ""))
+        error_line(f"job {res.job or spec.name} {res.status}" + (f": {res.reason}" if res.reason else ""))
         raise typer.Exit(1)
 
 
@@ -147,6 +157,8 @@ def status(
                 names = [job] if job else JobStore.list_jobs(r)
                 for name in names:
                     st = job_status(JobStore(r, name).require())
+                    if d is not None:
+                        st["run_dir"] = str(d)
                     found = True
                     if as_json:
                         import json
@@ -187,16 +199,22 @@ def cancel(
 
 @app.command()
 def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")]) -> None:
-    """Check a job spec (and that its dataset and model can be loaded) without running it."""
+    """Check a job spec (and that its dataset and model can be loaded) without running it;
+    show the settings a run would use, the derived defaults among them."""
     from boinc_dl.server.common.datasets import load_dataset
-    from boinc_dl.server.common.spec import load_spec
+    from boinc_dl.server.common.spec import load_spec, local_options
     from boinc_dl.server.common.spec_checks import check_model_fits, check_resources, check_split
+    from boinc_dl.server.common.spec_defaults import derive
 
     try:
         spec = load_spec(spec_file)
         check_resources(spec)
         # boinc-dl's own dataset loader (bandit takes it for Hugging Face's load_dataset)
         data = load_dataset(spec.dataset, spec.seed)  # nosec B615
+        check_split(spec, len(data.x_train))
+        opts = local_options(spec)
+        slots = int(opts["workers"]) * int(opts["slots"]) if spec.backend.kind == "local" else None
+        spec, chosen = derive(spec, len(data.x_train), slots)
         check_split(spec, len(data.x_train))
         from boinc_dl.server.common.keras_model import build_model, model_fingerprint
 
@@ -212,4 +230,17 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     t.add_row("mode", spec.mode)
     t.add_row("train / val examples", f"{len(data.x_train)} / {len(data.x_val)}")
     t.add_row("model parameters", f"{fp.n_params:,} in {len(fp.tensors)} tensors")
+    tr = spec.training
+    t.add_row("training", f"{tr.epochs} epochs, batch {tr.batch_size}, {tr.optimizer} lr {tr.learning_rate:g}, "
+                          f"{tr.local_epochs} local epoch(s) per unit")
+    if spec.mode == "vcasgd":
+        t.add_row("vcasgd", f"{spec.vcasgd.n_subsets} subsets per epoch, alpha {spec.vcasgd.alpha}, "
+                            f"merge {spec.vcasgd.merge}")
+    elif spec.mop is not None:
+        t.add_row("mop", f"{spec.mop.search} search, {spec.mop.partitions} partitions")
+    if spec.backend.kind == "local":
+        t.add_row("local backend", f"{opts['workers']} hosts x {opts['slots']} slots, "
+                                   f"{opts['assimilators']} assimilators")
+    for c in chosen:
+        t.add_row(f"derived {c.field}", f"{c.value} ({c.why})")
     console.print(t)

@@ -41,3 +41,14 @@ class ResultRejected(BoincDLError):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class JobExists(BoincDLError):
+    """The job is already recorded and the command was not told what to do with it."""
+
+
+def job_exists_message(job: str, where: object, status: str = "") -> str:
+    """One line naming the ways on when ``boinc-dl run`` finds the job already there."""
+    was = f" ({status})" if status else ""
+    return (f"job {job!r} already exists in {where}{was}: continue it with --resume, start a fresh "
+            "numbered run beside it with --new, or replace it with --overwrite")

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,10 @@ def configure_tf(threads: int | None = None, deterministic: bool = True) -> Any:
     else:
         require_tensorflow()
         tf = _import_tf_quietly()
-        quiet_python_logging()
+    # Also where TensorFlow was imported before (a fork server's preload, a user's module):
+    # its Python warnings (tf.function retracing as MOP slots hop between models, each a
+    # new trace) would fill the logs.
+    quiet_python_logging()
 
     if threads:
         try:
@@ -66,6 +71,40 @@ def _import_tf_quietly() -> Any:
     return tf
 
 
+#: TensorFlow's start-up lines (absl's C++ log format, its pre-init notice, the CPU
+#: feature note): what a model module's top-level ``import keras`` prints on stderr.
+_TF_STARTUP = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\)|"
+                         r"[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|"
+                         r"To enable the following instructions:.*rebuild TensorFlow)")
+
+
+def _import_user_module(mod_name: str) -> Any:
+    """Import the user's model module. When it imports TensorFlow (``import keras`` at its
+    top) and the process asked TensorFlow for quiet (``TF_CPP_MIN_LOG_LEVEL=3``, as the
+    CLI does), TensorFlow's start-up lines are dropped from stderr; anything else the
+    module writes there (its own warnings, prints) is passed on."""
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") < "3":
+        return importlib.import_module(mod_name)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as err:
+        try:
+            os.dup2(err.fileno(), 2)
+            try:
+                return importlib.import_module(mod_name)
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                os.close(saved)
+        finally:
+            err.seek(0)
+            kept = [ln for ln in err.read().decode("utf-8", "replace").splitlines(keepends=True)
+                    if not _TF_STARTUP.match(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def resolve_builder(ref: str, search_path: str | Path | None = None) -> Any:
     """The builder function of ``module:function``, imported without loading TensorFlow
     (unless the module itself imports it).
@@ -92,7 +131,7 @@ def resolve_builder(ref: str, search_path: str | Path | None = None) -> Any:
             sys.path.remove(p)
         sys.path.insert(0, p)
     try:
-        mod = importlib.import_module(mod_name)
+        mod = _import_user_module(mod_name)
     except SystemExit as e:
         raise ModelError(f"model module {mod_name!r} called sys.exit({e.code!r}) while being imported") from None
     except Exception as e:  # noqa: BLE001 - report any import failure in one line

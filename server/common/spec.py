@@ -20,6 +20,10 @@ JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 BUILTIN_DATASETS = ("digits", "mnist")
 
 
+#: The shortest deadline a unit can meet: starting, loading the weights and data, one
+#: step and the result's write take longer than this even for a tiny model.
+MIN_TIMEOUT_S = 0.5
+
 #: Seeds go to numpy (``default_rng``, ``RandomState``) and TensorFlow: 32 bits.
 MAX_SEED = 2**32 - 1
 
@@ -60,7 +64,10 @@ class TrainingSpec(_Strict):
     optimizer: Literal["adam", "sgd", "rmsprop", "adagrad"] = "adam"
     learning_rate: float = Field(0.001, gt=0.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    local_epochs: int = Field(1, gt=0, le=100_000, description="passes over its subset inside one unit")
+    local_epochs: int | None = Field(
+        None, gt=0, le=100_000,
+        description="passes over its subset inside one unit; default: derived from the units in flight "
+        "(VC-ASGD, see spec_defaults.py), 1 for MOP")
     loss: str = "sparse_categorical_crossentropy"
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0, description="stop early when reached")
 
@@ -71,7 +78,9 @@ AlphaSchedule = Literal["e/(e+1)"]
 class VCASGDSpec(_Strict):
     """VC-ASGD: one model, merged as W_s <- a_e*W_s + (1-a_e)*W_c."""
 
-    n_subsets: int = Field(16, gt=0, le=1_000_000)
+    n_subsets: int | None = Field(
+        None, gt=0, le=1_000_000,
+        description="subsets (units) per epoch; default: derived from the training examples and the slots")
     alpha: float | AlphaSchedule = Field("e/(e+1)", description="constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"
     window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots")
@@ -100,7 +109,7 @@ class VCASGDSpec(_Strict):
 class MOPSpec(_Strict):
     """MOP model selection: configurations hop across p data partitions."""
 
-    partitions: int = Field(4, gt=0, le=100_000)
+    partitions: int = Field(4, gt=0, le=100_000, description="data partitions (Cerebro: one per host)")
     param_grid: dict[str, Any] = Field(
         ..., description="name -> list of choices, or {uniform|loguniform|randint: [a, b]} (random, pbt)"
     )
@@ -123,7 +132,9 @@ class MOPSpec(_Strict):
 class UnitSpec(_Strict):
     """Deadlines and retry limits, passed to the job system (BOINC create_work flags)."""
 
-    timeout_s: float = Field(300.0, gt=0, le=365 * 86400.0, description="deadline t_o: re-issue after this")
+    timeout_s: float = Field(
+        300.0, ge=MIN_TIMEOUT_S, le=365 * 86400.0,
+        description="deadline t_o: re-issue a unit not back after this many seconds")
     max_error_results: int = Field(4, ge=1, le=1000)
     max_total_results: int = Field(8, ge=1, le=1000)
     max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, le=2**40)

@@ -20,6 +20,8 @@ from boinc_dl.server.common.spec import JobSpec, local_options
 PROCESS_MB = 400
 #: Slot threads per core beyond which a local run only thrashes.
 MAX_THREADS_PER_CORE = 32
+#: Fewer training examples than this cannot train anything worth a run.
+MIN_TRAIN_EXAMPLES = 10
 
 
 def machine() -> tuple[int, int]:
@@ -56,12 +58,26 @@ def check_resources(spec: JobSpec, opts: dict[str, Any] | None = None,
 
 
 def check_split(spec: JobSpec, n_train: int) -> None:
-    """Every subset (VC-ASGD) or partition (MOP) needs at least one training example."""
+    """Enough training examples to train on: at least ``MIN_TRAIN_EXAMPLES``, at least one
+    per subset (VC-ASGD) or partition (MOP), and a batch no larger than the data.
+
+    (A batch larger than one *subset* is fine: that unit takes one step per local epoch
+    on its whole subset, as Keras does with a batch larger than the data.)"""
+    if n_train < MIN_TRAIN_EXAMPLES:
+        d = spec.dataset
+        field = "dataset.limit" if d.limit is not None else "dataset"
+        source = f"{d.limit} examples" if d.limit is not None else (d.train or d.name)
+        split = f" after the {d.val_fraction:.0%} validation split" if d.val is None and d.name != "mnist" else ""
+        raise SpecError(f"{field}: {source} leave{'s' if d.limit is None else ''} {n_train} training example(s)"
+                        f"{split}; at least {MIN_TRAIN_EXAMPLES} are needed")
     if spec.mode == "mop" and spec.mop is not None:
         if spec.mop.partitions > n_train:
             raise SpecError(f"mop.partitions: {spec.mop.partitions} partitions but only {n_train} training examples")
-    elif spec.vcasgd.n_subsets > n_train:
+    elif spec.vcasgd.n_subsets is not None and spec.vcasgd.n_subsets > n_train:
         raise SpecError(f"vcasgd.n_subsets: {spec.vcasgd.n_subsets} subsets but only {n_train} training examples")
+    if spec.training.batch_size > n_train:
+        raise SpecError(f"training.batch_size: {spec.training.batch_size:,} is larger than the {n_train:,} "
+                        "training examples")
 
 
 def check_model_fits(in_shape: tuple[Any, ...], out_shape: tuple[Any, ...], features: tuple[int, ...],

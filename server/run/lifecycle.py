@@ -21,9 +21,10 @@ from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.spec import JobSpec, local_options
+from boinc_dl.server.common.spec_defaults import describe
 from boinc_dl.server.run.failfast import FailFastWatch
 from boinc_dl.server.run.signals import RunStopped
-from boinc_dl.server.work_generator.prepare import n_shards
+from boinc_dl.server.work_generator.prepare import derived_settings, n_shards
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class RunResult:
     #: For an interrupted run, the exit code its signal asks for (130 for Ctrl-C).
     exit_code: int = 0
     planner: dict[str, Any] | None = None  # predicted vs actual epoch time (VC-ASGD)
+    job: str = ""  # the job's name (``--new`` numbers it)
 
 
 def default_run_dir(spec: JobSpec) -> Path:
@@ -137,43 +139,80 @@ class RunWatch:
 
 
 def drive(gen: Any, watch: RunWatch, render: Callable[[], Table], console: Console, live: bool,
-          refresh_per_second: float) -> None:
+          refresh_per_second: float, report: Callable[[bool], None] | None = None) -> None:
     """Step the work generator until the job finishes: tick ``watch`` as it goes and,
-    when ``live``, redraw ``render()`` whenever the watch did its work (and once at the end)."""
+    when ``live``, redraw ``render()`` whenever the watch did its work (and once at the
+    end); otherwise call ``report(final)`` then (plain progress lines)."""
     view = Live(render(), console=console, refresh_per_second=refresh_per_second) if live else None
     if view:
         view.start()
     try:
         while gen.step():
             time.sleep(0.05)
-            if watch.tick() and view:
-                view.update(render())
+            if watch.tick():
+                if view:
+                    view.update(render())
+                elif report is not None:
+                    report(False)
         watch.tick(force=True)
         if view:
             view.update(render())
+        elif report is not None:
+            report(True)
     finally:
         if view:
             view.stop()
 
 
 def setup_logging(run_dir: Path) -> None:
+    """Log to ``run_dir/boinc-dl.log`` (a process running several jobs moves to the latest)."""
     root = logging.getLogger()
-    if any(getattr(h, "_bdl", False) for h in root.handlers):
-        return
-    h = logging.FileHandler(run_dir / "boinc-dl.log")
+    target = str((run_dir / "boinc-dl.log").resolve())
+    for h in list(root.handlers):
+        if getattr(h, "_bdl", False):
+            if getattr(h, "baseFilename", None) == target:
+                return
+            root.removeHandler(h)
+            h.close()
+    h = logging.FileHandler(target)
     h.setFormatter(logging.Formatter("%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"))
     h._bdl = True  # type: ignore[attr-defined]
     root.addHandler(h)
     root.setLevel(logging.INFO)
 
 
+def print_derived(console: Console, store: JobStore) -> None:
+    """Say which defaults the job derived from its data and hosts (first run and resumes)."""
+    chosen = derived_settings(store)
+    if chosen:
+        console.print("defaults chosen for this data and these hosts (set them in the spec to override):",
+                      highlight=False, soft_wrap=True)
+        for line in describe(chosen):
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
+
+
+def earlier_summary(run_dir: Path) -> dict[str, Any]:
+    """What the run that finished the job recorded (elapsed time, backend counters, the
+    planner's check): a ``--resume`` of a finished job rewrites its outputs, not its story."""
+    import json
+
+    try:
+        data = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: data[k] for k in ("elapsed_s", "backend", "planner") if k in data}
+
+
 def summary_table(res: RunResult, spec: JobSpec) -> Table:
     """The one-screen summary printed at the end of a run."""
-    t = Table(title=f"{spec.name}: {res.status}" + (f" ({res.reason})" if res.reason else ""), show_header=False)
+    t = Table(title=f"{res.job or spec.name}: {res.status}" + (f" ({res.reason})" if res.reason else ""),
+              show_header=False)
     if res.epochs:
         last = res.epochs[-1]
         best = max(res.epochs, key=lambda e: e["val_acc"])
-        t.add_row("epochs", str(len(res.epochs)))
+        t.add_row("epochs closed", f"{len(res.epochs)} of {spec.training.epochs}")
         t.add_row("final val accuracy", f"{last['val_acc']:.4f}")
         t.add_row("best val accuracy", f"{best['val_acc']:.4f} (epoch {best['epoch']})")
         if last.get("client_val_acc_mean") is not None:
@@ -191,6 +230,10 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
         after = f" after {startup:.1f} s start-up" if startup else ""
         t.add_row("epoch time", f"{res.planner['actual_epoch_s']:.2f} s{after}; planner predicted "
                                 f"{res.planner['predicted_epoch_s']:.2f} s ({res.planner['error']:+.0%})")
-    for k, v in res.outputs.items():
-        t.add_row(k, v)
+    if res.outputs:
+        names = []
+        for v in res.outputs.values():
+            p = Path(v)
+            names.append(p.name if p.parent == res.run_dir else str(p))
+        t.add_row("files", f"{res.run_dir}/: " + ", ".join([*names, "summary.json"]))
     return t

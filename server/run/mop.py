@@ -24,13 +24,17 @@ from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
     drive,
+    print_derived,
     start_local_backend,
     stop_reason,
 )
 from boinc_dl.server.work_generator.mop.assignment import round_robin_availability
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
-from boinc_dl.server.work_generator.prepare import prepare_job
+from boinc_dl.server.work_generator.prepare import effective_spec, prepare_job
+
+#: Configurations named in learning_curves.png's legend (the best ones).
+LEGEND_MAX = 12
 
 
 def placement(n_hosts: int, slots: int, partitions: int, replication: int) -> tuple[dict[str, set[int]], dict[str, int]]:
@@ -45,6 +49,20 @@ def placement(n_hosts: int, slots: int, partitions: int, replication: int) -> tu
     return avail, host_of
 
 
+def format_params(params: dict[str, Any]) -> str:
+    """``hidden=64 depth=2 learning_rate=0.003``: a configuration as a reader tells them apart."""
+    def value(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return json.dumps(v) if isinstance(v, dict | list) else str(v)
+
+    return " ".join(f"{k}={value(v)}" for k, v in params.items()) or "(no parameters)"
+
+
+#: Reasons that say nothing beyond the status (every model of a finished grid search).
+_PLAIN_REASONS = ("", "search finished")
+
+
 def leaderboard(store: JobStore) -> list[dict[str, Any]]:
     """One row per configuration, best validation accuracy first."""
     state = MopState(store)
@@ -55,10 +73,40 @@ def leaderboard(store: JobStore) -> list[dict[str, Any]]:
         curve = [results[e][cid]["val_acc"] for e in sorted(results) if cid in results[e]]
         rows.append({"model": cid, "status": c.get("status"), "best_val_acc": max(curve) if curve else None,
                      "final_val_acc": curve[-1] if curve else None, "epochs": len(curve),
-                     "params": json.dumps(c.get("params", {}), sort_keys=True), "parent": c.get("parent"),
+                     "params": json.dumps(c.get("params", {}), sort_keys=True),
+                     "config": format_params(c.get("params", {})), "parent": c.get("parent"),
                      "reason": c.get("reason", ""), "curve": curve})
     rows.sort(key=lambda r: -(r["best_val_acc"] if r["best_val_acc"] is not None else -1.0))
     return rows
+
+
+def curves_figure(rows: list[dict[str, Any]], title: str) -> Any:
+    """Validation accuracy per epoch of each configuration, named in full by its
+    parameters in a legend beside the plot (the best ``LEGEND_MAX`` of them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    shown = [r for r in rows if r["curve"]]
+    labelled = shown[:LEGEND_MAX]  # rows are best first: the legend names the best ones
+    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+    for r in shown:
+        ax.plot(range(1, len(r["curve"]) + 1), r["curve"], marker="o", ms=2, lw=1,
+                label=r["config"] if r in labelled else None)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("validation accuracy")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if labelled:
+        more = f" (best {len(labelled)} of {len(shown)})" if len(shown) > len(labelled) else ""
+        # Beside the plot, whole: the parameters are what tells the curves apart.
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+                  title=f"configuration{more}", title_fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | None, title: str) -> dict[str, str]:
@@ -77,18 +125,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
         for r in rows:
             w.writerow({k: v for k, v in r.items() if k != "curve"})
     out["leaderboard"] = str(lb)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
-    for r in rows:
-        if r["curve"]:
-            ax.plot(range(1, len(r["curve"]) + 1), r["curve"], marker="o", ms=2, lw=1,
-                    label=f"{r['model']} {r['params'][:40]}")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("validation accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if len(rows) <= 12:
-        ax.legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
+    fig = curves_figure(rows, title)
     png = run_dir / "learning_curves.png"
     fig.savefig(png)
     plt.close(fig)
@@ -119,21 +156,47 @@ def _table(store: JobStore, spec: JobSpec, backend: LocalJobSystem, t0: float) -
     meta = store.meta()
     snap = backend.snapshot()
     t = Table(title=f"boinc-dl · {spec.name} · MOP, {backend.n_hosts} hosts x {backend.n_slots} slots", box=None)
-    t.add_column("model")
+    t.add_column("configuration")
     t.add_column("status")
     t.add_column("epochs")
     t.add_column("best val acc")
     for r in leaderboard(store)[:12]:
-        t.add_row(r["model"], str(r["status"]), str(r["epochs"]),
+        t.add_row(r["config"], str(r["status"]), str(r["epochs"]),
                   f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-")
-    t.caption = (f"epoch {meta.get('epoch', 1)} · running {snap['running']}, queued {snap['unsent']} · "
-                 f"re-issued {snap['reissued']} · {time.time() - t0:.0f} s")
+    closed = int(float(meta.get("closed_epoch", 0)))
+    t.caption = (f"epochs {closed} / {spec.training.epochs} closed · running {snap['running']}, queued "
+                 f"{snap['unsent']} · re-issued {snap['reissued']} · {time.time() - t0:.0f} s")
     return t
+
+
+class MOPProgressLines:
+    """One plain line per closed epoch for output that is not a terminal: the best
+    configuration so far, by its parameters."""
+
+    def __init__(self, spec: JobSpec, store: JobStore, console: Console, t0: float):
+        self.spec, self.store, self.console, self.t0 = spec, store, console, t0
+        self.closed = int(float(store.meta().get("closed_epoch", 0)))
+
+    def __call__(self, final: bool) -> None:
+        closed = int(float(self.store.meta().get("closed_epoch", 0)))
+        if closed <= self.closed:
+            return
+        rows = leaderboard(self.store)
+        live = sum(1 for r in rows if r["status"] == "running")
+        best = next((r for r in rows if r["best_val_acc"] is not None), None)
+        for e in range(self.closed + 1, closed + 1):
+            text = f"epoch {e}/{self.spec.training.epochs} - {len(rows)} configurations"
+            if live and not final:
+                text += f", {live} training"
+            if best is not None and e == closed:
+                text += f" - best val_acc {best['best_val_acc']:.4f}: {best['config']}"
+            self.console.print(f"{text} - {time.time() - self.t0:.1f} s", highlight=False, soft_wrap=True)
+        self.closed = closed
 
 
 def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store: JobStore,
                 console: Console, live: bool, backend_opts: dict[str, Any] | None,
-                search_path: Path | None) -> RunResult:
+                search_path: Path | None, lines: bool = False) -> RunResult:
     """Run a MOP job to completion on the local backend (see the module docstring).
 
     ``store`` is on ``redis_url``; :func:`boinc_dl.server.run.run_job` owns that Redis's lifetime."""
@@ -145,9 +208,12 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     exit_code = 0
     snap: dict[str, Any] = {}
     try:
-        console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}")
-        prepare_job(spec, store, run_dir, resume=resume, search_path=search_path)
+        console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
         opts = local_options(spec, backend_opts)
+        prepare_job(spec, store, run_dir, resume=resume, search_path=search_path,
+                    slots=int(opts["workers"]) * int(opts["slots"]))
+        spec = effective_spec(spec, store)
+        print_derived(console, store)
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
         if store.meta().get("status") not in ("done", "failed", "cancelled"):
             store.set_meta(status="running", reason="")
@@ -155,7 +221,8 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
             gen.recover(resubmit_in_progress=True)
             watch = RunWatch(spec, store, backend, gen)
-            drive(gen, watch, lambda: _table(store, spec, backend, t0), console, live, refresh_per_second=2)
+            drive(gen, watch, lambda: _table(store, spec, backend, t0), console, live, refresh_per_second=2,
+                  report=MOPProgressLines(spec, store, console, t0) if lines and not live else None)
         status = store.meta().get("status", "running")
     except KeyboardInterrupt as e:
         stopped, exit_code = stop_reason(e)
@@ -173,12 +240,12 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
     lb = leaderboard(store)
     t = Table(title=f"leaderboard ({len(lb)} configurations)")
-    for col in ("model", "status", "epochs", "best val acc", "params"):
+    for col in ("configuration", "status", "epochs", "best val acc", "model"):
         t.add_column(col)
     for r in lb[:20]:
-        t.add_row(r["model"], str(r["status"]), str(r["epochs"]),
-                  f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-",
-                  r["params"] + (f" ({r['reason']})" if r["reason"] else ""))
+        note = f" ({r['reason']})" if r["reason"] not in _PLAIN_REASONS else ""
+        t.add_row(r["config"], str(r["status"]) + note, str(r["epochs"]),
+                  f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-", r["model"])
     console.print(t)
     (run_dir / "summary.json").write_text(json.dumps(
         {"status": status, "elapsed_s": res.elapsed_s, "backend": snap, "reason": res.reason,

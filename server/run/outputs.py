@@ -46,6 +46,16 @@ def write_history(run_dir: Path, hist: dict[str, Any]) -> list[Path]:
 def plot_learning_curve(path: Path, curves: dict[str, list[dict[str, Any]]], title: str) -> Path:
     """Validation accuracy per epoch; shaded band = min..max of the clients' accuracies
     within the epoch and the error bar their standard deviation (the spread across units)."""
+    import matplotlib.pyplot as plt
+
+    fig = learning_curve_figure(curves, title)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def learning_curve_figure(curves: dict[str, list[dict[str, Any]]], title: str) -> Any:
+    """The figure :func:`plot_learning_curve` saves (epochs on a whole-number axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -67,15 +77,16 @@ def plot_learning_curve(path: Path, curves: dict[str, list[dict[str, Any]]], tit
             ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, label=f"{label}: units min-max")
             ax.errorbar(x, mean, yerr=std, fmt="none", ecolor=line.get_color(), alpha=0.6, capsize=2,
                         label=f"{label}: units mean ± std")
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_xlabel("epoch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole: no 2.5 ticks
     ax.set_ylabel("validation accuracy")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def save_final_model(run_dir: Path, model_file: Path, flat: np.ndarray) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections import Counter
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.procs import pid_alive
 
 #: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
@@ -45,8 +47,13 @@ def job_status(store: JobStore) -> dict[str, Any]:
     epochs = store.epochs()
     states = Counter(store.unit_states().values())
     last = epochs[max(epochs)] if epochs else {}
+    try:
+        total = int(json.loads(store.spec_json())["training"]["epochs"])
+    except (BoincDLError, ValueError, KeyError, TypeError):
+        total = None
     return {
         "job": store.job,
+        "epochs_total": total,
         "status": status,
         "mode": meta.get("mode", "?"),
         "reason": reason,
@@ -65,12 +72,17 @@ def job_status(store: JobStore) -> dict[str, Any]:
 
 def render_status(console: Console, st: dict[str, Any]) -> None:
     """Print a status dict as a compact table plus recent rejections."""
-    t = Table(title=f"job {st['job']} ({st['mode']}): {st['status']}" + (f" — {st['reason']}" if st["reason"] else ""),
-              show_header=False)
-    if st["status"] in ("running",):
-        t.add_row("epoch", f"{st['closed_epochs']} closed, creating epoch {st['epoch']}")
+    t = Table(title=f"job {st['job']} ({st['mode']}): {st['status']}", show_header=False)
+    if st["reason"]:
+        t.add_row("why", st["reason"])
+    if st.get("run_dir"):
+        t.add_row("run directory", str(st["run_dir"]))
+    total = st.get("epochs_total")
+    of = f" / {total}" if total else ""
+    if st["status"] in ("running",) and st["epoch"] > st["closed_epochs"]:
+        t.add_row("epochs", f"{st['closed_epochs']}{of} closed, training epoch {st['closed_epochs'] + 1}")
     else:
-        t.add_row("epochs", f"{st['closed_epochs']} closed")
+        t.add_row("epochs", f"{st['closed_epochs']}{of} closed")
     u = st["units"]
     t.add_row("units", ", ".join(f"{k} {v}" for k, v in sorted(u.items())) or "none")
     acc = st["latest_val_acc"]

@@ -46,7 +46,7 @@ from boinc_dl.server.work_generator.mop.procedures import make_search
 from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
 from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
 from boinc_dl.server.work_generator.mop.state import MopState
-from boinc_dl.server.work_generator.prepare import JobFiles, unit_training
+from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, unit_training
 from boinc_dl.server.work_generator.vcasgd import FINISHED, unit_seed
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class MOPWorkGenerator:
     def __init__(self, store: JobStore, spec: JobSpec, job_dir: Path, backend: JobSystem,
                  availability: dict[str, set[int]] | None, host_of: dict[str, int] | None = None,
                  search_path: Path | None = None):
+        spec = effective_spec(spec, store)  # the defaults the job derived (local epochs)
         self.store, self.spec, self.backend = store, spec, backend
         self.state = MopState(store)
         self.files = JobFiles(Path(job_dir).resolve(), spec.name)

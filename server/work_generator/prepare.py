@@ -8,6 +8,7 @@ fingerprint and the initial weights (version 0) in Redis.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +16,10 @@ from typing import Any
 
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.datasets import Dataset, load_dataset, save_npz, split_shards
-from boinc_dl.server.common.errors import BoincDLError
-from boinc_dl.server.common.spec import JobSpec, spec_to_json
+from boinc_dl.server.common.errors import BoincDLError, JobExists, job_exists_message
+from boinc_dl.server.common.spec import JobSpec, spec_from_json, spec_to_json
 from boinc_dl.server.common.spec_checks import check_model_fits, check_split
+from boinc_dl.server.common.spec_defaults import Chosen, derive, fill_from, missing
 from boinc_dl.server.common.workunit import DATA, MODEL, VAL, WEIGHTS_IN, WU_JSON
 
 log = logging.getLogger(__name__)
@@ -66,11 +68,32 @@ def unit_training(spec: JobSpec) -> dict[str, Any]:
 
 
 def n_shards(spec: JobSpec) -> int:
-    """Subsets per epoch (VC-ASGD) or data partitions (MOP)."""
+    """Subsets per epoch (VC-ASGD) or data partitions (MOP) of a derived spec
+    (:func:`effective_spec`)."""
     if spec.mode == "mop":
         assert spec.mop is not None
         return spec.mop.partitions
+    if spec.vcasgd.n_subsets is None:
+        raise BoincDLError("vcasgd.n_subsets is not derived yet: prepare the job first")
     return spec.vcasgd.n_subsets
+
+
+def effective_spec(spec: JobSpec, store: JobStore) -> JobSpec:
+    """``spec`` with the defaults it leaves out as the job derived them (its stored spec)."""
+    if not missing(spec):
+        return spec
+    spec = fill_from(spec, spec_from_json(store.spec_json()))
+    if missing(spec):  # a job recorded without them (not through prepare_job): derive them now
+        spec, _ = derive(spec, int(float(store.meta().get("n_train", 0) or 0)), None)
+    return spec
+
+
+def derived_settings(store: JobStore) -> list[Chosen]:
+    """What :func:`prepare_job` derived for the job (for the start of a run)."""
+    try:
+        return [Chosen(**c) for c in json.loads(store.meta().get("derived", "[]"))]
+    except (ValueError, TypeError):
+        return []
 
 
 def write_data_files(spec: JobSpec, files: JobFiles, data: Dataset | None = None) -> Dataset:
@@ -105,24 +128,29 @@ def build_initial_model(spec: JobSpec, files: JobFiles, search_path: Path | None
 
 
 def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = False,
-                search_path: Path | None = None) -> JobFiles:
+                search_path: Path | None = None, slots: int | None = None,
+                exists_message: str | None = None) -> JobFiles:
     """Create the job's shared files and Redis record; with ``resume``, reuse them.
 
-    A job that already exists in Redis is an error unless ``resume`` (then missing
-    files are rebuilt from the spec, deterministically).
+    The defaults ``spec`` leaves out that depend on the data and the hosts
+    (:mod:`~boinc_dl.server.common.spec_defaults`) are derived here, for the training
+    examples and ``slots`` (the job system's slots; None: unknown), and stored with the
+    job: read them back with :func:`effective_spec` and :func:`derived_settings`.
+
+    A job that already exists in Redis is :class:`JobExists` unless ``resume`` (then
+    missing files are rebuilt from the spec, deterministically); ``exists_message`` is
+    the line to say so (default: ``boinc-dl run``'s three ways on).
     """
     from boinc_dl.server.common.keras_model import get_flat, model_fingerprint
 
     files = JobFiles(Path(job_dir).resolve(), spec.name)
     if store.exists():
         if not resume:
-            raise BoincDLError(
-                f"job {spec.name!r} already exists (in {job_dir}); continue it with --resume, "
-                "or give the job another name"
-            )
+            raise JobExists(exists_message or job_exists_message(spec.name, job_dir, store.meta().get("status", "")))
         stored = store.spec_json()
+        spec = fill_from(spec, spec_from_json(stored)) if missing(spec) else spec
         if stored != spec_to_json(spec):
-            log.warning("the spec differs from the one the job was started with; using the stored one")
+            log.warning("the spec differs from the one the job was started with")
         if not files.val.exists() or not all(files.shard(k).exists() for k in range(n_shards(spec))):
             write_data_files(spec, files)
         if not files.model.exists():
@@ -130,9 +158,15 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
         return files
     if resume:
         log.info("nothing to resume for job %s: starting it", spec.name)
-    data = write_data_files(spec, files)
+    # boinc-dl's own dataset loader (bandit takes it for Hugging Face's load_dataset)
+    data = load_dataset(spec.dataset, spec.seed)  # nosec B615
+    spec, chosen = derive(spec, len(data.x_train), slots)
+    for c in chosen:
+        log.info("job %s: %s = %s (%s)", spec.name, c.field, c.value, c.why)
+    data = write_data_files(spec, files, data)
     meta = {"n_train": int(len(data.x_train)), "n_val": int(len(data.x_val)), "n_shards": n_shards(spec),
             "job_dir": str(files.job_dir), "epoch": 1,
+            "derived": json.dumps([c.__dict__ for c in chosen], default=str),
             # where the model builder module lives (MOP builds one model per configuration later)
             "search_path": str(search_path or "")}
     if spec.mode == "mop":

@@ -55,7 +55,7 @@ from boinc_dl.server.common.workunit import (
     Workunit,
     unit_name,
 )
-from boinc_dl.server.work_generator.prepare import JobFiles, n_shards, unit_training
+from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, n_shards, unit_training
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class VCASGDWorkGenerator:
 
     def __init__(self, store: JobStore, spec: JobSpec, job_dir: Path, backend: JobSystem,
                  window: int | None = None, evaluator: Any | None = None, max_outage_s: float = 600.0):
+        spec = effective_spec(spec, store)  # the defaults the job derived (subsets, local epochs)
         self.store = store
         self.spec = spec
         self.files = JobFiles(Path(job_dir).resolve(), spec.name)

@@ -18,6 +18,7 @@ from boinc_dl.server.backends.boinc.daemon import FINISHED, finalize_job
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.filelock import FileLock, LockBusy
 from boinc_dl.server.common.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,19 @@ def submit_job(spec: JobSpec, project_dir: str | Path, resume: bool = False,
         raise BoincDLError(f"job {spec.name!r} belongs to another BOINC project ({meta.get('boinc_project')})")
     job_dir = project.job_dir(spec.name)
     job_dir.mkdir(parents=True, exist_ok=True)
-    prepare_job(spec, store, job_dir, resume=resume, search_path=search_path)
-    store.set_meta(backend="boinc", boinc_project=str(project.root), boinc_submitted_at=time.time())
+    # One submit per job at a time: two would both find the job new and prepare it twice.
+    try:
+        lock = FileLock(job_dir / "submit.lock", f"boinc-dl submit of {spec.name}").acquire()
+    except LockBusy as e:
+        raise LockBusy(f"job {spec.name!r}: {e}; try again when it is done", e.holder) from None
+    try:
+        prepare_job(spec, store, job_dir, resume=resume, search_path=search_path,
+                    slots=project.settings.capacity,
+                    exists_message=f"job {spec.name!r} is already submitted to {project.root}: continue it "
+                                   "with --resume, or give the job another name")
+        store.set_meta(backend="boinc", boinc_project=str(project.root), boinc_submitted_at=time.time())
+    finally:
+        lock.release()
     log.info("job %s submitted to %s (job files in %s)", spec.name, project.root, job_dir)
     return job_dir
 

@@ -1,0 +1,316 @@
+"""A new user's first hour (issue #26) and the run side of hostile hosts (issue #28), as a
+user meets them: the installed ``boinc-dl`` run as a subprocess in a temporary directory
+with the user's own model module and ``.npz``.
+
+Runs use the minimal spec (name, mode, model, dataset, epochs) on 400 generated examples
+and a small local backend given on the command line (1 host x 2 slots), so the spec's
+own defaults are what is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# The installed command: beside this interpreter (a virtualenv), else on PATH.
+BDL = str(Path(sys.executable).parent / "boinc-dl") if (Path(sys.executable).parent / "boinc-dl").exists() \
+    else (shutil.which("boinc-dl") or "boinc-dl")
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("TF_")}, "COLUMNS": "120", "BDL_THREADS": "1"}
+SMALL = ["--workers", "1", "--slots", "2", "--assimilators", "1"]
+
+MODEL = '''import keras
+
+
+def build(hidden=16):
+    return keras.Sequential([keras.Input(shape=(20,)),
+                             keras.layers.Dense(hidden, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+'''
+
+MINIMAL = "name: mine\nmode: vcasgd\nmodel: mymodel:build\ndataset: {train: data.npz}\ntraining: {epochs: 2}\n"
+
+
+def user_files(tmp: Path, spec: str = MINIMAL, model: str = MODEL, n: int = 400) -> Path:
+    """The user's model module, their data as an .npz (3 classes, 20 features) and spec."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=n, n_features=20, n_informative=10, n_classes=3,
+                               class_sep=2.0, random_state=0)
+    np.savez(tmp / "data.npz", x=x.astype(np.float32), y=y.astype(np.int64))
+    (tmp / "mymodel.py").write_text(model)
+    (tmp / "job.yaml").write_text(spec)
+    return tmp / "job.yaml"
+
+
+def bdl(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([BDL, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(res: subprocess.CompletedProcess[str], needle: str, code: int = 2) -> str:
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in res.stdout + res.stderr
+    assert err.startswith("error:") and "\n" not in err, err
+    assert needle in err, err
+    return err
+
+
+def merges(run_dir: Path) -> Counter[str]:
+    hist = json.loads((run_dir / "history.json").read_text())
+    return Counter(u["unit"] for u in hist["units"] if "failed" not in u)
+
+
+# ---- a minimal spec: defaults chosen and said, progress lines, a readable summary ---------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One minimal-spec run to completion (its output is not a terminal)."""
+    tmp = tmp_path_factory.mktemp("first-run")
+    spec = user_files(tmp)
+    res = bdl("run", str(spec), *SMALL, cwd=tmp)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    return tmp, res
+
+
+def test_minimal_spec_says_what_it_chose_and_prints_a_line_per_epoch(finished) -> None:
+    tmp, res = finished
+    out = res.stdout
+    # 320 training examples on 2 slots: one subset per slot, local epochs from the units in flight.
+    assert "vcasgd.n_subsets = 2" in out and "training.local_epochs = 4" in out, out
+    lines = out.splitlines()
+    epoch_lines = [ln for ln in lines if ln.startswith("epoch ")]
+    assert [ln.split(" - ")[0] for ln in epoch_lines] == ["epoch 1/2", "epoch 2/2"], out
+    assert all(re.search(r"val_acc \d\.\d{4} - val_loss \d+\.\d{4}", ln) for ln in epoch_lines), out
+    # The summary: one "epochs" row, files by name, no "creating units" once it is over.
+    assert len(re.findall(r"│ epochs", out)) == 1 and "epochs closed" in out and "2 of 2" in out, out
+    assert "creating" not in out
+    assert "learning_curve.png" in out and "final_model.keras" in out
+    summary = json.loads((tmp / "runs" / "mine" / "summary.json").read_text())
+    assert summary["status"] == "done"
+    assert summary["settings"]["n_subsets"] == 2 and summary["settings"]["local_epochs"] == 4
+    assert sorted(summary["settings"]["derived"]) == ["training.local_epochs", "vcasgd.n_subsets"]
+    assert set(merges(tmp / "runs" / "mine").values()) == {1} and len(merges(tmp / "runs" / "mine")) == 2 * 2
+    # (How well the defaults learn is bench/bench_learning.py's to measure: against Keras.)
+
+
+def test_a_second_run_offers_resume_new_overwrite(finished) -> None:
+    tmp, _ = finished
+    first = tmp / "runs" / "mine"
+    before = (first / "summary.json").read_text()
+
+    again = bdl("run", "job.yaml", *SMALL, cwd=tmp)
+    err = one_line_error(again, "already exists")
+    assert "--resume" in err and "--new" in err and "--overwrite" in err
+
+    both = bdl("run", "job.yaml", "--resume", "--new", cwd=tmp)
+    one_line_error(both, "do not go together")
+
+    done = bdl("run", "job.yaml", "--resume", *SMALL, cwd=tmp)
+    assert done.returncode == 0 and "already done" in done.stdout, (done.stdout, done.stderr)
+
+    new = bdl("run", "job.yaml", "--new", "--epochs", "1", *SMALL, cwd=tmp)
+    assert new.returncode == 0, (new.stdout, new.stderr)
+    second = tmp / "runs" / "mine-2"
+    assert "mine-2" in new.stdout and json.loads((second / "summary.json").read_text())["status"] == "done"
+    assert (first / "summary.json").read_text() == before  # the earlier run untouched
+
+    st = bdl("status", cwd=tmp)  # both runs, each with its own name and folder
+    assert st.returncode == 0, st.stderr
+    assert "job mine (vcasgd)" in st.stdout and "job mine-2 (vcasgd)" in st.stdout, st.stdout
+    assert re.search(r"run directory\s+│ runs/mine\s", st.stdout) and "runs/mine-2" in st.stdout, st.stdout
+
+    (first / "notes.txt").write_text("the user's own file")
+    over = bdl("run", "job.yaml", "--overwrite", "--epochs", "1", *SMALL, cwd=tmp)
+    assert over.returncode == 0, (over.stdout, over.stderr)
+    assert (first / "notes.txt").read_text() == "the user's own file"  # only the run's own files go
+    assert json.loads((first / "summary.json").read_text())["status"] == "done"
+    assert len(merges(first)) == 2  # a fresh job of 1 epoch, not the old one continued
+
+
+# ---- one run per directory; SIGKILL, then --resume loses and repeats nothing --------------------
+
+class _Lines:
+    """A process's stdout, read as it comes."""
+
+    def __init__(self, proc: subprocess.Popen[str]):
+        self.lines: list[str] = []
+        self.t = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self.t.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, prefix: str, proc: subprocess.Popen[str], timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if any(ln.startswith(prefix) for ln in self.lines):
+                return
+            if proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        proc.kill()
+        pytest.fail(f"no line {prefix!r}: {''.join(self.lines)}")
+
+
+def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
+    spec = user_files(tmp_path, MINIMAL.replace("epochs: 2", "epochs: 3"))
+    args = [BDL, "run", str(spec), *SMALL]
+    # Two runs of one spec started together: exactly one proceeds.
+    a = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    b = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first_done = None
+    deadline = time.time() + 120
+    while first_done is None and time.time() < deadline:
+        first_done = next((p for p in (a, b) if p.poll() is not None), None)
+        time.sleep(0.05)
+    assert first_done is not None, "neither run gave way"
+    running = b if first_done is a else a
+    out, err = first_done.communicate()
+    assert first_done.returncode == 2, (out, err)
+    assert err.strip().startswith("error:") and "\n" not in err.strip() and "in use by another boinc-dl run" in err
+
+    lines = _Lines(running)
+    lines.wait_for("epoch 1/3", running)
+    # Frozen mid-run (so that it cannot finish meanwhile), it still owns its directory:
+    # neither a plain run nor --resume touches it.
+    running.send_signal(signal.SIGSTOP)
+    for extra in ([], ["--resume"]):
+        res = bdl("run", str(spec), *SMALL, *extra, cwd=tmp_path, timeout=120)
+        one_line_error(res, "in use by another boinc-dl run")
+
+    running.send_signal(signal.SIGKILL)  # no clean-up at all
+    running.wait(timeout=60)
+    res = bdl("run", str(spec), "--resume", *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    run_dir = tmp_path / "runs" / "mine"
+    m = merges(run_dir)
+    assert len(m) == 3 * 2 and set(m.values()) == {1}, m  # every unit merged, none twice
+    hist = json.loads((run_dir / "history.json").read_text())
+    assert [e["epoch"] for e in hist["epochs"]] == [1, 2, 3]
+
+
+# ---- validate: clear refusals, quiet with keras imported at the top -----------------------------
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ("units: {timeout_s: 1.0e-9}\n", "units.timeout_s"),
+    ("training: {epochs: 2, batch_size: 1000000000}\n", "training.batch_size"),
+])
+def test_validate_refuses_settings_that_cannot_train(tmp_path: Path, extra: str, field: str) -> None:
+    text = MINIMAL.replace("training: {epochs: 2}\n", "") + extra
+    if "training" not in extra:
+        text += "training: {epochs: 2}\n"
+    user_files(tmp_path, text)
+    for cmd in ("validate", "run"):
+        one_line_error(bdl(cmd, "job.yaml", cwd=tmp_path), field)
+
+
+def test_validate_refuses_too_few_training_examples(tmp_path: Path) -> None:
+    user_files(tmp_path, MINIMAL.replace("dataset: {train: data.npz}", "dataset: {train: data.npz, limit: 3}"))
+    err = one_line_error(bdl("validate", "job.yaml", cwd=tmp_path), "dataset.limit")
+    assert "2 training example(s)" in err
+
+
+def test_model_builder_calling_sys_exit(tmp_path: Path) -> None:
+    user_files(tmp_path, model=MODEL.replace("    return keras.Sequential", "    import sys\n    sys.exit(3)\n"
+                                                                             "    return keras.Sequential"))
+    for cmd in ("validate", "run"):
+        one_line_error(bdl(cmd, "job.yaml", *(SMALL if cmd == "run" else []), cwd=tmp_path), "sys.exit(3)")
+
+
+def test_validate_is_quiet_and_shows_the_derived_defaults(tmp_path: Path) -> None:
+    user_files(tmp_path)  # the model module imports keras at its top
+    res = bdl("validate", "job.yaml", cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert res.stderr == "", res.stderr  # no TensorFlow start-up lines
+    assert "spec OK" in res.stdout and "derived vcasgd.n_subsets" in res.stdout
+    assert "derived training.local_epochs" in res.stdout
+
+
+def test_on_off_flags_take_no_value(tmp_path: Path) -> None:
+    res = bdl("run", "--help", cwd=tmp_path)
+    assert res.returncode == 0 and "<bool>" not in res.stdout
+    assert all(f in res.stdout for f in ("--resume", "--new", "--overwrite", "--quiet"))
+    user_files(tmp_path)
+    bad = bdl("run", "job.yaml", "--resume", "true", cwd=tmp_path)
+    assert bad.returncode == 2 and "unexpected extra argument" in bad.stdout + bad.stderr
+
+
+# ---- MOP: configurations by their parameters, quiet logs ----------------------------------------
+
+MOP_SPEC = """name: sel
+mode: mop
+model: mymodel:build
+dataset: {train: data.npz}
+training: {epochs: 2}
+mop:
+  partitions: 2
+  param_grid: {hidden: [8, 16], learning_rate: [0.01, 0.003], batch_size: [16, 32]}
+"""
+
+
+def test_mop_names_configurations_by_their_parameters(tmp_path: Path) -> None:
+    user_files(tmp_path, MOP_SPEC)
+    res = bdl("run", "job.yaml", *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    epoch_lines = [ln for ln in res.stdout.splitlines() if ln.startswith("epoch ")]
+    assert [ln.split(" - ")[0] for ln in epoch_lines] == ["epoch 1/2", "epoch 2/2"], res.stdout
+    assert re.search(r"best val_acc \d\.\d{4}: hidden=(8|16) learning_rate=0\.0(1|03) batch_size=(16|32)",
+                     epoch_lines[-1]), epoch_lines
+    assert "search finished" not in res.stdout and "hidden=16" in res.stdout
+    run_dir = tmp_path / "runs" / "sel"
+    import csv
+
+    with (run_dir / "leaderboard.csv").open() as f:
+        configs = {r["config"] for r in csv.DictReader(f)}
+    assert configs == {f"hidden={h} learning_rate={lr} batch_size={b}"
+                       for h in (8, 16) for lr in ("0.01", "0.003") for b in (16, 32)}
+    # Each slot traces the steps of each of the 8 models it trains: TensorFlow's retracing
+    # warnings (one per few models) are noise there and stay out of the log.
+    log = (run_dir / "local-backend.log").read_text()
+    assert "retracing" not in log
+
+
+# ---- pieces too small to need a run ------------------------------------------------------------
+
+def test_learning_curve_has_whole_epoch_ticks() -> None:
+    from boinc_dl.server.run.outputs import learning_curve_figure
+
+    fig = learning_curve_figure({"VC-ASGD": [{"epoch": e, "val_acc": 0.5 + e / 100} for e in range(1, 11)]}, "t")
+    ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 10]
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_mop_legend_names_whole_configurations_inside_the_figure() -> None:
+    from boinc_dl.server.run.mop import curves_figure, format_params
+
+    params = [{"hidden": h, "depth": d, "learning_rate": lr} for h in (32, 64) for d in (1, 2) for lr in (0.003, 5e-4)]
+    rows = [{"config": format_params(p), "curve": [0.5, 0.6 + i / 100]} for i, p in enumerate(params)]
+    fig = curves_figure(rows, "t")
+    legend = fig.axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [r["config"] for r in rows]
+    assert "hidden=64 depth=2 learning_rate=0.0005" in [t.get_text() for t in legend.get_texts()]
+    fig.canvas.draw()
+    box, canvas = legend.get_window_extent(), fig.bbox
+    assert box.x0 >= canvas.x0 and box.x1 <= canvas.x1 + 0.5 and box.y0 >= canvas.y0, (box, canvas)
+
+
+def test_live_view_epoch_row_reads_well_at_the_end() -> None:
+    from boinc_dl.server.run.vcasgd import _epoch_line
+
+    assert _epoch_line(20, 20, 20, "done") == "20 / 20 closed"
+    assert _epoch_line(3, 20, 4, "running") == "3 / 20 closed · training epoch 4"
+    assert _epoch_line(3, 20, 5, "running") == "3 / 20 closed · units of epochs 4-5 in flight"
