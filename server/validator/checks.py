@@ -30,7 +30,6 @@ from boinc_dl.server.common.paths import check_name
 from boinc_dl.server.common.weights import Fingerprint, WeightsFile, read_weights
 
 MAX_METRICS_BYTES = 1 << 20
-MAX_METRICS_DEPTH = 16
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
@@ -98,8 +97,8 @@ def read_metrics(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        data = bounded.load_file(path, MAX_METRICS_BYTES, MAX_METRICS_DEPTH)
-    except bounded.BoundExceeded as e:
+        data = bounded.load_file(path, MAX_METRICS_BYTES, bounded.MAX_JSON_DEPTH)
+    except (bounded.BoundExceeded, bounded.DuplicateKey) as e:
         raise ResultRejected(f"metrics file {path.name}: {e}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ResultRejected(f"metrics file {path.name} is not JSON ({type(e).__name__})") from None
