@@ -120,6 +120,30 @@ class Fingerprint:
         return flat
 
 
+#: What a result file may hold beyond its arrays: the attributes (the fingerprint up to
+#: MAX_ATTR_BYTES, the metrics up to 1 MB) and HDF5's own structures.
+UPLOAD_HEADROOM_BYTES = 16 << 20
+#: Float32 copies of the model a result file may hold: the weights and up to three
+#: optimizer slots per variable (Adam with AMSGrad keeps three).
+UPLOAD_MODEL_COPIES = 4
+#: HDF5 structures per tensor in a version-1 file (object header, link), generously.
+UPLOAD_BYTES_PER_TENSOR = 1024
+
+
+def upload_bound(fingerprints: Fingerprint | Sequence[Fingerprint], explicit: int | None = None) -> int:
+    """The bytes one result file may hold: ``explicit`` (the spec's
+    ``units.max_upload_bytes``) when given, else derived from the largest model:
+    ``4 * 4 * n_params + 1 KiB * n_tensors + 16 MiB`` (the weights, three optimizer
+    slots, HDF5's structures, the attributes). A 19 KB model gets about 16 MB instead
+    of a fixed 512 MB; the 4,972,746-parameter model of the VC-ASGD paper about 96 MB."""
+    if explicit is not None:
+        return int(explicit)
+    fps = [fingerprints] if isinstance(fingerprints, Fingerprint) else list(fingerprints)
+    need = max((4 * UPLOAD_MODEL_COPIES * fp.n_params + UPLOAD_BYTES_PER_TENSOR * len(fp.tensors) for fp in fps),
+               default=0)
+    return need + UPLOAD_HEADROOM_BYTES
+
+
 def fingerprint_of(names: Sequence[str], arrays: Sequence[np.ndarray]) -> Fingerprint:
     """Build a fingerprint from tensor names and arrays (e.g. a Keras model's weights)."""
     return Fingerprint(

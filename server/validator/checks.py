@@ -27,7 +27,7 @@ import numpy as np
 from boinc_dl.server.common import bounded
 from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
 from boinc_dl.server.common.paths import check_name
-from boinc_dl.server.common.weights import Fingerprint, WeightsFile, read_weights
+from boinc_dl.server.common.weights import Fingerprint, WeightsFile, read_weights, upload_bound
 
 MAX_METRICS_BYTES = 1 << 20
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -107,12 +107,15 @@ def read_metrics(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def validate_result(paths: Sequence[str | Path], expected: Expected, max_bytes: int) -> ValidResult:
+def validate_result(paths: Sequence[str | Path], expected: Expected, max_bytes: int | None) -> ValidResult:
     """Check a result of ``expected.unit`` (known from the job system) against it.
 
+    ``max_bytes`` bounds each file (the spec's ``units.max_upload_bytes``); None derives
+    it from the unit's model (:func:`~boinc_dl.server.common.weights.upload_bound`).
     Raises :class:`ResultRejected` with the reason.
     """
     check_name(expected.unit, "unit")
+    max_bytes = upload_bound(expected.fingerprint, max_bytes)
     files = identify_files(paths)
     for p in (files.weights, files.metrics):
         if p is not None and p.stat().st_size > max_bytes:

@@ -23,6 +23,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import AssimilationOutcome
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common import bounded
@@ -169,7 +170,7 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
     def files() -> list[Path]:
         spec = spec_from_json(store.spec_json())
         spec_holder["spec"] = spec
-        copies.extend(copy_result(paths, work, spec.units.max_upload_bytes))
+        copies.extend(copy_result(paths, work, job_upload_bound(store, spec)))
         return copies
 
     try:

@@ -48,6 +48,7 @@ from boinc_dl.server.assimilator import norms
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.framework import expected_of, unit_for_workunit
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
 from boinc_dl.server.backends.boinc.intake import (
     TransientFault,
     assimilate_give_up,
@@ -342,8 +343,9 @@ def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: 
     try:
         if not unit:
             raise ResultRejected(f"workunit {wu!r} is not a unit of job {job!r}")
-        copies = copy_result(paths, tmp, spec.units.max_upload_bytes)
-        res = validate_result(copies, expected_of(store, unit), spec.units.max_upload_bytes)
+        bound = job_upload_bound(store, spec)
+        copies = copy_result(paths, tmp, bound)
+        res = validate_result(copies, expected_of(store, unit), bound)
         bound, source = norms.bound_for(store, spec, res.weights.model)
         ws, _ = store.get_weights(res.weights.model)
         if ws.size == res.weights.flat.size:
@@ -406,7 +408,7 @@ def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: Sc
     if info is None:
         return EXIT_INVALID
     fp = store.fingerprint(str(info.get("model", "0")))
-    bound = spec.units.max_upload_bytes
+    bound = job_upload_bound(store, spec)
     flats = []
     for k, g in enumerate(groups):
         if check_files(g):
