@@ -210,30 +210,35 @@ def write_weights(path: str | Path, wf: WeightsFile, format_version: int | None 
         raise WeightsFormatError(
             f"flat buffer has {wf.flat.size} {wf.flat.dtype} values, model has {fp.n_params} float32"
         )
-    with h5py.File(tmp, "w", libver="latest") as f:
-        f.attrs["format"] = FORMAT
-        f.attrs["format_version"] = format_version
-        f.attrs["fingerprint"] = fp.to_json()
-        f.attrs["fingerprint_sha"] = fp.sha
-        f.attrs["job"] = wf.job
-        f.attrs["model"] = wf.model
-        f.attrs["unit"] = wf.unit
-        f.attrs["base_version"] = int(wf.base_version)
-        f.attrs["examples_seen"] = int(wf.examples_seen)
-        f.attrs["metrics"] = json.dumps(wf.metrics)
-        if format_version == 2:
-            f.create_dataset("flat", data=wf.flat, dtype="<f4")
-        else:
-            g = f.create_group("tensors")
-            for i, (t, arr) in enumerate(zip(fp.tensors, fp.split(wf.flat), strict=True)):
-                ds = g.create_dataset(f"{i:06d}", data=arr, dtype="<f4")
-                ds.attrs["name"] = t.name
-        if wf.optimizer is not None:
-            og = f.create_group("optimizer")
-            og.attrs["kind"] = wf.optimizer.kind
-            for i, arr in enumerate(wf.optimizer.arrays):
-                og.create_dataset(f"{i:06d}", data=np.asarray(arr))
-    os.replace(tmp, path)
+    try:
+        with h5py.File(tmp, "w", libver="latest") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["format_version"] = format_version
+            f.attrs["fingerprint"] = fp.to_json()
+            f.attrs["fingerprint_sha"] = fp.sha
+            f.attrs["job"] = wf.job
+            f.attrs["model"] = wf.model
+            f.attrs["unit"] = wf.unit
+            f.attrs["base_version"] = int(wf.base_version)
+            f.attrs["examples_seen"] = int(wf.examples_seen)
+            f.attrs["metrics"] = json.dumps(wf.metrics)
+            if format_version == 2:
+                f.create_dataset("flat", data=wf.flat, dtype="<f4")
+            else:
+                g = f.create_group("tensors")
+                for i, (t, arr) in enumerate(zip(fp.tensors, fp.split(wf.flat), strict=True)):
+                    ds = g.create_dataset(f"{i:06d}", data=arr, dtype="<f4")
+                    ds.attrs["name"] = t.name
+            if wf.optimizer is not None:
+                og = f.create_group("optimizer")
+                og.attrs["kind"] = wf.optimizer.kind
+                for i, arr in enumerate(wf.optimizer.arrays):
+                    og.create_dataset(f"{i:06d}", data=np.asarray(arr))
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk (or a kill) must not leave a partial temporary copy taking its space.
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ---- reading untrusted files -------------------------------------------------------------
