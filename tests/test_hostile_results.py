@@ -34,6 +34,7 @@ from boinc_dl.server.common.paths import check_name, confined, is_safe_name
 from boinc_dl.server.common.weights import WeightsFile, read_header, read_weights, write_weights
 from boinc_dl.server.validator.checks import read_metrics
 from tests.support.audit import audit_job
+from tests.support.h5craft import set_vlen_length
 from tests.support.results import assimilate_error, assimilate_files, validate
 
 from .conftest import REPO, tiny_fingerprint
@@ -341,8 +342,9 @@ _REPLACEMENTS = ["chunked", "external-storage", "external-link", "soft-link", "h
                  "scalar"]
 _BENIGN = {"chunked"}
 _EXTRAS = ["root-attr", "root-dataset", "tensor-attr", "optimizer-ok", "optimizer-huge", "optimizer-text",
-           "metrics-deep", "unit-array"]
-_BENIGN_EXTRAS = {"optimizer-ok"}
+           "metrics-deep", "unit-array", "vlen-format", "vlen-metrics", "vlen-job", "nested-groups"]
+# A variable-length attribute under its bound is benign (all of write_weights' strings are).
+_BENIGN_EXTRAS = {"optimizer-ok", "vlen-job"}
 READER_FUZZ = settings(max_examples=int(os.environ.get("BDL_FUZZ_EXAMPLES", "60")), deadline=None,
                        derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -389,8 +391,19 @@ def _mutate_tensor(f: h5py.File, i: int, how: str, secret: Path, secret_h5: Path
         g.create_dataset(k, data=np.float32(1.0))
 
 
-def _extra(f: h5py.File, how: str) -> None:
-    if how == "root-attr":
+def _extra(f: h5py.File, how: str, size: int = 0) -> None:
+    """``size``: the bytes of a variable-length attribute, or the depth of nested groups."""
+    if how == "vlen-format":
+        f.attrs["format"] = "boinc-dl-weights" + "x" * (4 << 20) + "x" * size  # over the 4 MB bound
+    elif how == "vlen-metrics":
+        f.attrs["metrics"] = '{"pad": "' + "x" * (1 << 20) + "x" * size + '"}'  # over the 1 MB bound
+    elif how == "vlen-job":
+        f.attrs["job"] = "j"  # rewritten, within its bound: still valid
+    elif how == "nested-groups":
+        gid = f.require_group("optimizer" if "optimizer" not in f else "optimizer").id
+        for _ in range(max(1, size)):
+            gid = h5py.h5g.create(gid, b"n")
+    elif how == "root-attr":
         f.attrs["extra"] = 1
     elif how == "root-dataset":
         f.create_dataset("extra", data=np.zeros(2))
@@ -425,18 +438,24 @@ def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> N
     last = len(FP.tensors) - 1 if version == 1 else 0  # a version-2 file holds one dataset
     tensor_muts = data.draw(st.dictionaries(st.integers(0, last), st.sampled_from(_REPLACEMENTS), max_size=2))
     extras = data.draw(st.lists(st.sampled_from(_EXTRAS), max_size=2, unique=True))
+    # Dimensions of what HDF5 itself reads: bytes beyond an attribute's bound, and depth.
+    size = data.draw(st.one_of(st.integers(1, 64), st.integers(1, 3000)))
     with h5py.File(path, "a") as f:
         for i, how in tensor_muts.items():
             _mutate_tensor(f, i, how, secret, secret_h5)
         for how in extras:
             try:
-                if how.startswith("optimizer") and "optimizer" in f:
+                if (how.startswith("optimizer") or how == "nested-groups") and "optimizer" in f:
                     extras = [x for x in extras if x != how]  # one optimizer group: the first drawn
                     continue
-                _extra(f, how)
+                _extra(f, how, size)
             except (RuntimeError, KeyError):  # e.g. an attribute on a tensor now a link loop
                 extras = [x for x in extras if x != how]
-    file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip"]))
+    file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip",
+                                            "vlen-length-lie"]))
+    if file_level == "vlen-length-lie":
+        # The format attribute declares far more than its heap object holds (checksum re-sealed).
+        set_vlen_length(path, "format", data.draw(st.sampled_from([(4 << 20) + 1, 1 << 30, 0xFFFFFFFF])))
     raw = bytearray(path.read_bytes())
     if file_level == "userblock":
         raw = bytearray(512) + raw
@@ -449,7 +468,7 @@ def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> N
               and file_level in ("none",))
     t0 = time.perf_counter()
     try:
-        wf = read_weights(path, FP, max_bytes=1 << 20)
+        wf = read_weights(path, FP, max_bytes=16 << 20)
     except WeightsFormatError:
         assert not benign, (tensor_muts, extras, file_level)
     else:

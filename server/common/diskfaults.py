@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -25,8 +26,19 @@ SERVER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 #: ``boinc-dl run``'s exit status when a server-side I/O fault paused the job
 #: (EX_TEMPFAIL of sysexits.h: try again later).
 EXIT_SERVER_FAULT = 75
-# Redis replies when its append-only file cannot be written (the disk under it is full).
-_REDIS_DISK_REPLIES = ("MISCONF", "No space left on device", "Errors writing to the AOF")
+
+
+#: What a paused run asks to be freed beyond its files' growth: Redis's append-only
+#: file, logs, a few weights versions.
+RUN_HEADROOM_BYTES = 64 << 20
+RESUME_ADVICE = "free space (or fix the disk), then continue with --resume"
+
+
+def run_space_needed(n_params: int, slots: int) -> int:
+    """Bytes a run needs free to go on: per slot an upload and a checkpoint (weights and
+    optimizer state: 4 model copies), 8 model copies for weights versions and Redis's
+    append-only file, and :data:`RUN_HEADROOM_BYTES`."""
+    return (4 * slots + 8) * 4 * max(0, n_params) + RUN_HEADROOM_BYTES
 
 
 def human(n: float) -> str:
@@ -76,18 +88,30 @@ class ServerResourceError(BoincDLError):
 
 
 def server_fault(e: BaseException) -> tuple[str, int | None] | None:
-    """``(what, errno)`` if ``e`` is a server-side I/O fault, else None."""
+    """``(what, errno)`` if ``e`` is a server-side I/O fault, else None: an ``OSError``
+    of :data:`SERVER_ERRNOS`, an error whose text carries one (HDF5 reports the C
+    library's errno in its message), or Redis refusing writes it cannot persist."""
     if isinstance(e, OSError) and e.errno in SERVER_ERRNOS:
         return os.strerror(e.errno), e.errno
     text = str(e)
-    if any(r in text for r in _REDIS_DISK_REPLIES):
+    if "MISCONF" in text or "writing to the AOF" in text:
         return "Redis cannot write its append-only file (" + text.splitlines()[0][:160] + ")", None
+    for code in sorted(SERVER_ERRNOS):
+        if os.strerror(code) in text:
+            return os.strerror(code), code
     return None
 
 
+_HDF5_FILENAME = re.compile(r"filename = '([^']+)'")
+
+
 def fault_path(e: BaseException, default: str | Path) -> str:
-    """The file an ``OSError`` names (the destination of a copy), else ``default``."""
+    """The file an error names (the destination of a copy; the file in an HDF5 message),
+    else ``default``."""
     name = getattr(e, "filename2", None) or getattr(e, "filename", None)
+    if not name:
+        m = _HDF5_FILENAME.search(str(e))
+        name = m.group(1) if m else None
     return str(name) if name else str(default)
 
 

@@ -12,8 +12,15 @@ from typing import Any
 
 from rich.console import Console
 
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.run.lifecycle import RunResult, default_run_dir, open_store, setup_logging
+from boinc_dl.server.run.lifecycle import (
+    RunResult,
+    default_run_dir,
+    open_store,
+    pause_job,
+    setup_logging,
+)
 from boinc_dl.server.run.vcasgd import run_vcasgd
 
 log = logging.getLogger(__name__)
@@ -35,6 +42,12 @@ def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, re
             return run_mop_job(spec, run_dir, resume, redis_url, store, console, live, backend_opts,
                                search_path)
         return run_vcasgd(spec, run_dir, resume, redis_url, store, console, live, backend_opts, search_path)
+    except Exception as e:
+        # A full disk while preparing or writing outputs: the same one line as mid-run.
+        fault = diskfaults.as_server_error(e, run_dir)
+        if fault is None:
+            raise
+        raise pause_job(store, fault) from None
     finally:
         if server is not None:  # also when the job could not even be prepared
             server.stop()
