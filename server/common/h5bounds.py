@@ -88,13 +88,15 @@ class BoundedSource(io.RawIOBase):
         got = self._fh.readinto(buf)
         if self.limited:
             self.total += got
-            self._regions.append((self._pos, got))
             view = memoryview(buf)
             if got >= 16 and view[:4] == GCOL:
                 declared = int.from_bytes(view[8:16], "little")
                 if declared > self.max_read:
                     self._refuse(f"a global heap collection at offset {self._pos} declares {declared} bytes "
                                  f"(bound {self.max_read})")
+                # Attribute values, never attribute messages: not searched, not kept.
+            else:
+                self._regions.append((self._pos, got))
         self._pos += got
         return got
 
@@ -115,20 +117,22 @@ class BoundedSource(io.RawIOBase):
         finally:
             self.limited = before
 
-    def metadata(self) -> bytes:
-        """The bytes HDF5 has read so far under the bounds, as contiguous runs (joined by a
-        zero gap, which no structure searched here can span). Bounded by ``max_total``."""
+    def metadata(self) -> bytearray:
+        """The metadata HDF5 has read so far under the bounds (global heap collections,
+        which hold attribute values, left out), as contiguous runs joined by a zero gap,
+        which no structure searched here can span. At most ``max_total`` bytes."""
         runs: list[list[int]] = []
         for off, n in sorted(self._regions):
             if runs and off <= runs[-1][1]:
                 runs[-1][1] = max(runs[-1][1], off + n)
             else:
                 runs.append([off, off + n])
-        parts = []
+        out = bytearray()
         for start, end in runs:
             self._fh.seek(start)
-            parts.append(self._fh.read(end - start))
-        return b"\0".join(parts)
+            out += self._fh.read(end - start)
+            out += b"\0"
+        return out
 
 
 # ---- attribute messages ---------------------------------------------------------------------
