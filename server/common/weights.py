@@ -309,7 +309,8 @@ def _check_file(path: Path, max_bytes: int | None) -> int:
     if base != 0 or ext != _UNDEFINED_ADDRESS:
         raise WeightsFormatError("HDF5 superblock with a base address or an extension (boinc-dl writes neither)")
     if eof > st.st_size:
-        raise WeightsFormatError(f"HDF5 end-of-file address {eof} beyond the file's {st.st_size} bytes (truncated)")
+        raise WeightsFormatError(f"not a readable HDF5 weights file (truncated: its end-of-file address is {eof}, "
+                                 f"the file has {st.st_size} bytes)")
     return st.st_size
 
 
