@@ -120,7 +120,9 @@ def _soft_link(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
 
 
 def _hard_alias(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
-    f["tensors"]["zzz"] = f["tensors"]["000001"]  # a second name inside /tensors
+    # A second name inside /tensors, the count of names still right: tensor 1 is tensor 0.
+    del f["tensors"]["000001"]
+    f["tensors"]["000001"] = f["tensors"]["000000"]
 
 
 def _hard_alias_pure(f: h5py.File, fp: Fingerprint, sd: Path) -> None:
@@ -307,7 +309,8 @@ ATTACKS: list[Attack] = [
     Attack("external-link", _edit(_external_link), "external"),
     Attack("external-link-group", _edit(_external_link_group), "external"),
     Attack("soft-link", _edit(_soft_link), "soft"),
-    Attack("hard-link-alias", _edit(_hard_alias_pure), "more than one name"),
+    # A second name outside the expected objects is refused by its name before the alias is seen.
+    Attack("hard-link-alias", _edit(_hard_alias_pure), "unexpected top-level"),
     Attack("hard-link-alias-in-tensors", _edit(_hard_alias), "more than one name"),
     Attack("virtual-dataset", _edit(_virtual), "virtual"),
     Attack("filter-gzip", _edit(_filter("gzip")), "filtered"),
@@ -350,7 +353,7 @@ ATTACKS += [
     Attack("external-storage-v2", _edit(_external_storage, 2), "external files"),
     Attack("external-link-v2", _edit(_external_link, 2), "external"),
     Attack("soft-link-v2", _edit(_soft_link, 2), "soft"),
-    Attack("hard-link-alias-v2", _edit(_hard_alias_pure, 2), "more than one name"),
+    Attack("hard-link-alias-v2", _edit(_hard_alias_pure, 2), "unexpected top-level"),
     Attack("virtual-dataset-v2", _edit(_virtual, 2), "virtual"),
     Attack("filter-gzip-v2", _edit(_filter("gzip"), 2), "filtered"),
     Attack("filter-shuffle-v2", _edit(_filter("shuffle"), 2), "filtered"),
@@ -378,6 +381,83 @@ ATTACKS += [
 ]
 
 
+# ---- what HDF5 itself reads: variable-length attributes, depth, width -----------------------
+
+def vlen_attribute(n_bytes: int, attr: str = "format") -> Callable[[Path, Fingerprint, str, str, Path], None]:
+    """A valid file whose variable-length string attribute ``attr`` holds ``n_bytes``
+    (its storage size still reads 16 bytes: the descriptor)."""
+    def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
+        valid(path, fp, job, unit)
+        with h5py.File(path, "a") as f:
+            f.attrs[attr] = "x" * n_bytes
+    return build
+
+
+def vlen_length_lie(length: int, dense: bool) -> Callable[[Path, Fingerprint, str, str, Path], None]:
+    """A small file whose ``format`` attribute *declares* ``length`` bytes (its heap object
+    holds 16): HDF5 zero-fills the declared length before it reads the heap. ``dense``:
+    the attributes in a fractal heap, as write_weights' ten make; else in the object
+    header (a file with few attributes)."""
+    def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
+        from tests.support.h5craft import set_vlen_length
+
+        if dense:
+            valid(path, fp, job, unit)
+        else:
+            with h5py.File(path, "w", libver="latest") as f:
+                f.attrs["format"] = "boinc-dl-weights"
+                f.create_dataset("flat", data=np.zeros(fp.n_params, "<f4"))
+        set_vlen_length(path, "format", length)
+    return build
+
+
+def deep_groups(depth: int, where: str = "optimizer") -> Callable[[Path, Fingerprint, str, str, Path], None]:
+    """A valid file plus a chain of ``depth`` nested groups under ``/where`` (a few bytes
+    per level: 20 000 levels in about 3 MB)."""
+    def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
+        valid(path, fp, job, unit, version=1 if where == "tensors" else 2)
+        with h5py.File(path, "a", libver="latest") as f:
+            g = f.require_group(where)
+            gid = g.id
+            for _ in range(depth):
+                gid = h5py.h5g.create(gid, b"a")
+    return build
+
+
+def wide_group(n: int, where: str = "optimizer") -> Callable[[Path, Fingerprint, str, str, Path], None]:
+    """A valid file plus ``n`` sibling groups under ``/where``."""
+    def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
+        valid(path, fp, job, unit)
+        with h5py.File(path, "a", libver="latest") as f:
+            gid = f.require_group(where).id
+            for i in range(n):
+                h5py.h5g.create(gid, f"g{i}".encode())
+    return build
+
+
+def huge_heap_collection(extra: int) -> Callable[[Path, Fingerprint, str, str, Path], None]:
+    """A valid file whose attribute strings are small, in a global heap collection that
+    declares ``extra`` more bytes (present, zeros): HDF5 reads a collection whole."""
+    def build(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
+        from tests.support.h5craft import grow_global_heap
+
+        valid(path, fp, job, unit)
+        grow_global_heap(path, extra)
+    return build
+
+
+ATTACKS += [
+    Attack("heap-collection-8mb", huge_heap_collection(8 << 20), "global heap collection"),
+    Attack("vlen-format-6mb", vlen_attribute(6 << 20), "over 4194304 bytes"),
+    Attack("vlen-metrics-2mb", vlen_attribute(2 << 20, "metrics"), "over 1048576 bytes"),
+    Attack("vlen-length-lie-4gb", vlen_length_lie(0xF0000000, dense=False), "over"),
+    Attack("vlen-length-lie-4gb-dense", vlen_length_lie(0xF0000000, dense=True), "over"),
+    Attack("deep-groups-20000", deep_groups(20_000), "group where a dataset belongs"),
+    Attack("deep-groups-in-tensors", deep_groups(2_000, "tensors"), "tensors"),
+    Attack("wide-group-20000", wide_group(20_000), "at most"),
+]
+
+
 def _earliest_v2(path: Path, fp: Fingerprint, job: str, unit: str, sd: Path) -> None:
     valid(path, fp, job, unit, version=2)
     _earliest_copy(path)
@@ -398,6 +478,8 @@ METRICS_ATTACKS: dict[str, tuple[bytes, str]] = {
     "not-utf8": (b'{"a": "\xff\xfe"}', "not JSON"),
     "huge-integer": (b'{"a": ' + b"9" * 100_000 + b"}", "not JSON"),
     "not-an-object": (b"[1, 2, 3]", "not a JSON object"),
+    # A second value for a key: which one counts would be the parser's choice, not ours.
+    "duplicate-key": (b'{"val_acc": 0.5, "val_acc": 99.0}', "duplicate"),
 }
 
 

@@ -28,12 +28,19 @@ from hypothesis import strategies as st
 
 from boinc_dl.server.assimilator import norms
 from boinc_dl.server.backends.local import assimilate_message
-from boinc_dl.server.common import bounded
+from boinc_dl.server.common import bounded, h5bounds
 from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
 from boinc_dl.server.common.paths import check_name, confined, is_safe_name
-from boinc_dl.server.common.weights import WeightsFile, read_header, read_weights, write_weights
+from boinc_dl.server.common.weights import (
+    WeightsFile,
+    read_header,
+    read_weights,
+    upload_bound,
+    write_weights,
+)
 from boinc_dl.server.validator.checks import read_metrics
 from tests.support.audit import audit_job
+from tests.support.h5craft import set_vlen_length
 from tests.support.results import assimilate_error, assimilate_files, validate
 
 from .conftest import REPO, tiny_fingerprint
@@ -43,9 +50,14 @@ from .hostile_corpus import (
     METRICS_ATTACKS,
     SECRET,
     TRAVERSAL_UNITS,
+    deep_groups,
     gzip_bomb,
+    huge_heap_collection,
     secret_files,
     valid,
+    vlen_attribute,
+    vlen_length_lie,
+    wide_group,
 )
 
 FP = tiny_fingerprint()
@@ -101,7 +113,7 @@ def test_optimizer_state_is_bounded_by_the_model(tmp_path: Path) -> None:
         read_weights(tmp_path / "w.h5", FP)
     many = OptimizerState("adam", [np.zeros(1, np.float32)] * (4 * len(FP.tensors) + 17))
     write_weights(tmp_path / "w.h5", WeightsFile(flat, FP, job="j", unit="u", optimizer=many))
-    with pytest.raises(WeightsFormatError, match="arrays for"):
+    with pytest.raises(WeightsFormatError, match="/optimizer holds 25 objects, at most 24"):
         read_weights(tmp_path / "w.h5", FP)
 
 
@@ -341,8 +353,9 @@ _REPLACEMENTS = ["chunked", "external-storage", "external-link", "soft-link", "h
                  "scalar"]
 _BENIGN = {"chunked"}
 _EXTRAS = ["root-attr", "root-dataset", "tensor-attr", "optimizer-ok", "optimizer-huge", "optimizer-text",
-           "metrics-deep", "unit-array"]
-_BENIGN_EXTRAS = {"optimizer-ok"}
+           "metrics-deep", "unit-array", "vlen-format", "vlen-metrics", "vlen-job", "nested-groups"]
+# A variable-length attribute under its bound is benign (all of write_weights' strings are).
+_BENIGN_EXTRAS = {"optimizer-ok", "vlen-job"}
 READER_FUZZ = settings(max_examples=int(os.environ.get("BDL_FUZZ_EXAMPLES", "60")), deadline=None,
                        derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -389,8 +402,19 @@ def _mutate_tensor(f: h5py.File, i: int, how: str, secret: Path, secret_h5: Path
         g.create_dataset(k, data=np.float32(1.0))
 
 
-def _extra(f: h5py.File, how: str) -> None:
-    if how == "root-attr":
+def _extra(f: h5py.File, how: str, size: int = 0) -> None:
+    """``size``: the bytes of a variable-length attribute, or the depth of nested groups."""
+    if how == "vlen-format":
+        f.attrs["format"] = "boinc-dl-weights" + "x" * (4 << 20) + "x" * size  # over the 4 MB bound
+    elif how == "vlen-metrics":
+        f.attrs["metrics"] = '{"pad": "' + "x" * (1 << 20) + "x" * size + '"}'  # over the 1 MB bound
+    elif how == "vlen-job":
+        f.attrs["job"] = "j"  # rewritten, within its bound: still valid
+    elif how == "nested-groups":
+        gid = f.require_group("optimizer" if "optimizer" not in f else "optimizer").id
+        for _ in range(max(1, size)):
+            gid = h5py.h5g.create(gid, b"n")
+    elif how == "root-attr":
         f.attrs["extra"] = 1
     elif how == "root-dataset":
         f.create_dataset("extra", data=np.zeros(2))
@@ -425,18 +449,24 @@ def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> N
     last = len(FP.tensors) - 1 if version == 1 else 0  # a version-2 file holds one dataset
     tensor_muts = data.draw(st.dictionaries(st.integers(0, last), st.sampled_from(_REPLACEMENTS), max_size=2))
     extras = data.draw(st.lists(st.sampled_from(_EXTRAS), max_size=2, unique=True))
+    # Dimensions of what HDF5 itself reads: bytes beyond an attribute's bound, and depth.
+    size = data.draw(st.one_of(st.integers(1, 64), st.integers(1, 3000)))
     with h5py.File(path, "a") as f:
         for i, how in tensor_muts.items():
             _mutate_tensor(f, i, how, secret, secret_h5)
         for how in extras:
             try:
-                if how.startswith("optimizer") and "optimizer" in f:
+                if (how.startswith("optimizer") or how == "nested-groups") and "optimizer" in f:
                     extras = [x for x in extras if x != how]  # one optimizer group: the first drawn
                     continue
-                _extra(f, how)
+                _extra(f, how, size)
             except (RuntimeError, KeyError):  # e.g. an attribute on a tensor now a link loop
                 extras = [x for x in extras if x != how]
-    file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip"]))
+    file_level = data.draw(st.sampled_from(["none", "none", "none", "userblock", "truncate", "flip",
+                                            "vlen-length-lie"]))
+    if file_level == "vlen-length-lie":
+        # The format attribute declares far more than its heap object holds (checksum re-sealed).
+        set_vlen_length(path, "format", data.draw(st.sampled_from([(4 << 20) + 1, 1 << 30, 0xFFFFFFFF])))
     raw = bytearray(path.read_bytes())
     if file_level == "userblock":
         raw = bytearray(512) + raw
@@ -449,7 +479,7 @@ def test_reader_fuzz_accepts_only_benign_structures(tmp_path_factory, data) -> N
               and file_level in ("none",))
     t0 = time.perf_counter()
     try:
-        wf = read_weights(path, FP, max_bytes=1 << 20)
+        wf = read_weights(path, FP, max_bytes=16 << 20)
     except WeightsFormatError:
         assert not benign, (tensor_muts, extras, file_level)
     else:
@@ -466,3 +496,108 @@ def test_host_metrics_are_typed_in_the_merge_record(tiny_job, tmp_path: Path) ->
     rec = store.assimilated()["u0"]
     assert [rec[k] for k in ("val_acc", "val_loss", "train_loss", "train_acc", "wall_s", "host")] == \
         [None, None, None, None, 3.5, None]
+
+
+# ---- what HDF5 itself reads: the classes of issue #28, cost measured ---------------------------
+
+_COST_PROBE = (
+    "import sys, time\n"
+    "from boinc_dl.server.common.weights import read_weights\n"
+    "from tests.conftest import tiny_fingerprint\n"
+    "def kib(k):\n"
+    "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith(k + ':'))\n"
+    "fp = tiny_fingerprint()\n"
+    "open('/proc/self/clear_refs', 'w').write('5')\n"
+    "before = kib('VmRSS')\n"
+    "t0 = time.perf_counter()\n"
+    "try:\n    read_weights(sys.argv[1], fp, max_bytes=1 << 30)\n    print('ACCEPTED')\n"
+    "except Exception as e:\n    print(type(e).__name__, str(e).replace(chr(10), ' ')[:200])\n"
+    "print(time.perf_counter() - t0, kib('VmHWM') - before)\n"
+)
+
+
+@pytest.mark.parametrize(("name", "build", "reason"), [
+    ("vlen-format-64mb", vlen_attribute(64 << 20), "'format' is over 4194304 bytes"),
+    ("vlen-metrics-64mb", vlen_attribute(64 << 20, "metrics"), "'metrics' is over 1048576 bytes"),
+    ("vlen-length-lie-4gb", vlen_length_lie(0xF0000000, dense=False), "4026531840 declared"),
+    ("vlen-length-lie-4gb-dense", vlen_length_lie(0xF0000000, dense=True), "4026531840 declared"),
+    ("heap-collection-64mb", huge_heap_collection(64 << 20), "global heap collection"),
+    ("deep-groups-20000", deep_groups(20_000), "group where a dataset belongs"),
+    ("wide-group-20000", wide_group(20_000), "holds 20000 objects"),
+])
+def test_what_hdf5_reads_is_bounded(tmp_path: Path, name: str, build, reason: str) -> None:  # noqa: ANN001
+    """Each class of issue #28, in a fresh process under an upload bound that lets it
+    reach the reader (1 GiB): refused with its reason in < 0.5 s, the resident set
+    growing by < 16 MB (before: 7 s and 2.2 GB for a 400 MB attribute, 3.8 GB for a
+    4 GB length lie in a 7 KB file, minutes for depth 20 000)."""
+    path = tmp_path / "weights_out.h5"
+    build(path, FP, "j", "u", tmp_path / "server")
+    out = subprocess.run([sys.executable, "-c", _COST_PROBE, str(path)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.splitlines()
+    assert out[0].startswith("WeightsFormatError") and reason in out[0], out
+    took, grew_kib = float(out[1].split()[0]), int(out[1].split()[1])
+    assert took < 0.5, (name, took)
+    assert grew_kib < 16 << 10, (name, f"peak RSS grew by {grew_kib} KiB")
+
+
+def test_upload_bound_follows_the_model_unless_the_spec_sets_one(tiny_job, tmp_path: Path) -> None:
+    store, spec, fp = tiny_job
+    derived = upload_bound(fp)
+    assert spec.units.max_upload_bytes is None
+    assert derived == 16 * fp.n_params + 1024 * len(fp.tensors) + (16 << 20)
+    paths = _result(tmp_path / "r")
+    with Path(paths[0]).open("ab") as f:  # a valid file padded past the derived bound
+        f.truncate(derived + 1)
+    with pytest.raises(ResultRejected, match=f"over the {derived}-byte bound"):
+        validate(paths, store, None, "u0")
+    with pytest.raises(ResultRejected, match="over the 1000-byte bound"):
+        validate(paths, store, 1000, "u0")  # an explicit value wins, smaller
+    # Or larger: the file reaches the reader, which reads its data and never the padding.
+    assert validate(paths, store, derived + (1 << 20), "u0").weights.flat.size == fp.n_params
+
+
+def test_duplicated_and_out_of_range_host_metrics(tiny_job, tmp_path: Path) -> None:
+    """The duplicated ``val_acc: 99.0`` of issue #28 is refused; a lone 99.0 is stored as null."""
+    store, spec, _fp = tiny_job
+    out = assimilate_files(store, _result(tmp_path / "d", metrics=b'{"val_acc": 0.5, "val_acc": 99.0}'), spec,
+                           unit="u0")
+    assert out.status == "rejected" and "duplicate key 'val_acc'" in out.reason
+    out = assimilate_files(store, _result(tmp_path / "r", unit="u1", metrics=b'{"val_acc": 99.0, "val_loss": -1}'),
+                           spec, unit="u1")
+    assert out.status == "merged", out
+    rec = store.assimilated()["u1"]
+    assert rec["val_acc"] is None and rec["val_loss"] is None
+
+
+def test_metrics_attribute_with_a_duplicate_key_is_refused(tmp_path: Path) -> None:
+    valid(tmp_path / "w.h5", FP, "j", "u")
+    with h5py.File(tmp_path / "w.h5", "a") as f:
+        f.attrs["metrics"] = '{"val_acc": 0.5, "val_acc": 99.0}'
+    with pytest.raises(WeightsFormatError, match="duplicate key"):
+        read_weights(tmp_path / "w.h5", FP)
+
+
+def test_json_depth_is_one_constant() -> None:
+    assert bounded.MAX_JSON_DEPTH == 16
+    nested = "[" * bounded.MAX_JSON_DEPTH + "]" * bounded.MAX_JSON_DEPTH
+    assert bounded.loads(nested) is not None
+    with pytest.raises(bounded.BoundExceeded):
+        bounded.loads("[" + nested + "]")
+
+
+def test_attribute_descriptor_search_sees_every_copy() -> None:
+    """A decoy message with a small length beside the real one cannot hide it."""
+    def message(length: int) -> bytes:
+        name = b"format\0"
+        dt = bytes([0x19, 0x01, 0, 0]) + (16).to_bytes(4, "little") + bytes([0x13, 0, 0, 0, 1, 0, 0, 0])
+        ds = bytes([2, 0, 0, 0])  # version 2, scalar
+        head = bytes([3, 0]) + len(name).to_bytes(2, "little") + len(dt).to_bytes(2, "little") \
+            + len(ds).to_bytes(2, "little") + bytes([0])
+        return head + name + dt + ds + length.to_bytes(4, "little") + bytes(12)
+
+    assert h5bounds.vlen_bytes(b"junk" + message(16) + b"junk", "format") == 16
+    assert h5bounds.vlen_bytes(message(16) + message(1 << 30), "format") == 1 << 30
+    with pytest.raises(h5bounds.UncheckableAttribute):
+        h5bounds.vlen_bytes(b"no message here", "format")
+    with pytest.raises(h5bounds.UncheckableAttribute):  # a shared datatype: refused, never trusted
+        h5bounds.vlen_bytes(bytes([3, 1]) + message(16)[2:], "format")

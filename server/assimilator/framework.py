@@ -28,6 +28,7 @@ keeps the result and retries, as BOINC re-runs an assimilator that exits non-zer
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Protocol
 
 from boinc_dl.server.assimilator.core import AssimilationOutcome, assimilate_valid
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable, UnknownJob
 from boinc_dl.server.common.paths import check_name, is_safe_name
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
@@ -128,7 +130,8 @@ def assimilate(store: JobStore, delivery: Delivery, records: Records | None = No
                spec: JobSpec | None = None) -> AssimilationOutcome:
     """Handle one job-system call about a workunit of ``store``'s job (see the module doc).
 
-    Returns the outcome; raises only :class:`StoreUnavailable`.
+    Returns the outcome; raises only :class:`StoreUnavailable` and, for a server-side
+    I/O fault (a full disk), :class:`~boinc_dl.server.common.diskfaults.ServerResourceError`.
     """
     records = records or NoRecords()
     wu = delivery.workunit
@@ -156,6 +159,9 @@ def assimilate(store: JobStore, delivery: Delivery, records: Records | None = No
     except StoreUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - no input may kill the parameter server
+        fault = diskfaults.as_server_error(e, os.getcwd())
+        if fault is not None:  # the server's disk: its fault, never the result's (nothing recorded)
+            raise fault from None
         log.exception("assimilation of %s (%s): unexpected error", wu, delivery.result)
         return reject(store, delivery, delivery.unit or wu, f"assimilator error: {type(e).__name__}: {e}")
 

@@ -2,7 +2,10 @@
 
 ``json.loads`` recurses once per nesting level (a 100 KB ``[[[[...`` raises
 ``RecursionError``) and ``gzip`` expands 1 KB into gigabytes; both are fed bytes from
-hosts, so both go through these wrappers, which check size and depth first.
+hosts, so both go through these wrappers, which check size and depth first. JSON from
+hosts (the metrics file, the metrics attribute of a weights file) is bounded at
+:data:`MAX_JSON_DEPTH` levels, the one constant docs/security.md states, and an object
+naming a key twice is refused (which value counts would be the parser's choice).
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 MAX_JSON_BYTES = 1 << 20
-MAX_JSON_DEPTH = 32
+#: Nesting levels of JSON from hosts (metrics hold flat objects; 16 leaves room).
+MAX_JSON_DEPTH = 16
 
 
 class BoundExceeded(ValueError):
@@ -34,19 +38,33 @@ def json_depth(obj: Any) -> int:
     return depth
 
 
+class DuplicateKey(ValueError):
+    """A JSON object names one key twice."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(f"JSON object has a duplicate key {k[:40]!r}")
+        out[k] = v
+    return out
+
+
 def loads(data: bytes | str, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads`` of untrusted text, bounded in size and nesting depth.
 
     The size is checked before parsing (the C scanner is linear in it); nesting deeper
     than the interpreter allows stops the scanner with ``RecursionError``, turned here
     into :class:`BoundExceeded` (a ``ValueError``), like nesting over ``max_depth``.
-    Malformed JSON raises ``ValueError``.
+    Malformed JSON raises ``ValueError``; an object with a duplicate key raises
+    :class:`DuplicateKey` (a ``ValueError``).
     """
     raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw) > max_bytes:
         raise BoundExceeded(f"JSON text of {len(raw)} bytes, over the {max_bytes}-byte bound")
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=_unique_pairs)
     except RecursionError:
         raise BoundExceeded(f"JSON nested deeper than the bound of {max_depth}") from None
     depth = json_depth(obj)

@@ -137,7 +137,10 @@ class UnitSpec(_Strict):
         description="deadline t_o: re-issue a unit not back after this many seconds")
     max_error_results: int = Field(4, ge=1, le=1000)
     max_total_results: int = Field(8, ge=1, le=1000)
-    max_upload_bytes: int = Field(512 * 1024 * 1024, gt=0, le=2**40)
+    max_upload_bytes: int | None = Field(
+        None, gt=0, le=2**40,
+        description="bytes one result file may hold (BOINC's max_nbytes, the server's read and copy bound); "
+        "default: derived from the model's size (docs/security.md)")
     checkpoint_every_s: float = Field(10.0, gt=0, le=86400.0)
 
     @model_validator(mode="after")

@@ -14,8 +14,15 @@ from typing import Any
 
 from rich.console import Console
 
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.run.lifecycle import RunResult, default_run_dir, open_store, setup_logging
+from boinc_dl.server.run.lifecycle import (
+    RunResult,
+    default_run_dir,
+    open_store,
+    pause_job,
+    setup_logging,
+)
 from boinc_dl.server.run.rundir import OnExisting, claim
 from boinc_dl.server.run.vcasgd import run_vcasgd
 
@@ -55,6 +62,12 @@ def run_job(spec: JobSpec, run_dir: Path | None = None, resume: bool = False, re
                                  lines=lines)
             res.job = spec.name
             return res
+        except Exception as e:
+            # A full disk while preparing or writing outputs: the same one line as mid-run.
+            fault = diskfaults.as_server_error(e, run_dir)
+            if fault is None:
+                raise
+            raise pause_job(store, fault) from None
         finally:
             if server is not None:  # also when the job could not even be prepared
                 server.stop()

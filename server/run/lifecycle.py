@@ -20,6 +20,8 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.common import diskfaults
+from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.spec_defaults import describe
 from boinc_dl.server.run.failfast import FailFastWatch
@@ -120,12 +122,17 @@ class RunWatch:
 
     def __init__(self, spec: JobSpec, store: JobStore, backend: LocalJobSystem, gen: object, every_s: float = 0.5):
         self.store, self.gen, self.every_s = store, gen, every_s
+        self.backend = backend
         self.sync = CounterSync(store, backend)
         self.fail_fast = FailFastWatch(backend, k=min(3, n_shards(spec)))
         self.last = 0.0
 
     def tick(self, force: bool = False) -> bool:
-        """True when it did its work (time to refresh a view too)."""
+        """True when it did its work (time to refresh a view too). Raises the job
+        system's :class:`ServerResourceError` once it has one (the run pauses)."""
+        fault = getattr(self.backend, "server_fault", None)
+        if fault is not None:
+            raise fault
         now = time.time()
         if not force and now - self.last < self.every_s:
             return False
@@ -159,9 +166,41 @@ def drive(gen: Any, watch: RunWatch, render: Callable[[], Table], console: Conso
             view.update(render())
         elif report is not None:
             report(True)
+    except Exception as e:
+        fault = diskfaults.as_server_error(e, watch.backend.base)
+        if fault is None:
+            raise
+        raise pause_job(watch.store, fault, watch.backend.capacity) from None
     finally:
         if view:
             view.stop()
+
+
+def pause_job(store: JobStore, fault: diskfaults.ServerResourceError, slots: int = 1) -> diskfaults.ServerResourceError:
+    """Record that the job paused on a server-side I/O fault (best effort: Redis may not be
+    able to write either) and return the error to end the run with: one line naming the
+    path, the space free there and the space the run needs, and what to do."""
+    if fault.then:
+        return fault  # recorded already
+    store.retry_s = 0.0  # one attempt: a Redis that cannot write its AOF refuses it at once
+    try:
+        store.set_meta(status="paused", reason=fault.what)
+    except BoincDLError:
+        pass
+    try:
+        n_params = int(float(store.meta().get("n_params", 0)))
+    except (BoincDLError, ValueError):
+        n_params = 0
+    log.error("job %s paused: %s", store.job, fault)
+    return fault.with_advice(diskfaults.RESUME_ADVICE, diskfaults.run_space_needed(n_params, slots))
+
+
+class _RunLogHandler(logging.FileHandler):
+    """The run's log file; a record it cannot write (a full disk) is dropped quietly,
+    not reported with a traceback on the terminal for every line."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
 
 
 def setup_logging(run_dir: Path) -> None:
@@ -174,7 +213,7 @@ def setup_logging(run_dir: Path) -> None:
                 return
             root.removeHandler(h)
             h.close()
-    h = logging.FileHandler(target)
+    h = _RunLogHandler(target)
     h.setFormatter(logging.Formatter("%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s"))
     h._bdl = True  # type: ignore[attr-defined]
     root.addHandler(h)

@@ -27,10 +27,9 @@ import numpy as np
 from boinc_dl.server.common import bounded
 from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
 from boinc_dl.server.common.paths import check_name
-from boinc_dl.server.common.weights import Fingerprint, WeightsFile, read_weights
+from boinc_dl.server.common.weights import Fingerprint, WeightsFile, read_weights, upload_bound
 
 MAX_METRICS_BYTES = 1 << 20
-MAX_METRICS_DEPTH = 16
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 
 
@@ -98,8 +97,8 @@ def read_metrics(path: Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     try:
-        data = bounded.load_file(path, MAX_METRICS_BYTES, MAX_METRICS_DEPTH)
-    except bounded.BoundExceeded as e:
+        data = bounded.load_file(path, MAX_METRICS_BYTES, bounded.MAX_JSON_DEPTH)
+    except (bounded.BoundExceeded, bounded.DuplicateKey) as e:
         raise ResultRejected(f"metrics file {path.name}: {e}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ResultRejected(f"metrics file {path.name} is not JSON ({type(e).__name__})") from None
@@ -108,12 +107,15 @@ def read_metrics(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def validate_result(paths: Sequence[str | Path], expected: Expected, max_bytes: int) -> ValidResult:
+def validate_result(paths: Sequence[str | Path], expected: Expected, max_bytes: int | None) -> ValidResult:
     """Check a result of ``expected.unit`` (known from the job system) against it.
 
+    ``max_bytes`` bounds each file (the spec's ``units.max_upload_bytes``); None derives
+    it from the unit's model (:func:`~boinc_dl.server.common.weights.upload_bound`).
     Raises :class:`ResultRejected` with the reason.
     """
     check_name(expected.unit, "unit")
+    max_bytes = upload_bound(expected.fingerprint, max_bytes)
     files = identify_files(paths)
     for p in (files.weights, files.metrics):
         if p is not None and p.stat().st_size > max_bytes:

@@ -43,9 +43,14 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator.shards import load_shard_versions, save_shard_versions
+from boinc_dl.server.assimilator.shards import (
+    load_shard_versions,
+    save_shard_versions,
+    shard_versions_path,
+)
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.common.weights import WeightsFile, write_weights
@@ -123,9 +128,11 @@ class VCASGDWorkGenerator:
             return self._weights_file
         path = self.files.weights(self.model, version)
         if not path.exists():
+            # Shard versions first: the weights file (written atomically) is what says
+            # "this version is on disk", so a full disk between the two leaves neither.
+            save_shard_versions(path, snap.shard_versions)
             write_weights(path, WeightsFile(snap.flat, self.fp, job=self.spec.name, model=self.model,
                                             unit="", base_version=version))
-            save_shard_versions(path, snap.shard_versions)
         self._weights_file = (version, path)
         return self._weights_file
 
@@ -181,6 +188,7 @@ class VCASGDWorkGenerator:
         restarted local backend), units in flight are submitted again too; their
         merges stay exactly-once thanks to the assimilated marks.
         """
+        self._prune_future_versions()
         states = self.store.unit_states()
         wanted = {"created"} | ({"in_progress"} if resubmit_in_progress else set())
         n = 0
@@ -200,6 +208,30 @@ class VCASGDWorkGenerator:
             self.store.transition_unit(unit, "in_progress", "created")
             self._submit(wu)
             n += 1
+        return n
+
+    def _prune_future_versions(self) -> int:
+        """Delete weights files of versions the store has not reached.
+
+        Such a file comes from merges Redis acknowledged but could not write to its
+        append-only file before it stopped (a full disk): the restarted Redis does not
+        know them, will reach those version numbers again with other weights, and a
+        stale file under the same name would then be sent to hosts. No unit the store
+        knows refers to it."""
+        version = self.store.version(self.model)
+        n = 0
+        for path in self.files.dir.glob(f"{self.spec.name}__m{self.model}_v*.h5"):
+            try:
+                v = int(path.stem.rsplit("_v", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            if v > version:
+                path.unlink(missing_ok=True)
+                shard_versions_path(path).unlink(missing_ok=True)
+                n += 1
+        if n:
+            log.warning("removed %d weights file(s) of versions after %d (merges the store did not keep)",
+                        n, version)
         return n
 
     # ---- re-issue with fresh weights -------------------------------------------------------
@@ -353,6 +385,8 @@ class VCASGDWorkGenerator:
                     log.info("after the Redis outage: %d registered unit(s) submitted again", n)
             more = self._step()
         except StoreUnavailable as e:
+            if diskfaults.server_fault(e):
+                raise  # Redis cannot write its append-only file: waiting will not free the disk
             now = time.monotonic()
             if self._outage_since is None:
                 self._outage_since = now

@@ -21,6 +21,7 @@ from boinc_dl.server.backends.boinc.jobsystem import (
 from boinc_dl.server.backends.boinc.project import BoincProject, BoincSettings, dir_hier_path
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.errors import BoincDLError
+from boinc_dl.server.common.weights import upload_bound
 from boinc_dl.server.common.workunit import Workunit
 from tests.boinc.conftest import calls, fake_db, seed_db_app
 
@@ -93,7 +94,12 @@ def test_batched_create_work_command_line(setup) -> None:
     assert opts["--max_error_results"] == "3" and opts["--max_total_results"] == "6"
     assert opts["--max_success_results"] == "6"
     assert opts["--wu_template"] == "templates/boincdl_in"
-    assert opts["--result_template"] == f"templates/boincdl_out_{spec.units.max_upload_bytes}_ri"
+    # The result bound follows the model (no units.max_upload_bytes in the spec): 16 bytes
+    # per parameter, 1 KiB per tensor and 16 MiB of headroom.
+    fp = store.fingerprint("0")
+    bound = upload_bound(fp)
+    assert spec.units.max_upload_bytes is None and bound == 16 * fp.n_params + 1024 * len(fp.tensors) + (16 << 20)
+    assert opts["--result_template"] == f"templates/boincdl_out_{bound}_ri"
     assert argv[-1] == "--stdin"
     lines = cw[0]["stdin"].splitlines()
     assert len(lines) == 3

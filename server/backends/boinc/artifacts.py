@@ -24,8 +24,11 @@ import xml.etree.ElementTree as ET
 from importlib import resources
 from pathlib import Path
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.project import APP_NAME
 from boinc_dl.server.backends.boinc.xmlmerge import to_xml
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.weights import upload_bound
 
 #: Order of create_work's input files = order of <file_info>s in the input template.
 INPUT_ORDER = ("model.keras", "val.npz", "data.npz", "weights_in.h5", "wu.json")
@@ -38,6 +41,9 @@ METRICS_MAX_NBYTES = 16 * 1024 * 1024
 
 INPUT_TEMPLATE = f"templates/{APP_NAME}_in"
 DEFAULT_OUTPUT_TEMPLATE = f"templates/{APP_NAME}_out"
+#: The bound of the generic result template (workunits made by hand); boinc-dl's jobs use
+#: a template sized to their model (``units.max_upload_bytes`` or the bound derived from it).
+GENERIC_MAX_NBYTES = 512 * 1024 * 1024
 
 LAUNCHER_LOGICAL = "bdl_launcher"
 JOB_XML_LOGICAL = "job.xml"
@@ -164,3 +170,11 @@ def _sh_quote(s: str) -> str:
     if s and all(c.isalnum() or c in "@%+=:,./-_" for c in s):
         return s
     return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def job_upload_bound(store: JobStore, spec: JobSpec) -> int:
+    """The bytes one result file of ``store``'s job may hold: the spec's
+    ``units.max_upload_bytes``, else derived from its largest model (:func:`upload_bound`)."""
+    if spec.units.max_upload_bytes is not None:
+        return spec.units.max_upload_bytes
+    return upload_bound([store.fingerprint(m) for m in store.models()])

@@ -30,6 +30,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem, BoincToolError
 from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import BoincDLError, StoreUnavailable
 from boinc_dl.server.common.spec import spec_from_json
 
@@ -276,7 +277,13 @@ class WorkGeneratorDaemon:
             except BoincDLError as e:
                 log.error("job %s: %s", job, e)
                 continue
-            except Exception:  # noqa: BLE001 - one bad job must not stop the others
+            except Exception as e:  # noqa: BLE001 - one bad job must not stop the others
+                fault = diskfaults.as_server_error(e, self.project.job_dir(job), then="retrying next pass")
+                if fault is not None:  # a full disk: one line, nothing charged, the next pass goes on
+                    log.error("job %s: %s", job, fault)
+                    self.gens.pop(job, None)
+                    running += 1
+                    continue
                 log.exception("job %s: unexpected error (retrying next pass)", job)
                 self.gens.pop(job, None)
                 running += 1

@@ -61,7 +61,6 @@ from boinc_dl.server.backends.boinc.xmlmerge import (
     same_element,
     simple,
 )
-from boinc_dl.server.common.spec import UnitSpec
 
 SHIMS = {
     "bdl_assimilate": "assimilate",
@@ -245,7 +244,7 @@ class Installer:
         t = self.p.templates_dir
         self.write_file(t / f"{APP_NAME}_in", artifacts.input_template())
         gz = bool(self.o.gzip_outputs if self.o.gzip_outputs is not None else self.p.settings.gzip_outputs)
-        self.write_file(t / f"{APP_NAME}_out", artifacts.output_template(UnitSpec().max_upload_bytes, gz,
+        self.write_file(t / f"{APP_NAME}_out", artifacts.output_template(artifacts.GENERIC_MAX_NBYTES, gz,
                                                                         self.p.settings.report_immediately))
 
     def shims(self) -> None:

@@ -12,6 +12,7 @@ originals once the assimilator returns.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -23,9 +24,10 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import AssimilationOutcome
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
-from boinc_dl.server.common import bounded
+from boinc_dl.server.common import bounded, diskfaults
 from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable
 from boinc_dl.server.common.paths import confined, is_safe_name
 from boinc_dl.server.common.spec import JOB_NAME_RE, spec_from_json
@@ -120,6 +122,9 @@ def copy_result(paths: Sequence[str], dest: Path, max_bytes: int) -> list[Path]:
         except bounded.BoundExceeded as e:
             raise ResultRejected(f"result file {p.name}: {e} (the upload bound)") from None
         except (OSError, EOFError) as e:
+            fault = diskfaults.as_server_error(e, dest, then="BOINC hands the result over again later")
+            if fault is not None:  # the server's disk, not the upload: retry later, charge nothing
+                raise fault from None
             raise ResultRejected(f"result file {p.name} cannot be read: {e}") from None
         out.append(target)
     return out
@@ -161,27 +166,48 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
         missing = check_files([str(p) for p in paths])
     paths = [p for p in paths if str(p) not in set(missing)]
     spool = project.boincdl_dir / "spool"
-    spool.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f"{result if is_safe_name(result) else 'result'}.", dir=spool))
+    sweep_intake(spool)
+    work = Path(tempfile.mkdtemp(prefix=f"{result if is_safe_name(result) else 'result'}.{os.getpid()}.",
+                                 dir=spool))
     copies: list[Path] = []
     spec_holder: dict[str, object] = {}
 
     def files() -> list[Path]:
         spec = spec_from_json(store.spec_json())
         spec_holder["spec"] = spec
-        copies.extend(copy_result(paths, work, spec.units.max_upload_bytes))
+        copies.extend(copy_result(paths, work, job_upload_bound(store, spec)))
         return copies
 
     try:
         out = assimilate(store, Delivery(wu, result, files=files, missing=missing, final=True),
                          BoincRegistry(store))
-        if copies and out.unit and out.status in ("merged", "duplicate") and project.settings.keep_weights:
-            keep_result(project, store, out.unit, copies)
-        elif copies and out.unit and out.status in ("merged", "duplicate"):
-            keep_result(project, store, out.unit, copies, weights=False)
+        if copies and out.unit and out.status in ("merged", "duplicate"):
+            try:
+                keep_result(project, store, out.unit, copies, weights=project.settings.keep_weights)
+            except OSError as e:  # merged already: a copy the server cannot write is not the host's fault
+                log.warning("result %s merged, its files not kept: %s", result, e)
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def sweep_intake(spool: Path, prefix: str = "") -> None:
+    """Remove the intake directories (``<name>.<pid>.<random>`` under ``spool``, starting
+    with ``prefix``) of scripts that were killed (their process is gone): a SIGKILLed
+    script leaves no copy of an upload behind for longer than the next call."""
+    spool.mkdir(parents=True, exist_ok=True)
+    for d in spool.iterdir():
+        if not d.name.startswith(prefix):
+            continue
+        parts = d.name.rsplit(".", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass
 
 
 def assimilate_give_up(store: JobStore, wu: str, mask: int) -> AssimilationOutcome:
@@ -191,9 +217,13 @@ def assimilate_give_up(store: JobStore, wu: str, mask: int) -> AssimilationOutco
 
 def keep_result(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Path],
                 weights: bool = True) -> None:
-    """Keep a merged result's metrics (and, if asked, its weights) under the job's results
-    directory. ``unit`` comes from BOINC's names and the job's own records, and the
-    directory is still built through :func:`confined`: nothing a host wrote picks a path."""
+    """Keep a merged result's metrics (and, with ``keep_weights``, its weights) under the
+    job's results directory, ``jobs/<job>/results/<unit>/``: nowhere else, so they go
+    with the job's directory. ``unit`` comes from BOINC's names and the job's own
+    records, and the directory is still built through :func:`confined`: nothing a host
+    wrote picks a path. Kept weights are bounded (each by the upload bound, all of a
+    job's by ``keep_weights_max_bytes``) and counted (``kept_weights``,
+    ``kept_weights_bytes``, ``kept_weights_refused`` in the job's counters)."""
     if not unit or not copies or not is_safe_name(unit):
         return
     job_dir = store.meta().get("job_dir") or str(project.job_dir(store.job))
@@ -206,7 +236,37 @@ def keep_result(project: BoincProject, store: JobStore, unit: str, copies: Seque
     except ResultRejected:
         return
     if files.metrics is not None:
-        shutil.copyfile(files.metrics, dest / "metrics.json")
+        _place(files.metrics, dest / "metrics.json")
     if weights:
-        shutil.copyfile(files.weights, dest / "weights_out.h5")
+        _keep_weights(project, store, files.weights, dest / "weights_out.h5")
 
+
+def _place(src: Path, target: Path) -> None:
+    """Copy ``src`` to ``target`` whole or not at all (a temporary name, then a rename)."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _keep_weights(project: BoincProject, store: JobStore, src: Path, target: Path) -> None:
+    if target.exists():
+        return  # kept (and counted) by an earlier run of this assimilation
+    size = src.stat().st_size
+    cap = project.settings.keep_weights_max_bytes
+    # Reserve the bytes first: two assimilators never both take the last room.
+    store.incr_counter("kept_weights_bytes", size)
+    if store.counters().get("kept_weights_bytes", 0) > cap:
+        store.incr_counter("kept_weights_bytes", -size)
+        store.incr_counter("kept_weights_refused")
+        log.warning("weights of unit %s not kept: the job's kept weights would exceed keep_weights_max_bytes (%d)",
+                    target.parent.name, cap)
+        return
+    try:
+        _place(src, target)
+    except OSError:
+        store.incr_counter("kept_weights_bytes", -size)
+        raise
+    store.incr_counter("kept_weights")

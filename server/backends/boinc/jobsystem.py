@@ -471,7 +471,7 @@ class BoincJobSystem(JobSystem):
 
     def _create_batch(self, job: str, limits: RetryLimits, items: list[_Pending]) -> None:
         spec = self._spec(job)
-        result_template = self.ensure_output_template(spec.units.max_upload_bytes)
+        result_template = self.ensure_output_template(artifacts.job_upload_bound(JobStore(self.r, job), spec))
         lines: list[str] = []
         input_bytes = 0
         weights_bytes = 0

@@ -61,6 +61,8 @@ class BoincSettings(BaseModel):
         0.25, gt=0, description="replicated results match if their updates differ by at most this (relative)"
     )
     keep_weights: bool = Field(False, description="keep a copy of every merged weights file")
+    keep_weights_max_bytes: int = Field(
+        10 * 1024**3, gt=0, description="with keep_weights: the most bytes of weights kept per job (then none more)")
     validator_redis_wait_s: float = Field(
         20.0, ge=0, description="validator: wait this long for Redis before reporting a transient error"
     )

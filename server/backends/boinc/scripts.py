@@ -33,6 +33,7 @@ assimilator share one parser and one set of exit-code rules, and read best toget
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import sys
@@ -48,6 +49,7 @@ from boinc_dl.server.assimilator import norms
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.framework import expected_of, unit_for_workunit
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
 from boinc_dl.server.backends.boinc.intake import (
     TransientFault,
     assimilate_give_up,
@@ -58,9 +60,11 @@ from boinc_dl.server.backends.boinc.intake import (
     result_name_of,
     split_results,
     store_for,
+    sweep_intake,
 )
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import UNRESOLVED_KEY, record_unresolved_error
+from boinc_dl.server.common.diskfaults import ServerResourceError
 from boinc_dl.server.common.errors import (
     ResultRejected,
     StoreUnavailable,
@@ -243,7 +247,7 @@ def assimilate(project: BoincProject, argv: Sequence[str], tokens: Sequence[str]
                       "with a single token: --script bdl_assimilate", list(argv))
             return EXIT_CONFIG
         return _assimilate_result(project, call)
-    except (StoreUnavailable, TransientFault) as e:
+    except (StoreUnavailable, TransientFault, ServerResourceError) as e:
         log.error("transient fault, BOINC will hand this workunit over again: %s", e)
         return EXIT_TRANSIENT
 
@@ -311,10 +315,11 @@ def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[s
         log.error("called without result files (argv %s); on 1.6.x servers declare "
                   "--init_script with a single token", list(argv))
         return EXIT_TRANSIENT
-    tmp = Path(tempfile.mkdtemp(prefix="bdl-validate."))
+    sweep_intake(Path(tempfile.gettempdir()), "bdl-validate.")
+    tmp = Path(tempfile.mkdtemp(prefix=f"bdl-validate.{os.getpid()}."))
     try:
         return _validate_one(project, call.files, tmp, call)
-    except (StoreUnavailable, TransientFault) as e:
+    except (StoreUnavailable, TransientFault, ServerResourceError) as e:
         log.error("transient fault, BOINC will validate again later: %s", e)
         return EXIT_TRANSIENT
     finally:
@@ -342,8 +347,9 @@ def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: 
     try:
         if not unit:
             raise ResultRejected(f"workunit {wu!r} is not a unit of job {job!r}")
-        copies = copy_result(paths, tmp, spec.units.max_upload_bytes)
-        res = validate_result(copies, expected_of(store, unit), spec.units.max_upload_bytes)
+        bound = job_upload_bound(store, spec)
+        copies = copy_result(paths, tmp, bound)
+        res = validate_result(copies, expected_of(store, unit), bound)
         bound, source = norms.bound_for(store, spec, res.weights.model)
         ws, _ = store.get_weights(res.weights.model)
         if ws.size == res.weights.flat.size:
@@ -377,10 +383,11 @@ def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequenc
     if len(groups) != 2 or not all(groups):
         log.error("compare needs the files of two results, got %s", list(argv))
         return EXIT_TRANSIENT
-    tmp = Path(tempfile.mkdtemp(prefix="bdl-compare."))
+    sweep_intake(Path(tempfile.gettempdir()), "bdl-compare.")
+    tmp = Path(tempfile.mkdtemp(prefix=f"bdl-compare.{os.getpid()}."))
     try:
         return _compare(project, groups, tmp, call)
-    except (StoreUnavailable, TransientFault) as e:
+    except (StoreUnavailable, TransientFault, ServerResourceError) as e:
         log.error("transient fault, BOINC will compare again later: %s", e)
         return EXIT_TRANSIENT
     finally:
@@ -406,7 +413,7 @@ def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: Sc
     if info is None:
         return EXIT_INVALID
     fp = store.fingerprint(str(info.get("model", "0")))
-    bound = spec.units.max_upload_bytes
+    bound = job_upload_bound(store, spec)
     flats = []
     for k, g in enumerate(groups):
         if check_files(g):

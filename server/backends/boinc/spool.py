@@ -65,6 +65,7 @@ from boinc_dl.server.backends.boinc.intake import (
     result_name_of,
 )
 from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.common.diskfaults import ServerResourceError
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.workunit import parse_unit_name
 
@@ -139,6 +140,8 @@ class SpoolConsumer:
             return self._result(entry, argv)
         except StoreUnavailable as e:
             return EntryResult(name, "retry", reason=f"redis: {e}")
+        except ServerResourceError as e:  # the server's disk: retry, never bury the result
+            return EntryResult(name, "retry", reason=str(e))
         except FileNotFoundError as e:
             # The shim renames a complete entry into the queue, so a missing piece means
             # someone tampered with it; keep what is left for inspection.

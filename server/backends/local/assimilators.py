@@ -52,6 +52,8 @@ def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: in
     _exit_with(owner)
     from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.assimilator.store import JobStore
+    from boinc_dl.server.common import diskfaults
+    from boinc_dl.server.common.diskfaults import ServerResourceError
     from boinc_dl.server.common.errors import StoreUnavailable
     from boinc_dl.server.common.spec import spec_from_json
 
@@ -71,6 +73,7 @@ def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: in
         if unit in poison and kind == "result":
             os.kill(os.getpid(), signal.SIGKILL)  # as a reader crashing on a malformed file would
         delay = 0.2
+        out = None
         while True:
             try:
                 if store is None:
@@ -84,12 +87,20 @@ def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: in
                         spec = None    # result is then rejected with that reason below
                 out = assimilate_message(store, spec, kind, result, unit, payload)
                 break
-            except StoreUnavailable as e:
+            except (StoreUnavailable, ServerResourceError) as e:
+                fault = diskfaults.as_server_error(e, redis_url)
+                if fault is not None:
+                    # The server's disk (its files, Redis's append-only file): report it and
+                    # leave the result unacknowledged; the run pauses, --resume redoes it.
+                    conn.send(("fault", seq, result, unit, fault.path, fault.what, fault.code))
+                    break
                 # Transient: BOINC would re-run the assimilator later. Keep the result, retry.
                 log.warning("assimilator %d: %s; retrying", index, e)
                 store = None
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
+        if out is None:
+            continue
         if out.status == "merged" and crash_after is not None:
             crash_after -= 1
             if crash_after <= 0:
@@ -191,6 +202,12 @@ class AssimilatorPool:
     def _on_assimilator_message(self, a: _Assimilator, msg: tuple) -> None:
         if msg[0] == "ready":
             a.ready, a.fast_deaths = True, 0
+            return
+        if msg[0] == "fault":  # a server-side I/O fault: the result stays pending, unacknowledged
+            _, seq, _result, _unit, path, what, code = msg
+            a.in_pipe = max(0, a.in_pipe - 1)
+            a.head_deaths.pop(seq, None)
+            self._server_fault(None, path, what, code)
             return
         _, seq, result, unit, status, reason = msg
         a.head_deaths.pop(seq, None)

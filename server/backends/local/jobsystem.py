@@ -77,6 +77,7 @@ from boinc_dl.server.backends.local.assimilators import AssimilatorPool, _Assimi
 from boinc_dl.server.backends.local.preemption import SimulatedPreemption
 from boinc_dl.server.backends.local.slots import SlotPool, _Slot
 from boinc_dl.server.backends.local.units import UnitBook, _Instance, _Unit
+from boinc_dl.server.common.diskfaults import ServerResourceError
 from boinc_dl.server.common.workunit import DATA, Workunit
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,10 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
             "merged", "duplicates", "given_up", "late_results", "slot_restarts", "lost_reported",
             "notices", "notice_unreported", "restarted_in_slot", "redone_batches", "batches_done",
             "regen_requested", "regenerated", "regen_fallback", "assimilator_restarts", "redelivered",
-            "quarantined")}
+            "quarantined", "server_faults")}
+        #: The first server-side I/O fault (a full disk under the run directory), if any:
+        #: dispatching stops, nothing is charged to a unit, and the run pauses.
+        self.server_fault: ServerResourceError | None = None
         #: One entry per lost unit: how it was lost and the time to its re-issue and dispatch.
         self.reissue_delays: list[dict[str, Any]] = []
         #: Client metrics of units that were restarted in their slot (work redone, resume point).
@@ -279,6 +283,8 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
             handle(msg)
 
     def _dispatch(self, now: float) -> None:
+        if self.server_fault is not None:
+            return  # paused: the disk under the run directory failed
         for slot in self.slots:
             if not self.unsent:
                 return

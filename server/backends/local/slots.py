@@ -15,6 +15,7 @@ from multiprocessing.connection import wait as wait_conns
 from pathlib import Path
 from typing import Any
 
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.workunit import (
     METRICS,
     OUTPUT_NAMES,
@@ -128,11 +129,9 @@ def _slot_main(host: int, slot: int, conn: Any, base: str, threads: int, synthet
     _exit_with(owner)
     os.environ["BDL_THREADS"] = str(threads)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from boinc_dl.client_app.preemption import start_watcher
-
     cache: Any = None
     if synthetic_s is None:
-        from boinc_dl.client_app.train import ModelCache, run_unit
+        from boinc_dl.client_app.train import ModelCache
 
         cache = ModelCache(max_models=64)  # MOP models hop across slots: keep their traced steps
     slot_dir, notice_file = _slot_paths(Path(base), host, slot)
@@ -142,40 +141,69 @@ def _slot_main(host: int, slot: int, conn: Any, base: str, threads: int, synthet
     for msg in _inbox(conn):
         _, result_name, files = msg
         t0 = time.time()
-        # The same instance sent again after a restart in place keeps its directory
-        # (and its checkpoint), as a BOINC client keeps a task's slot across reboots.
-        if not (marker.exists() and marker.read_text() == result_name):
-            shutil.rmtree(slot_dir, ignore_errors=True)
-            slot_dir.mkdir(parents=True)
-            for logical, physical in files.items():
-                os.symlink(physical, slot_dir / logical)
-            marker.write_text(result_name)
-        stop = threading.Event()
-        watcher = start_watcher(lambda _reason, stop=stop: stop.set(), provider="none",
-                                notice_file=notice_file, interval=0.02)
-        err, extras = "", {}
         try:
-            if synthetic_s is not None:
-                status, extras = _synthetic_unit(slot_dir, synthetic_s, stop.is_set)
-            else:
-                res = run_unit(slot_dir, cache=cache, threads=threads, should_stop=stop.is_set)
-                status = "ok" if res.status == "done" else "interrupted" if res.interrupted else str(res.status)
-                extras = {k: res.metrics[k] for k in _EXTRA_KEYS if k in res.metrics}
-        except Exception as e:  # noqa: BLE001 - a failing unit is a client error, not a crash
-            status, err = "error", f"{type(e).__name__}: {e}"
-        finally:
-            if watcher is not None:
-                watcher.stop()
-        paths: list[str] = []
-        if status == "ok":
-            dest = upload / result_name
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in OUTPUT_NAMES:
-                src = slot_dir / name
-                if src.exists():
-                    shutil.move(str(src), dest / name)
-                    paths.append(str(dest / name))
+            status, err, paths, extras = _run_one(slot_dir, marker, upload, result_name, files, notice_file,
+                                                  cache, threads, synthetic_s)
+        except OSError as e:
+            # The slot's directory and the upload area are the server's disk (this stands
+            # in for a host, but writes where the server does): a full disk is not the unit's.
+            fault = diskfaults.server_fault(e)
+            if fault is None:
+                raise
+            status, err, paths = "server_fault", fault[0], []
+            extras = {"fault_path": diskfaults.fault_path(e, slot_dir), "fault_errno": fault[1]}
         conn.send(("done", result_name, status, err, paths, time.time() - t0, extras))
+
+
+def _run_one(slot_dir: Path, marker: Path, upload: Path, result_name: str, files: dict[str, str],
+             notice_file: Path, cache: Any, threads: int, synthetic_s: float | None
+             ) -> tuple[str, str, list[str], dict[str, Any]]:
+    """Run one instance in the slot: (status, error, uploaded paths, extras).
+
+    ``status`` is ``ok``, ``interrupted``, ``error`` (a client error) or
+    ``server_fault`` (the disk under the run directory failed: not the unit's fault)."""
+    from boinc_dl.client_app.preemption import start_watcher
+
+    # The same instance sent again after a restart in place keeps its directory
+    # (and its checkpoint), as a BOINC client keeps a task's slot across reboots.
+    if not (marker.exists() and marker.read_text() == result_name):
+        shutil.rmtree(slot_dir, ignore_errors=True)
+        slot_dir.mkdir(parents=True)
+        for logical, physical in files.items():
+            os.symlink(physical, slot_dir / logical)
+        marker.write_text(result_name)
+    stop = threading.Event()
+    watcher = start_watcher(lambda _reason, stop=stop: stop.set(), provider="none",
+                            notice_file=notice_file, interval=0.02)
+    err, extras = "", {}
+    try:
+        if synthetic_s is not None:
+            status, extras = _synthetic_unit(slot_dir, synthetic_s, stop.is_set)
+        else:
+            from boinc_dl.client_app.train import run_unit
+
+            res = run_unit(slot_dir, cache=cache, threads=threads, should_stop=stop.is_set)
+            status = "ok" if res.status == "done" else "interrupted" if res.interrupted else str(res.status)
+            extras = {k: res.metrics[k] for k in _EXTRA_KEYS if k in res.metrics}
+    except Exception as e:  # noqa: BLE001 - a failing unit is a client error, not a crash
+        fault = diskfaults.server_fault(e)
+        if fault is not None:
+            return "server_fault", fault[0], [], {"fault_path": diskfaults.fault_path(e, slot_dir),
+                                                   "fault_errno": fault[1]}
+        status, err = "error", f"{type(e).__name__}: {e}"
+    finally:
+        if watcher is not None:
+            watcher.stop()
+    paths: list[str] = []
+    if status == "ok":
+        dest = upload / result_name
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in OUTPUT_NAMES:
+            src = slot_dir / name
+            if src.exists():
+                shutil.move(str(src), dest / name)
+                paths.append(str(dest / name))
+    return status, err, paths, extras
 
 
 
@@ -265,6 +293,9 @@ class SlotPool:
         if inst is None:
             return
         u = self.units[inst.unit]
+        if status == "server_fault":
+            self._server_fault(inst, extras.get("fault_path", str(self.base)), err, extras.get("fault_errno"))
+            return
         if status == "interrupted" and noticed:
             # The client checkpointed and reported the unit lost (BOINC: task aborted,
             # scheduler contacted): re-issue now, then the host goes away for good.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from boinc_dl.server.backends.base import RetryLimits
+from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.workunit import Workunit
 
 REISSUE_POLICIES = ("same", "fresh")
@@ -173,7 +174,21 @@ class UnitBook:
                 inst.state = "in_progress"  # let _instance_failed account it
                 self._instance_failed(inst, "invalid")
 
+    def _server_fault(self, inst: _Instance | None, path: str, what: str, code: int | None) -> None:
+        """The server's disk failed under an instance (or an assimilation): nothing is
+        charged to the unit. The instance goes back to the front of the queue as it was
+        (no error, no new instance) and dispatching stops: the run pauses (see
+        :attr:`server_fault`) and ``--resume`` re-submits every unit in flight."""
+        self.counters["server_faults"] += 1
+        if inst is not None and inst.state == "in_progress":
+            inst.state, inst.slot = "unsent", None
+            self.unsent.appendleft(inst.name)
+        if self.server_fault is None:
+            self.server_fault = diskfaults.ServerResourceError(path, what, code=code)
+
     def _check_deadlines(self, now: float) -> None:
+        if self.server_fault is not None:
+            return  # paused: a deadline missed now would be the server's doing
         for inst in list(self.instances.values()):
             if inst.state == "in_progress" and now > inst.deadline:
                 self.counters["timed_out"] += 1
