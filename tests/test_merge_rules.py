@@ -246,6 +246,19 @@ def test_radius_is_frozen_per_epoch() -> None:
     assert again.radius(1) == r1 and again.radius(2) == tr.radius(2)
 
 
+def test_cosine_threshold_follows_trusted_cosines_only() -> None:
+    th = R.cosine_threshold(k=3.0, offset=0.0, fallback=0.3, min_samples=4)
+    assert th.value(1) == 0.3  # fallback before any trusted cosine
+    for c in (-0.5, -0.4, -0.6, -0.5, -0.45, -0.55):
+        th.observe(c, True, 1)
+    for _ in range(100):
+        th.observe(0.9, False, 1)  # an attacker's accepted cosines: ignored
+    # median -0.5, MAD 0.05: -0.5 + 3 * 1.4826 * 0.05
+    assert th.value(2) == pytest.approx(-0.5 + 3 * 1.4826 * 0.05)
+    chk = R.DescentCheck()
+    assert chk.passes(-0.4, th.value(2)) and not chk.passes(0.0, th.value(2))
+
+
 def test_today_bound_is_moved_by_a_patient_attacker_the_trusted_radius_is_not() -> None:
     """The contrast the issue measured: norms.py's window takes the attacker's own accepted
     distances and ratchets up; the trusted radius does not move."""
