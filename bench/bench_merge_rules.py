@@ -295,7 +295,8 @@ class Defence:
     kind: str = "none"  # none | today | trusted | clip (trusted radius, no descent check)
     replicate_p: float = 0.2     # share of honest results replicated (their statistics are trusted)
     radius_factor: float = 2.0
-    cos_k: float = 3.0           # descent check: median + k scaled MADs of trusted cosines (+ 0.02)
+    cos_k: float = 4.0           # descent check: median + k scaled MADs of trusted cosines (+ 0.05)
+    warm_epochs: int = 1         # epochs whose honest results are all replicated (every host is new)
     observe_cos: bool = False    # record trusted cosines even when not checking (to warm a start)
     today_k: float = 10.0
     today_warmup: int = 10
@@ -482,12 +483,21 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 accept = False
         if defence.clips and accept:
             scale = R.clip_scale(dnorm, trusted.radius(e))
+        # Replication is decided when the unit is sent, before any check: a replicated
+        # honest result whose replica agrees is confirmed (trusted): its statistics feed
+        # the trusted bounds whatever they are, and it skips the descent check. The
+        # attackers' results are never replicated here (the worst case: trusted hosts).
+        replicated = not atk and (e <= defence.warm_epochs or rep_rng.random() < defence.replicate_p)
         cos = None
-        if (defence.descent or defence.observe_cos) and accept:
+        if (defence.descent or defence.observe_cos) and math.isfinite(dnorm):
             cos = R.descent_cosine_parts(grad_at(bv), wc, wb)
             (res.attack_cos if atk else res.honest_cos).append(cos)
-            if defence.descent and not descent.passes(cos, cos_th.value(e)):
+            if accept and defence.descent and not replicated and not descent.passes(cos, cos_th.value(e)):
                 accept = False
+        if replicated:
+            trusted.observe(dnorm, R.trusted_observation(True, True), e)
+            if cos is not None:
+                cos_th.observe(cos, R.trusted_observation(True, True), e)
         if atk:
             res.attacker += 1
         else:
@@ -507,10 +517,6 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 window.append(dist)
             if atk:
                 res.attacker_accepted += 1
-            elif rep_rng.random() < defence.replicate_p:
-                trusted.observe(dnorm, R.trusted_observation(True, True), e)
-                if cos is not None:
-                    cos_th.observe(cos, R.trusted_observation(True, True), e)
         done[e] += 1
         bases[bv][1] -= 1
         if bases[bv][1] == 0 and bv != version:
@@ -676,7 +682,7 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, 
             ct = start.cos_threshold
             cth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in ct.values]},  # type: ignore[union-attr]
                                                **{f: getattr(ct, f) for f in ("kind", "k", "offset", "fallback",
-                                                                            "min_samples")})
+                                                                            "min_samples", "window", "freeze")})
             r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=1,
                          attack=Attack(attack, pattern=pattern), defence=Defence(dk),
                          init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
