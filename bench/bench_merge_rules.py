@@ -112,6 +112,15 @@ class Task:
         h = np.maximum(x @ w1 + b1, 0.0)
         return h, h @ w2 + b2
 
+    def check_loss(self, flat: np.ndarray) -> float:
+        """Mean cross-entropy on the server's held-out check batch (zeroth-order check)."""
+        if not np.isfinite(flat).all():
+            return math.inf
+        _, z = self._forward(flat, self.xc)
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return float(-logp[np.arange(len(self.yc)), self.yc].mean())
+
     def accuracy(self, flat: np.ndarray) -> float:
         if not np.isfinite(flat).all():
             return 0.0
@@ -292,7 +301,7 @@ class Defence:
     result (k = 10, warm-up 10: the spec's defaults). ``trusted``: the update ``wc - wb``
     clipped to a TrustedRadius fed only by replicated results, plus the descent check."""
 
-    kind: str = "none"  # none | today | trusted | clip (trusted radius, no descent check)
+    kind: str = "none"  # none | today | trusted | clip (trusted radius, no descent check) | trusted0 | trusted01
     replicate_p: float = 0.2     # share of honest results replicated (their statistics are trusted)
     radius_factor: float = 2.0
     cos_k: float = 4.0           # descent check: median + k scaled MADs of trusted cosines (+ 0.05)
@@ -303,11 +312,17 @@ class Defence:
 
     @property
     def clips(self) -> bool:
-        return self.kind in ("trusted", "clip")
+        return self.kind in ("trusted", "clip", "trusted0", "trusted01")
 
     @property
     def descent(self) -> bool:
-        return self.kind == "trusted"
+        """The first-order check (cosine with the held-out gradient at the base)."""
+        return self.kind in ("trusted", "trusted01")
+
+    @property
+    def zeroth(self) -> bool:
+        """Zeno++'s zeroth-order check: the held-out loss of wb + d against wb's."""
+        return self.kind in ("trusted0", "trusted01")
 
 
 # ---- the simulated order -------------------------------------------------------------------------------
@@ -327,6 +342,7 @@ class RunResult:
     final_weights: np.ndarray | None = None
     trusted: R.TrustedRadius | None = None
     cos_threshold: R.TrustedStatistic | None = None
+    loss_threshold: R.TrustedStatistic | None = None
     today_window: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -344,7 +360,8 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
              defence: Defence | None = None, init: np.ndarray | None = None, sigma: float = 0.5,
              stop_drop: float | None = None, max_attacker: int | None = None,
              radius: R.TrustedRadius | None = None, today_window: list[float] | None = None,
-             flip_target: np.ndarray | None = None, cos_threshold: R.TrustedStatistic | None = None) -> RunResult:
+             flip_target: np.ndarray | None = None, cos_threshold: R.TrustedStatistic | None = None,
+             loss_threshold: R.TrustedStatistic | None = None) -> RunResult:
     """Replay one job: ``epochs`` x ``n_subsets`` units, ``d_inflight`` in flight."""
     t_start = time.perf_counter()
     epochs = epochs or task.epochs
@@ -372,6 +389,8 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     honest_norms: deque[float] = deque(maxlen=64)
     descent = R.DescentCheck()
     cos_th = cos_threshold if cos_threshold is not None else R.cosine_threshold(k=defence.cos_k)
+    loss_th = loss_threshold if loss_threshold is not None else R.loss_increase_threshold()
+    base_loss: dict[int, float] = {}
     start_acc = task.accuracy(ws) if stop_drop is not None else 0.0
     staleness_sum = 0
     now = 0.0
@@ -494,10 +513,19 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
             (res.attack_cos if atk else res.honest_cos).append(cos)
             if accept and defence.descent and not replicated and not descent.passes(cos, cos_th.value(e)):
                 accept = False
+        dloss = None
+        if (defence.zeroth or defence.observe_cos) and math.isfinite(dnorm):
+            if bv not in base_loss:
+                base_loss[bv] = task.check_loss(wb)
+            dloss = task.check_loss(wb + (wc - wb) * np.float32(scale)) - base_loss[bv]
+            if accept and defence.zeroth and not replicated and not R.loss_check_passes(dloss, loss_th.value(e)):
+                accept = False
         if replicated:
             trusted.observe(dnorm, R.trusted_observation(True, True), e)
             if cos is not None:
                 cos_th.observe(cos, R.trusted_observation(True, True), e)
+            if dloss is not None:
+                loss_th.observe(dloss, R.trusted_observation(True, True), e)
         if atk:
             res.attacker += 1
         else:
@@ -539,6 +567,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     res.final_weights = ws
     res.trusted = trusted
     res.cos_threshold = cos_th
+    res.loss_threshold = loss_th
     res.today_window = window[-norms.WINDOW:]
     res.seconds = time.perf_counter() - t_start
     return res
@@ -618,20 +647,23 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
     return out
 
 
-def trained_start(task: Task, tr: VecTrainer, epochs: int) -> RunResult:
-    """A trained model to attack, with today's window and a warm trusted radius."""
-    return simulate(task, tr, candidate_rules()[REC], 1, 8, epochs,
+def trained_start(task: Task, tr: VecTrainer, epochs: int, n_subsets: int = 32) -> RunResult:
+    """A trained model to attack, with today's window and warm trusted statistics, from
+    units of the attack run's size (the radius is a statistic of one job's units)."""
+    return simulate(task, tr, candidate_rules()[REC], 1, n_subsets, epochs,
                     defence=Defence("none", replicate_p=1.0, observe_cos=True))
 
 
 def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[str, Any]:
     """10% of units from colluding attackers, D = subsets = d."""
     rules = candidate_rules()
-    configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted")]
+    configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0")]
     flip_target = trained_flip_target(task, tr)
     print(f"\n{task.name}: 10% colluding attackers, D = {d} in flight, {d} subsets, {b.epochs} epochs: "
           "final accuracy (first epoch) [attacker results accepted / sent]")
     print(f"{'attack':10s} " + " ".join(f"{r + ' + ' + dk:>34s}" for r, dk in configs))
+    print("(today: paper-era adaptive bound on ||wc - ws||; clip: trusted radius only; trusted: + first-order "
+          "descent check; trusted0: + zeroth-order (held-out loss) check)")
     out: dict[str, Any] = {}
     clean = {}
     for attack in ("none",) + ATTACKS:
@@ -667,7 +699,7 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, 
     print(f"\n{task.name}: one patient attacker from a trained model at {acc0:.4f}, D = 8 in flight, "
           f"32 subsets; attacker results accepted until -10 points (cap {cap} sent)")
     configs = [("paper", "today", "1:1"), ("paper", "today", "attacker only"),
-               (REC, "today", "1:1"), (REC, "trusted", "1:1"), (REC, "trusted", "attacker only")]
+               (REC, "trusted", "1:1"), (REC, "trusted0", "1:1"), (REC, "trusted0", "attacker only")]
     rules = candidate_rules()
     out: dict[str, Any] = {}
     print(f"{'attack':10s} " + " ".join(f"{r + '+' + dk + ' ' + pat:>30s}" for r, dk, pat in configs))
@@ -680,13 +712,17 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, 
             radius = R.TrustedRadius.from_dict({"values": [(0, v) for _, v in start.trusted.values]},  # type: ignore[union-attr]
                                                factor=2.0)
             ct = start.cos_threshold
+            fields = ("kind", "k", "offset", "fallback", "min_samples", "window", "freeze")
             cth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in ct.values]},  # type: ignore[union-attr]
-                                               **{f: getattr(ct, f) for f in ("kind", "k", "offset", "fallback",
-                                                                            "min_samples", "window", "freeze")})
+                                               **{f: getattr(ct, f) for f in fields})
+            lt = start.loss_threshold
+            lth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in lt.values]},  # type: ignore[union-attr]
+                                               **{f: getattr(lt, f) for f in fields})
             r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=1,
                          attack=Attack(attack, pattern=pattern), defence=Defence(dk),
                          init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
-                         today_window=start.today_window, flip_target=flip_target, cos_threshold=cth)
+                         today_window=start.today_window, flip_target=flip_target, cos_threshold=cth,
+                         loss_threshold=lth)
             hit = r.attacker_to_drop
             txt = (f"{hit} of {r.attacker}" if hit is not None
                    else f">{r.attacker_accepted} acc. of {r.attacker} ({r.final - acc0:+.3f})")

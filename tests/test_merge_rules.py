@@ -312,3 +312,15 @@ def test_reputation_like_boincs_adaptive_replication() -> None:
     rep.record_timeout("h1")
     assert rep.consecutive_valid("h1") == 0
     assert rep.consecutive_valid("h2") == 0 and not rep.trusted("h2")
+
+
+def test_zeroth_order_loss_check() -> None:
+    th = R.loss_increase_threshold(k=6.0, min_samples=4)
+    assert th.value(1) is None and R.loss_check_passes(5.0, th.value(1))  # no bound before trusted data
+    for d in (-0.02, -0.01, 0.0, -0.03, 0.01, -0.02):
+        th.observe(d, True, 1)
+    th.observe(3.0, False, 1)  # an unconfirmed result's loss change: ignored
+    bound = th.value(1)
+    assert bound is not None and bound < 0.2
+    assert R.loss_check_passes(-1.0, bound)  # the held-out loss fell: always passes
+    assert not R.loss_check_passes(0.5, bound) and not R.loss_check_passes(math.nan, bound)

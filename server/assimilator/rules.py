@@ -531,6 +531,23 @@ def zeno_score(loss_before: float, loss_after: float, delta_sq_norm: float, rho:
     return float(loss_before) - float(loss_after) - float(rho) * float(delta_sq_norm)
 
 
+def loss_increase_threshold(k: float = 6.0, offset: float = 0.0, fallback: float | None = None,
+                            min_samples: int = 16, window: int = 32) -> TrustedStatistic:
+    """Zeno++'s zeroth-order check, made scale-free by trusted statistics: the bound on
+    ``L(wb + d) - L(wb)`` on the held-out batch is the upper tail of that change over
+    confirmed results (median + ``k`` scaled MADs of the latest ``window``)."""
+    return TrustedStatistic(kind="mad", k=k, offset=offset, fallback=fallback, min_samples=min_samples,
+                            window=window, freeze=False)
+
+
+def loss_check_passes(loss_increase: float, bound: float | None) -> bool:
+    """Whether an update passes the zeroth-order check: a held-out loss that does not
+    rise always passes; a rise passes when within ``bound`` (None: no bound yet)."""
+    if not math.isfinite(loss_increase):
+        return False
+    return bound is None or loss_increase <= max(0.0, bound)
+
+
 @dataclass(frozen=True)
 class DescentCheck:
     """Accept an update when its :func:`descent_cosine` is at most ``max_cosine`` (a
