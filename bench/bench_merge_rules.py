@@ -20,7 +20,7 @@ D = 1 and the paper's rule, for subsets per epoch = D and for D = 4x subsets), p
 single attacker (accepted attacker results needed to drop 10 points), honest cost (share
 of honest results refused or clipped, numpy merge latency at the paper's model size).
 
-    python bench/bench_merge_rules.py --quick          # a few minutes: digits, the main rows
+    python bench/bench_merge_rules.py --quick          # digits, 4 rules, D <= 128: ~5 min on an idle 2-core VM
     python bench/bench_merge_rules.py                  # digits + MNIST (subsampled), all tables
 
 MNIST is subsampled (``--mnist-train``, default 12,000 training images; validation on the
@@ -798,11 +798,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="digits only, fewer rules: a few minutes")
     ap.add_argument("--datasets", default=None, help="comma list of digits,mnist (default: both; quick: digits)")
     ap.add_argument("--rules", default=None, help="comma list of rule names (default: all candidates)")
-    ap.add_argument("--D", default="8,32,128,1000", help="units in flight")
+    ap.add_argument("--D", default=None, help="units in flight (default 8,32,128,1000; quick: 8,32,128)")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--mnist-train", type=int, default=12000, help="MNIST training images used")
     ap.add_argument("--sections", default="staleness,poison,single,cost")
-    ap.add_argument("--single-cap", type=int, default=300, help="attacker results sent at most (single attacker)")
+    ap.add_argument("--single-cap", type=int, default=None,
+                    help="attacker results sent at most, single attacker (default 300; quick: 100)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -810,7 +811,7 @@ def main() -> None:
     if args.rules:
         names = [n for n in args.rules.split(",") if n]
     elif args.quick:
-        names = ["paper", "delta", "fedasync-poly", "fedbuff", "momentum", REC]
+        names = ["paper", "fedasync-poly", "fedbuff", REC]
     else:
         names = list(allr)
     for must in ("paper", REC):
@@ -818,7 +819,9 @@ def main() -> None:
             names.insert(0, must)
     datasets = (args.datasets or ("digits" if args.quick else "digits,mnist")).split(",")
     sections = set(args.sections.split(","))
-    b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in args.D.split(",")])
+    d_list = args.D or ("8,32,128" if args.quick else "8,32,128,1000")
+    cap = args.single_cap or (100 if args.quick else 300)
+    b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")])
     print(f"merge rules bench, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
           f"{machine()}, TF threads {THREADS}")
     print("rules: " + "; ".join(f"{n} = {r.describe()}" for n, r in b.rules.items()))
@@ -839,7 +842,7 @@ def main() -> None:
         if "poison" in sections:
             result[f"{ds}_poison"] = poison_section(b, task, tr)
         if "single" in sections:
-            result[f"{ds}_single"] = single_section(b, task, tr, args.single_cap)
+            result[f"{ds}_single"] = single_section(b, task, tr, cap)
         print(f"[{ds}: {tr.units_trained} units trained in {tr.calls} batches, {tr.seconds:.0f} s of training]")
     if "cost" in sections:
         lat = latency_section()
