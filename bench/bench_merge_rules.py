@@ -742,7 +742,12 @@ def latency_section(n: int = 4_972_746, shards: int = 16, repeats: int = 9) -> d
     import tempfile
 
     from boinc_dl.server.assimilator.core import merge_into
-    from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, read_weights, write_weights
+    from boinc_dl.server.common.weights import (
+        WeightsFile,
+        fingerprint_of,
+        read_weights,
+        write_weights,
+    )
 
     rng = np.random.default_rng(0)
     ws0 = rng.normal(size=n).astype(np.float32)
