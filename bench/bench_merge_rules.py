@@ -1,0 +1,862 @@
+"""Merge rules under staleness and poisoning: the project's merge functions replayed in a
+simulated order, with real TensorFlow training of every client.
+
+What is simulated is the *order*, nothing else: D units in flight, each unit's base is
+the server weights at the moment it was issued (pipelined epochs, as the VC-ASGD work
+generator issues them), completion times drawn from a seeded lognormal (sigma 0.5: hosts
+of different speeds), and results merged one at a time, in completion order, with
+``boinc_dl.server.assimilator.rules`` (and, for "today's" defence, the adaptive bound of
+``server/validator/norms.py``). Each client trains exactly as a unit does
+(``client_app/train.py``): a fresh Adam, ``local_epochs`` passes over its subset in
+batches drawn by ``default_rng([unit_seed, local_epoch])``, the last batch partial. To
+reach D = 1,000 the clients are trained many at once: every unit issued and not yet
+trained is trained when the first of them is needed, as one batch of independent models
+(a vectorised Adam over stacked weights, one TensorFlow graph); ``--check-trainer``
+compares it with Keras on one unit.
+
+Tables: staleness (rule x D x dataset, final and first-epoch validation accuracy, beside
+D = 1 and the paper's rule, for subsets per epoch = D and for D = 4x subsets), poisoning
+(10% colluding attackers, each attack, today's defence vs the trusted one), the patient
+single attacker (accepted attacker results needed to drop 10 points), honest cost (share
+of honest results refused or clipped, numpy merge latency at the paper's model size).
+
+    python bench/bench_merge_rules.py --quick          # digits, 4 rules, D <= 128: 5 min (304 s measured, loaded 2-core VM)
+    python bench/bench_merge_rules.py                  # digits + MNIST (subsampled), all tables
+
+MNIST is subsampled (``--mnist-train``, default 12,000 training images; validation on the
+10,000 test images) to keep the runtime sane on 2 cores; digits is used whole.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import emit, machine  # noqa: E402
+from boinc_dl.server.assimilator import rules as R  # noqa: E402
+from boinc_dl.server.common.datasets import load_dataset, split_shards  # noqa: E402
+from boinc_dl.server.common.spec import DatasetSpec  # noqa: E402
+from boinc_dl.server.validator import norms  # noqa: E402
+from boinc_dl.server.work_generator.vcasgd import unit_seed  # noqa: E402
+
+THREADS = int(os.environ.get("BDL_THREADS", "2") or 2)
+
+
+# ---- the task: data, model, training settings ------------------------------------------------
+@dataclass
+class Task:
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    xv: np.ndarray
+    yv: np.ndarray
+    xc: np.ndarray  # the server's held-out check batch (descent check)
+    yc: np.ndarray
+    hidden: int
+    lr: float
+    batch: int
+    local_epochs: int
+    epochs: int
+    seed: int = 7
+    classes: int = 10
+
+    @property
+    def d(self) -> int:
+        return int(self.x.shape[1])
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [(self.d, self.hidden), (self.hidden,), (self.hidden, self.classes), (self.classes,)]
+
+    @property
+    def n(self) -> int:
+        return int(sum(np.prod(s) for s in self.shapes))
+
+    def unflatten(self, flat: np.ndarray) -> list[np.ndarray]:
+        out, i = [], 0
+        for s in self.shapes:
+            k = int(np.prod(s))
+            out.append(flat[..., i:i + k].reshape(flat.shape[:-1] + s))
+            i += k
+        return out
+
+    def init(self) -> np.ndarray:
+        """Keras' defaults for Dense: Glorot-uniform kernels, zero biases."""
+        rng = np.random.default_rng(self.seed)
+        parts = []
+        for s in self.shapes:
+            if len(s) == 2:
+                lim = math.sqrt(6.0 / (s[0] + s[1]))
+                parts.append(rng.uniform(-lim, lim, s).astype(np.float32).ravel())
+            else:
+                parts.append(np.zeros(s, np.float32))
+        return np.concatenate(parts)
+
+    def _forward(self, flat: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        w1, b1, w2, b2 = self.unflatten(flat)
+        h = np.maximum(x @ w1 + b1, 0.0)
+        return h, h @ w2 + b2
+
+    def check_loss(self, flat: np.ndarray) -> float:
+        """Mean cross-entropy on the server's held-out check batch (zeroth-order check)."""
+        if not np.isfinite(flat).all():
+            return math.inf
+        _, z = self._forward(flat, self.xc)
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return float(-logp[np.arange(len(self.yc)), self.yc].mean())
+
+    def accuracy(self, flat: np.ndarray) -> float:
+        if not np.isfinite(flat).all():
+            return 0.0
+        out = []
+        for i in range(0, len(self.xv), 4096):
+            _, z = self._forward(flat, self.xv[i:i + 4096])
+            out.append(np.argmax(z, axis=1) == self.yv[i:i + 4096])
+        return float(np.concatenate(out).mean())
+
+    def grad(self, flat: np.ndarray) -> np.ndarray:
+        """Gradient of the mean cross-entropy on the check batch (numpy backprop): what the
+        work generator would write beside each weights file for the descent check."""
+        w1, b1, w2, b2 = self.unflatten(flat)
+        x, y = self.xc, self.yc
+        h_pre = x @ w1 + b1
+        h = np.maximum(h_pre, 0.0)
+        z = h @ w2 + b2
+        z = z - z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        dz = p / len(y)
+        dh = (dz @ w2.T) * (h_pre > 0)
+        return np.concatenate([(x.T @ dh).ravel(), dh.sum(0), (h.T @ dz).ravel(), dz.sum(0)]).astype(np.float32)
+
+
+def load_task(name: str, epochs: int, mnist_train: int) -> Task:
+    if name == "digits":
+        data = load_dataset(DatasetSpec(name="digits", val_fraction=0.2), 7)
+        x, y = data.x_train, data.y_train
+        rng = np.random.default_rng(11)
+        ci = rng.choice(len(x), 256, replace=False)
+        return Task("digits", x, y, data.x_val, data.y_val, x[ci], y[ci], hidden=64, lr=0.002, batch=16,
+                    local_epochs=2, epochs=epochs)
+    data = load_dataset(DatasetSpec(name="mnist"), 7)
+    rng = np.random.default_rng(7)
+    ti = np.sort(rng.choice(len(data.x_train), mnist_train, replace=False))
+    x, y = data.x_train[ti], data.y_train[ti]
+    ci = rng.choice(len(x), 512, replace=False)
+    return Task("mnist", x, y, data.x_val, data.y_val, x[ci], y[ci], hidden=128, lr=0.001, batch=64,
+                local_epochs=1, epochs=epochs)
+
+
+# ---- many clients at once: a vectorised Adam over stacked MLPs ----------------------------------------
+class VecTrainer:
+    """Trains K independent copies of the task's MLP at once, each on its own batches, each
+    with its own fresh Adam (Keras' update: bias-corrected step, epsilon 1e-7)."""
+
+    def __init__(self, task: Task):
+        from boinc_dl.server.common.keras_model import configure_tf
+
+        self.tf = tf = configure_tf(threads=THREADS, deterministic=False)
+        self.task = task
+        self.x_tf = tf.constant(task.x)
+        lr, b1, b2, eps = task.lr, 0.9, 0.999, 1e-7
+        d, h, c = task.d, task.hidden, task.classes
+
+        @tf.function(reduce_retracing=True)
+        def run(flat, idx, lab, mask, active):
+            k = tf.shape(flat)[0]
+            o1, o2, o3 = d * h, d * h + h, d * h + h + h * c
+            params = [tf.reshape(flat[:, :o1], (k, d, h)), flat[:, o1:o2],
+                      tf.reshape(flat[:, o2:o3], (k, h, c)), flat[:, o3:]]
+            ms = [tf.zeros_like(p) for p in params]
+            vs = [tf.zeros_like(p) for p in params]
+            t0 = tf.zeros((k,), tf.float32)
+            steps = tf.shape(idx)[0]
+
+            def body(i, t, ps, ms_, vs_):
+                xb = tf.gather(self.x_tf, idx[i])  # [K, B, d]
+                yb, mb, ab = lab[i], mask[i], active[i]
+                with tf.GradientTape() as tape:
+                    tape.watch(ps)
+                    hid = tf.nn.relu(tf.linalg.matmul(xb, ps[0]) + ps[1][:, None, :])
+                    z = tf.linalg.matmul(hid, ps[2]) + ps[3][:, None, :]
+                    ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=yb, logits=z)
+                    per = tf.reduce_sum(ce * mb, 1) / tf.maximum(tf.reduce_sum(mb, 1), 1.0)
+                    loss = tf.reduce_sum(per)
+                gs = tape.gradient(loss, ps)
+                t_new = t + ab
+                a_k = lr * tf.sqrt(1.0 - tf.pow(b2, t_new)) / tf.maximum(1.0 - tf.pow(b1, t_new), 1e-12)
+                new_p, new_m, new_v = [], [], []
+                for p, g, m, v in zip(ps, gs, ms_, vs_, strict=True):
+                    shape = tf.concat([[k], tf.ones([tf.rank(p) - 1], tf.int32)], 0)
+                    act = tf.reshape(ab, shape)
+                    m2 = m + act * (g - m) * (1 - b1)
+                    v2 = v + act * (g * g - v) * (1 - b2)
+                    step = tf.reshape(a_k, shape) * m2 / (tf.sqrt(v2) + eps)
+                    new_p.append(p - act * step)
+                    new_m.append(m2)
+                    new_v.append(v2)
+                return i + 1, t_new, new_p, new_m, new_v
+
+            _, _, ps, _, _ = tf.while_loop(lambda i, *a: i < steps, body, (0, t0, params, ms, vs))
+            return tf.concat([tf.reshape(ps[0], (k, -1)), ps[1], tf.reshape(ps[2], (k, -1)), ps[3]], 1)
+
+        self._run = run
+        self.units_trained = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def schedule(self, subset: np.ndarray, seed: int) -> list[np.ndarray]:
+        """The unit's batches, as the client draws them."""
+        bs, n = self.task.batch, len(subset)
+        out = []
+        for le in range(self.task.local_epochs):
+            order = np.random.default_rng([seed, le]).permutation(n)
+            out += [subset[order[b * bs:(b + 1) * bs]] for b in range(math.ceil(n / bs))]
+        return out
+
+    def train(self, bases: list[np.ndarray], subsets: list[np.ndarray], seeds: list[int],
+              flip: list[bool] | None = None) -> np.ndarray:
+        """Train K units (bases [K][n]) on their subsets; returns the results [K, n]."""
+        t0 = time.perf_counter()
+        k = len(bases)
+        scheds = [self.schedule(s, sd) for s, sd in zip(subsets, seeds, strict=True)]
+        steps = max(len(s) for s in scheds)
+        b = max(len(bt) for s in scheds for bt in s)
+        idx = np.zeros((steps, k, b), np.int32)
+        mask = np.zeros((steps, k, b), np.float32)
+        active = np.zeros((steps, k), np.float32)
+        for j, s in enumerate(scheds):
+            for i, bt in enumerate(s):
+                idx[i, j, :len(bt)] = bt
+                mask[i, j, :len(bt)] = 1.0
+                active[i, j] = 1.0
+        lab = self.task.y[idx].astype(np.int32)
+        if flip is not None and any(flip):
+            f = np.asarray(flip)[None, :, None]
+            lab = np.where(f, (lab + 1) % self.task.classes, lab).astype(np.int32)
+        out = self._run(np.stack(bases).astype(np.float32), idx, lab, mask, active).numpy()
+        self.units_trained += k
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return out
+
+
+def check_trainer(task: Task, trainer: VecTrainer) -> float:
+    """Max |difference| between the vectorised trainer and Keras (the client's model and
+    optimizer, the client's batch order) on one unit of 64 examples, from the same base."""
+    import keras
+
+    from boinc_dl.server.common.keras_model import get_flat, set_flat
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from models import mlp  # type: ignore[import-not-found]
+
+    model = mlp(task.d, task.hidden, task.classes)
+    base = task.init()
+    set_flat(model, base)
+    opt = keras.optimizers.Adam(learning_rate=task.lr)
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    subset = np.arange(64)
+    for bt in trainer.schedule(subset, 123):
+        model.train_on_batch(task.x[bt], task.y[bt])
+    ref = get_flat(model)
+    ours = trainer.train([base], [subset], [123])[0]
+    return float(np.abs(ref - ours).max())
+
+
+# ---- attacks -----------------------------------------------------------------------------------------
+ATTACKS = ("zeros", "labelflip", "alie", "ipm", "nudge")
+
+
+@dataclass
+class Attack:
+    kind: str
+    frac: float = 0.1            # share of units run by colluding attackers
+    z: float = 1.0               # "a little is enough": mean - z*std
+    nudge_ratio: float = 0.5     # many small nudges: this share of the median honest norm
+    pattern: Callable[[int], bool] | None = None  # unit index -> attacker (single-attacker mode)
+
+
+# ---- defences ----------------------------------------------------------------------------------------
+@dataclass
+class Defence:
+    """``today``: the adaptive bound on ||wc - ws|| of norms.py, fed by every accepted
+    result (k = 10, warm-up 10: the spec's defaults). ``trusted``: the update ``wc - wb``
+    clipped to a TrustedRadius fed only by replicated results, plus the descent check."""
+
+    kind: str = "none"  # none | today | trusted | clip (trusted radius, no descent check) | trusted0 | trusted01
+    replicate_p: float = 0.2     # share of honest results replicated (their statistics are trusted)
+    radius_factor: float = 2.0
+    cos_k: float = 4.0           # descent check: median + k scaled MADs of trusted cosines (+ 0.05)
+    warm_epochs: int = 1         # epochs whose honest results are all replicated (every host is new)
+    observe_cos: bool = False    # record trusted cosines even when not checking (to warm a start)
+    today_k: float = 10.0
+    today_warmup: int = 10
+
+    @property
+    def clips(self) -> bool:
+        return self.kind in ("trusted", "clip", "trusted0", "trusted01")
+
+    @property
+    def descent(self) -> bool:
+        """The first-order check (cosine with the held-out gradient at the base)."""
+        return self.kind in ("trusted", "trusted01")
+
+    @property
+    def zeroth(self) -> bool:
+        """Zeno++'s zeroth-order check: the held-out loss of wb + d against wb's."""
+        return self.kind in ("trusted0", "trusted01")
+
+
+# ---- the simulated order -------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    accs: list[float]
+    merges: int = 0
+    honest: int = 0
+    honest_rejected: int = 0
+    honest_clipped: int = 0
+    attacker: int = 0
+    attacker_accepted: int = 0
+    attacker_to_drop: int | None = None  # single-attacker mode: accepted attacker results at -10 points
+    mean_staleness: float = 0.0
+    honest_cos: list[float] = field(default_factory=list)
+    attack_cos: list[float] = field(default_factory=list)
+    final_weights: np.ndarray | None = None
+    trusted: R.TrustedRadius | None = None
+    cos_threshold: R.TrustedStatistic | None = None
+    loss_threshold: R.TrustedStatistic | None = None
+    today_window: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def final(self) -> float:
+        return self.accs[-1] if self.accs else float("nan")
+
+    @property
+    def first(self) -> float:
+        return self.accs[0] if self.accs else float("nan")
+
+
+def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int, n_subsets: int,
+             epochs: int | None = None, seed: int = 0, attack: Attack | None = None,
+             defence: Defence | None = None, init: np.ndarray | None = None, sigma: float = 0.5,
+             stop_drop: float | None = None, max_attacker: int | None = None,
+             radius: R.TrustedRadius | None = None, today_window: list[float] | None = None,
+             flip_target: np.ndarray | None = None, cos_threshold: R.TrustedStatistic | None = None,
+             loss_threshold: R.TrustedStatistic | None = None) -> RunResult:
+    """Replay one job: ``epochs`` x ``n_subsets`` units, ``d_inflight`` in flight."""
+    t_start = time.perf_counter()
+    epochs = epochs or task.epochs
+    defence = defence or Defence()
+    rng = np.random.default_rng([seed, d_inflight, n_subsets, 17])  # completion times only
+    rep_rng = np.random.default_rng([seed, 5])  # which honest results were replicated
+    subsets = split_shards(len(task.x), n_subsets, task.seed)
+    schedule = [(e, int(sh)) for e in range(1, epochs + 1)
+                for sh in np.random.default_rng([task.seed, e]).permutation(n_subsets)]
+    ws = (init if init is not None else task.init()).astype(np.float32).copy()
+    state = rule.new_state(ws.size)
+    scratch = np.empty_like(ws)
+    version = 0
+    bases: dict[int, list[Any]] = {}  # version -> [weights, refs, check-batch gradient or None]
+    info: dict[int, tuple[int, int, int, bool]] = {}  # uid -> (epoch, shard, base version, attacker)
+    pending: dict[int, None] = {}  # issued, not yet trained (ordered)
+    results: dict[int, np.ndarray] = {}
+    heap: list[tuple[float, int]] = []
+    done = {e: 0 for e in range(1, epochs + 1)}
+    closed = 0
+    res = RunResult(accs=[])
+    trusted = radius if radius is not None else R.TrustedRadius(factor=defence.radius_factor)
+    window = list(today_window or [])  # today's bound: accepted distances, newest last
+    honest_recent: deque[np.ndarray] = deque(maxlen=32)
+    honest_norms: deque[float] = deque(maxlen=64)
+    descent = R.DescentCheck()
+    cos_th = cos_threshold if cos_threshold is not None else R.cosine_threshold(k=defence.cos_k)
+    loss_th = loss_threshold if loss_threshold is not None else R.loss_increase_threshold()
+    base_loss: dict[int, float] = {}
+    start_acc = task.accuracy(ws) if stop_drop is not None else 0.0
+    staleness_sum = 0
+    now = 0.0
+    nxt = 0
+
+    def is_attacker(uid: int) -> bool:
+        if attack is None:
+            return False
+        if attack.pattern is not None:
+            return attack.pattern(uid)
+        return bool(np.random.default_rng([seed, uid, 99]).random() < attack.frac)
+
+    def issue() -> None:
+        nonlocal nxt
+        if nxt >= len(schedule):
+            return
+        uid = nxt
+        nxt += 1
+        e, sh = schedule[uid]
+        if version not in bases:
+            bases[version] = [ws.copy(), 0, None]
+        bases[version][1] += 1
+        atk = is_attacker(uid)
+        info[uid] = (e, sh, version, atk)
+        if not atk or attack.kind == "labelflip":  # type: ignore[union-attr]
+            pending[uid] = None
+        heapq.heappush(heap, (now + float(rng.lognormal(0.0, sigma)), uid))
+
+    def train_pending() -> None:
+        todo = list(pending)
+        pending.clear()
+        for i in range(0, len(todo), 256):
+            chunk = todo[i:i + 256]
+            out = trainer.train([bases[info[u][2]][0] for u in chunk], [subsets[info[u][1]] for u in chunk],
+                                [unit_seed(task.seed, info[u][0], info[u][1]) for u in chunk],
+                                [info[u][3] for u in chunk])
+            for u, w in zip(chunk, out, strict=True):
+                results[u] = w
+
+    def grad_at(bv: int) -> np.ndarray:
+        entry = bases[bv]
+        if entry[2] is None:
+            entry[2] = task.grad(entry[0])
+        return entry[2]
+
+    def bound_now() -> float | None:
+        return norms.adaptive_bound(window[-norms.WINDOW:], defence.today_k, defence.today_warmup)
+
+    def craft(kind: str, wb: np.ndarray, uid: int, e: int) -> np.ndarray:
+        """The attacker's result, sized at 0.99x the bound in force."""
+        today = defence.kind in ("today", "none")
+        ref = ws if today else wb  # the bound's centre: ||wc - ws|| today, ||wc - wb|| with the new one
+        if today:
+            b = bound_now()
+            size = 0.99 * b if b is not None else (float(np.median(honest_norms)) if honest_norms else 1.0)
+        else:
+            r = trusted.radius(e)
+            size = 0.99 * r if r is not None else (float(np.median(honest_norms)) if honest_norms else 1.0)
+        if kind == "zeros":
+            direction = -ref
+        elif kind == "labelflip":
+            direction = results.pop(uid) - ref
+        elif kind == "nudge":
+            target = flip_target if flip_target is not None else np.zeros_like(ref)
+            direction = target - ref
+            size = attack.nudge_ratio * (float(np.median(honest_norms)) if honest_norms else size)  # type: ignore[union-attr]
+        elif kind in ("alie", "ipm"):
+            if not honest_recent:
+                direction = -ref
+            else:
+                hs = np.stack(honest_recent)
+                mu = hs.mean(0)
+                direction = mu - attack.z * hs.std(0) if kind == "alie" else -mu  # type: ignore[union-attr]
+                if today:
+                    direction = direction + (wb - ws)  # the same update, seen from ws
+        else:
+            raise ValueError(kind)
+        nrm = float(np.linalg.norm(direction))
+        if nrm == 0 or not math.isfinite(nrm):
+            return ref.copy()
+        return (ref + direction * np.float32(size / nrm)).astype(np.float32)
+
+    def close_epochs() -> None:
+        nonlocal closed
+        while closed < epochs and done[closed + 1] >= n_subsets:
+            closed += 1
+            res.accs.append(task.accuracy(ws))
+
+    for _ in range(min(d_inflight, len(schedule))):
+        issue()
+    while heap:
+        now, uid = heapq.heappop(heap)
+        e, sh, bv, atk = info[uid]
+        if uid in pending:
+            train_pending()
+        del info[uid]
+        wb = bases[bv][0]
+        if atk:
+            wc = craft(attack.kind, wb, uid, e)  # type: ignore[union-attr]
+        else:
+            wc = results.pop(uid)
+        s = version - bv
+        dnorm = R.update_norm(wc, wb)
+        accept, scale = math.isfinite(dnorm), 1.0
+        dist = float(np.linalg.norm(wc - ws)) if accept else None
+        if defence.kind == "today" and dist is not None:
+            b = bound_now()
+            if b is not None and dist > b:
+                accept = False
+        if defence.clips and accept:
+            scale = R.clip_scale(dnorm, trusted.radius(e))
+        # Replication is decided when the unit is sent, before any check: a replicated
+        # honest result whose replica agrees is confirmed (trusted): its statistics feed
+        # the trusted bounds whatever they are, and it skips the descent check. The
+        # attackers' results are never replicated here (the worst case: trusted hosts).
+        replicated = not atk and (e <= defence.warm_epochs or rep_rng.random() < defence.replicate_p)
+        cos = None
+        if (defence.descent or defence.observe_cos) and math.isfinite(dnorm):
+            cos = R.descent_cosine_parts(grad_at(bv), wc, wb)
+            (res.attack_cos if atk else res.honest_cos).append(cos)
+            if accept and defence.descent and not replicated and not descent.passes(cos, cos_th.value(e)):
+                accept = False
+        dloss = None
+        if (defence.zeroth or defence.observe_cos) and math.isfinite(dnorm):
+            if bv not in base_loss:
+                base_loss[bv] = task.check_loss(wb)
+            dloss = task.check_loss(wb + (wc - wb) * np.float32(scale)) - base_loss[bv]
+            if accept and defence.zeroth and not replicated and not R.loss_check_passes(dloss, loss_th.value(e)):
+                accept = False
+        if replicated:
+            trusted.observe(dnorm, R.trusted_observation(True, True), e)
+            if cos is not None:
+                cos_th.observe(cos, R.trusted_observation(True, True), e)
+            if dloss is not None:
+                loss_th.observe(dloss, R.trusted_observation(True, True), e)
+        if atk:
+            res.attacker += 1
+        else:
+            res.honest += 1
+            honest_recent.append(wc - wb)
+            honest_norms.append(dnorm)
+            if not accept:
+                res.honest_rejected += 1
+            elif scale < 1.0:
+                res.honest_clipped += 1
+        if accept:
+            rule.apply(ws, wc, wb, s, state, scale, scratch)
+            version += 1
+            res.merges += 1
+            staleness_sum += s
+            if dist is not None:
+                window.append(dist)
+            if atk:
+                res.attacker_accepted += 1
+        done[e] += 1
+        bases[bv][1] -= 1
+        if bases[bv][1] == 0 and bv != version:
+            del bases[bv]
+        if stop_drop is not None and atk:
+            acc = task.accuracy(ws)
+            if acc <= start_acc - stop_drop:
+                res.attacker_to_drop = res.attacker_accepted
+                res.accs.append(acc)
+                break
+            if max_attacker is not None and res.attacker >= max_attacker:
+                res.accs.append(acc)
+                break
+        else:
+            close_epochs()
+        issue()
+    if stop_drop is not None and not res.accs:
+        res.accs.append(task.accuracy(ws))
+    res.mean_staleness = staleness_sum / max(1, res.merges)
+    res.final_weights = ws
+    res.trusted = trusted
+    res.cos_threshold = cos_th
+    res.loss_threshold = loss_th
+    res.today_window = window[-norms.WINDOW:]
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+# ---- the rules compared ------------------------------------------------------------------------------
+REC = "delta-poly1"  # the recommended default (see docs/merge-rules.md)
+
+
+def candidate_rules(a: float = 0.5) -> dict[str, R.MergeRule]:
+    """The rules of the staleness table; ``a`` is the paper's alpha (0.5, as in the issue)."""
+    P = R.Staleness
+    return {
+        "paper": R.MergeRule("paper", a),
+        "delta": R.MergeRule("delta", a, server_lr=1 - a),  # the naive delta merge
+        "fedasync-poly": R.MergeRule("fedasync", a, P("poly", p=0.5)),
+        "fedasync-hinge": R.MergeRule("fedasync", a, P("hinge", a=10.0, b=4.0)),
+        "fedbuff": R.MergeRule("fedbuff", a, P("poly", p=0.5), server_lr=1.0, buffer_k=8),
+        "momentum": R.MergeRule("momentum", a, P("poly", p=1.0), server_lr=0.1, momentum=0.9),
+        "delta-poly.75": R.MergeRule("delta", a, P("poly", p=0.75), server_lr=1.0),
+        REC: R.MergeRule("delta", a, P("poly", p=1.0), server_lr=1.0),
+    }
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3f}" if math.isfinite(x) else "  nan"
+
+
+def cell(r: RunResult) -> str:
+    return f"{fmt(r.final)} ({fmt(r.first)})"
+
+
+@dataclass
+class Bench:
+    quick: bool
+    epochs: int
+    rules: dict[str, R.MergeRule]
+    d_list: list[int]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def log(self, **row: Any) -> None:
+        self.rows.append(row)
+
+
+def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
+    """Rule x D, for subsets = D, D = 4x subsets, and the issue's 32 subsets."""
+    regimes = {"subsets = D": [(d, d) for d in b.d_list],
+               "D = 4x subsets": [(d, max(1, d // 4)) for d in b.d_list],
+               "issue: 32 subsets": [(d, 32) for d in (8, 32, 128)]}
+    if b.quick:
+        regimes.pop("issue: 32 subsets")
+    names = list(b.rules)
+    defended = Defence("trusted")
+    out: dict[str, Any] = {}
+    for regime, pairs in regimes.items():
+        print(f"\n{task.name}, {regime}: final accuracy (first epoch), {b.epochs} epochs; "
+              f"D=1 is the same subsets with one unit in flight")
+        head = f"{'D':>5s} {'subs':>5s} | {'D=1 paper':>13s} {'D=1 ' + REC:>17s} | " + \
+            " ".join(f"{n:>13s}" for n in names) + f" | {REC + '+def':>17s} refused clipped"
+        print(head)
+        for d, ns in pairs:
+            base = {n: simulate(task, tr, b.rules[n], 1, ns, b.epochs) for n in ("paper", REC)}
+            res = {n: simulate(task, tr, r, d, ns, b.epochs) for n, r in b.rules.items()}
+            dfd = simulate(task, tr, b.rules[REC], d, ns, b.epochs, defence=defended)
+            refused = dfd.honest_rejected / max(1, dfd.honest)
+            clipped = dfd.honest_clipped / max(1, dfd.honest)
+            print(f"{d:5d} {ns:5d} | {cell(base['paper']):>13s} {cell(base[REC]):>17s} | " +
+                  " ".join(f"{cell(res[n]):>13s}" for n in names) +
+                  f" | {cell(dfd):>17s} {refused:6.1%} {clipped:6.1%}", flush=True)
+            key = f"{task.name}|{regime}|D={d}|subsets={ns}"
+            out[key] = {"d1_paper": [base["paper"].final, base["paper"].first],
+                        "d1_rec": [base[REC].final, base[REC].first],
+                        **{n: [r.final, r.first] for n, r in res.items()},
+                        "rec_defended": [dfd.final, dfd.first], "honest_refused": refused,
+                        "honest_clipped": clipped, "mean_staleness": res[REC].mean_staleness,
+                        "honest_cos_p99": float(np.quantile(dfd.honest_cos, 0.99)) if dfd.honest_cos else None}
+    return out
+
+
+def trained_start(task: Task, tr: VecTrainer, epochs: int, n_subsets: int = 32) -> RunResult:
+    """A trained model to attack, with today's window and warm trusted statistics, from
+    units of the attack run's size (the radius is a statistic of one job's units)."""
+    return simulate(task, tr, candidate_rules()[REC], 1, n_subsets, epochs,
+                    defence=Defence("none", replicate_p=1.0, observe_cos=True))
+
+
+def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[str, Any]:
+    """10% of units from colluding attackers, D = subsets = d."""
+    rules = candidate_rules()
+    configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0")]
+    flip_target = trained_flip_target(task, tr)
+    print(f"\n{task.name}: 10% colluding attackers, D = {d} in flight, {d} subsets, {b.epochs} epochs: "
+          "final accuracy (first epoch) [attacker results accepted / sent]")
+    print(f"{'attack':10s} " + " ".join(f"{r + ' + ' + dk:>34s}" for r, dk in configs))
+    print("(today: paper-era adaptive bound on ||wc - ws||; clip: trusted radius only; trusted: + first-order "
+          "descent check; trusted0: + zeroth-order (held-out loss) check)")
+    out: dict[str, Any] = {}
+    clean = {}
+    for attack in ("none",) + ATTACKS:
+        cells = []
+        for rname, dk in configs:
+            atk = None if attack == "none" else Attack(attack, frac=0.1)
+            r = simulate(task, tr, rules[rname], d, d, b.epochs, attack=atk, defence=Defence(dk),
+                         flip_target=flip_target)
+            if attack == "none":
+                clean[(rname, dk)] = r.final
+            drop = clean[(rname, dk)] - r.final
+            out[f"{task.name}|{attack}|{rname}|{dk}"] = {
+                "final": r.final, "first": r.first, "drop_points": drop * 100,
+                "attacker_accepted": r.attacker_accepted, "attacker": r.attacker,
+                "honest_refused": r.honest_rejected / max(1, r.honest)}
+            cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f}")
+        print(f"{attack:10s} " + " ".join(f"{c:>34s}" for c in cells), flush=True)
+    return out
+
+
+def trained_flip_target(task: Task, tr: VecTrainer) -> np.ndarray:
+    """The many-small-nudges target: a model trained on shifted labels (y+1 mod 10)."""
+    all_idx = np.arange(len(task.x))
+    return tr.train([task.init()], [all_idx], [4242], [True])[0]
+
+
+def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, Any]:
+    """One patient attacker against a trained model: accepted attacker results needed to
+    drop validation accuracy by 10 points (the issue measured 18-22 today)."""
+    start = trained_start(task, tr, b.epochs)
+    flip_target = trained_flip_target(task, tr)
+    acc0 = task.accuracy(start.final_weights)
+    print(f"\n{task.name}: one patient attacker from a trained model at {acc0:.4f}, D = 8 in flight, "
+          f"32 subsets; attacker results accepted until -10 points (cap {cap} sent)")
+    configs = [("paper", "today", "1:1"), ("paper", "today", "attacker only"),
+               (REC, "trusted", "1:1"), (REC, "trusted0", "1:1"), (REC, "trusted0", "attacker only")]
+    rules = candidate_rules()
+    out: dict[str, Any] = {}
+    print(f"{'attack':10s} " + " ".join(f"{r + '+' + dk + ' ' + pat:>30s}" for r, dk, pat in configs))
+    for attack in ATTACKS:
+        cells = []
+        for rname, dk, pat in configs:
+            pattern = (lambda u: u % 2 == 0) if pat == "1:1" else (lambda u: True)
+            # The attack run's epochs count from 1 again: the start's trusted values become
+            # "epoch 0" (all before it), nothing frozen yet.
+            radius = R.TrustedRadius.from_dict({"values": [(0, v) for _, v in start.trusted.values]},  # type: ignore[union-attr]
+                                               factor=2.0)
+            ct = start.cos_threshold
+            fields = ("kind", "k", "offset", "fallback", "min_samples", "window", "freeze")
+            cth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in ct.values]},  # type: ignore[union-attr]
+                                               **{f: getattr(ct, f) for f in fields})
+            lt = start.loss_threshold
+            lth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in lt.values]},  # type: ignore[union-attr]
+                                               **{f: getattr(lt, f) for f in fields})
+            r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=1,
+                         attack=Attack(attack, pattern=pattern), defence=Defence(dk),
+                         init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
+                         today_window=start.today_window, flip_target=flip_target, cos_threshold=cth,
+                         loss_threshold=lth)
+            hit = r.attacker_to_drop
+            txt = (f"{hit} of {r.attacker}" if hit is not None
+                   else f">{r.attacker_accepted} acc. of {r.attacker} ({r.final - acc0:+.3f})")
+            cells.append(txt)
+            out[f"{task.name}|{attack}|{rname}|{dk}|{pat}"] = {
+                "accepted_to_drop_10": hit, "attacker_sent": r.attacker, "attacker_accepted": r.attacker_accepted,
+                "acc_change": r.final - acc0}
+        print(f"{attack:10s} " + " ".join(f"{c:>30s}" for c in cells), flush=True)
+    return out
+
+
+def latency_section(n: int = 4_972_746, shards: int = 16, repeats: int = 9) -> dict[str, Any]:
+    """numpy cost per merge at the paper's model size: the paper's combine vs the
+    recommended rule with clipping and the descent check, plus reading the base file.
+    The minimum of ``repeats`` runs: on a shared, loaded machine the minimum is the cost,
+    the rest is waiting for a core."""
+    import tempfile
+
+    from boinc_dl.server.assimilator.core import merge_into
+    from boinc_dl.server.common.weights import (
+        WeightsFile,
+        fingerprint_of,
+        read_weights,
+        write_weights,
+    )
+
+    rng = np.random.default_rng(0)
+    ws0 = rng.normal(size=n).astype(np.float32)
+    wc = ws0 + rng.normal(scale=0.01, size=n).astype(np.float32)
+    wb = ws0 + rng.normal(scale=0.01, size=n).astype(np.float32)
+    g = rng.normal(size=n).astype(np.float32)
+    bounds = list(R.iter_bounds(n, shards))
+    rule = candidate_rules()[REC]
+    fp = fingerprint_of(["flat"], [np.zeros(n, np.float32)])
+    tmp = Path(tempfile.mkdtemp(prefix="bdl-mr-"))
+    write_weights(tmp / "base.h5", WeightsFile(wb, fp))
+
+    def med(fn: Callable[[], Any]) -> float:
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return float(np.min(ts)) * 1e3
+
+    def paper() -> None:
+        ws = ws0.copy()
+        for sl in bounds:
+            merge_into(ws[sl], wc[sl], 0.5)
+
+    def today_check() -> None:
+        float(np.linalg.norm(wc - ws0))
+
+    scratch = np.empty(n // shards + 1, np.float32)
+
+    def rec() -> None:
+        ws = ws0.copy()
+        sc = R.clip_scale(R.update_norm(wc, wb), 1.0)
+        for sl in bounds:
+            rule.apply(ws[sl], wc[sl], wb[sl], 31, None, sc, scratch[: sl.stop - sl.start])
+
+    copy_ms = med(lambda: ws0.copy())
+    out = {"params": n, "shards": shards,
+           "paper_combine_ms": med(paper) - copy_ms,
+           "today_distance_check_ms": med(today_check),
+           "rec_combine_with_clip_ms": med(rec) - copy_ms,
+           "update_norm_ms": med(lambda: R.update_norm(wc, wb)),
+           "descent_dot_ms": med(lambda: R.descent_cosine_parts(g, wc, wb)),
+           "read_base_file_ms": med(lambda: read_weights(tmp / "base.h5", expected=fp))}
+    for f in tmp.iterdir():
+        f.unlink()
+    tmp.rmdir()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="digits only, fewer rules: a few minutes")
+    ap.add_argument("--datasets", default=None, help="comma list of digits,mnist (default: both; quick: digits)")
+    ap.add_argument("--rules", default=None, help="comma list of rule names (default: all candidates)")
+    ap.add_argument("--D", default=None, help="units in flight (default 8,32,128,1000; quick: 8,32,128)")
+    ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--mnist-train", type=int, default=12000, help="MNIST training images used")
+    ap.add_argument("--sections", default="staleness,poison,single,cost")
+    ap.add_argument("--single-cap", type=int, default=None,
+                    help="attacker results sent at most, single attacker (default 300; quick: 100)")
+    ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    allr = candidate_rules()
+    if args.rules:
+        names = [n for n in args.rules.split(",") if n]
+    elif args.quick:
+        names = ["paper", "fedasync-poly", "fedbuff", REC]
+    else:
+        names = list(allr)
+    for must in ("paper", REC):
+        if must not in names:
+            names.insert(0, must)
+    datasets = (args.datasets or ("digits" if args.quick else "digits,mnist")).split(",")
+    sections = set(args.sections.split(","))
+    d_list = args.D or ("8,32,128" if args.quick else "8,32,128,1000")
+    cap = args.single_cap or (100 if args.quick else 300)
+    b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")])
+    print(f"merge rules bench, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
+          f"{machine()}, TF threads {THREADS}")
+    print("rules: " + "; ".join(f"{n} = {r.describe()}" for n, r in b.rules.items()))
+    result: dict[str, Any] = {"quick": args.quick, "epochs": args.epochs, "rules": {n: r.describe() for n, r in b.rules.items()},
+                              "recommended": REC}
+    for ds in datasets:
+        task = load_task(ds, args.epochs, args.mnist_train)
+        tr = VecTrainer(task)
+        print(f"\n== {ds}: {len(task.x)} training / {len(task.xv)} validation examples, MLP {task.d}-{task.hidden}-"
+              f"{task.classes} ({task.n} parameters), Adam lr {task.lr}, batch {task.batch}, "
+              f"{task.local_epochs} local epoch(s)")
+        if args.check_trainer:
+            diff = check_trainer(task, tr)
+            print(f"vectorised trainer vs Keras on one unit: max |difference| {diff:.2e}")
+            result[f"{ds}_trainer_vs_keras_max_abs"] = diff
+        if "staleness" in sections:
+            result[f"{ds}_staleness"] = staleness_section(b, task, tr)
+        if "poison" in sections:
+            result[f"{ds}_poison"] = poison_section(b, task, tr)
+        if "single" in sections:
+            result[f"{ds}_single"] = single_section(b, task, tr, cap)
+        print(f"[{ds}: {tr.units_trained} units trained in {tr.calls} batches, {tr.seconds:.0f} s of training]")
+    if "cost" in sections:
+        lat = latency_section()
+        print("\nnumpy per merge at 4,972,746 parameters in 16 shards (ms, min of 9): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in lat.items() if k.endswith("_ms")))
+        result["latency"] = lat
+    result["wall_s"] = time.perf_counter() - t0
+    emit("merge_rules", **result)
+
+
+if __name__ == "__main__":
+    main()
