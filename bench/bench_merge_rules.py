@@ -6,7 +6,7 @@ the server weights at the moment it was issued (pipelined epochs, as the VC-ASGD
 generator issues them), completion times drawn from a seeded lognormal (sigma 0.5: hosts
 of different speeds), and results merged one at a time, in completion order, with
 ``boinc_dl.server.assimilator.rules`` (and, for "today's" defence, the adaptive bound of
-``server/validator/norms.py``). Each client trains exactly as a unit does
+0.2's ``adaptive_bound``, tests/support/baselines.py). Each client trains exactly as a unit does
 (``client_app/train.py``): a fresh Adam, ``local_epochs`` passes over its subset in
 batches drawn by ``default_rng([unit_seed, local_epoch])``, the last batch partial. To
 reach D = 1,000 the clients are trained many at once: every unit issued and not yet
@@ -51,8 +51,8 @@ from bench._common import emit, machine  # noqa: E402
 from boinc_dl.server.assimilator import rules as R  # noqa: E402
 from boinc_dl.server.common.datasets import load_dataset, split_shards  # noqa: E402
 from boinc_dl.server.common.spec import DatasetSpec  # noqa: E402
-from boinc_dl.server.validator import norms  # noqa: E402
 from boinc_dl.server.work_generator.vcasgd import unit_seed  # noqa: E402
+from tests.support import baselines as norms  # noqa: E402  (0.2's bound, the baseline)
 
 THREADS = int(os.environ.get("BDL_THREADS", "2") or 2)
 

@@ -16,7 +16,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
 from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec  # noqa: E402
-from boinc_dl.server.common.weights import Fingerprint, fingerprint_of  # noqa: E402
+from boinc_dl.server.common.weights import Fingerprint, WeightsFile, fingerprint_of, write_weights  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,8 @@ def tiny_spec(name: str = "tiny", **over) -> object:
         "model": "models:mlp",
         "dataset": {"name": "digits"},
         "training": {"epochs": 2},
-        "vcasgd": {"n_subsets": 4, "alpha": 0.5},
+        # Plumbing tests check the paper's arithmetic (W_s <- 0.5 W_s + 0.5 W_c).
+        "vcasgd": {"n_subsets": 4, "alpha": 0.5, "merge_rule": "paper"},
     }
     for k, v in over.items():
         if isinstance(v, dict) and isinstance(data.get(k), dict):
@@ -55,13 +56,18 @@ def tiny_spec(name: str = "tiny", **over) -> object:
 
 
 @pytest.fixture
-def tiny_job(redis_client):
-    """A job in Redis with a 15-parameter model at version 0 (zeros) and units u0..u7."""
+def tiny_job(redis_client, tmp_path: Path):
+    """A job in Redis with a 15-parameter model at version 0 (zeros) and units u0..u7,
+    each issued from version 0 (its base weights file, as the work generator writes it)."""
     spec = tiny_spec()
     fp = tiny_fingerprint()
     store = JobStore(redis_client, spec.name)
     store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
     store.init_weights("0", np.zeros(fp.n_params, np.float32))
+    base = tmp_path / "job-files" / f"{spec.name}__m0_v0000000.h5"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    write_weights(base, WeightsFile(np.zeros(fp.n_params, np.float32), fp, job=spec.name, model="0"))
     for i in range(8):
-        store.register_unit(f"u{i}", {"epoch": 1, "shard": i % 4, "model": "0"}, 1)
+        store.register_unit(f"u{i}", {"epoch": 1, "shard": i % 4, "model": "0", "weights_version": 0,
+                                      "files": {"weights_in.h5": str(base)}}, 1)
     return store, spec, fp

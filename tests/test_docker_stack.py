@@ -74,7 +74,7 @@ def rds(tmp_path: Path):
 def make_job(r: redis.Redis, job: str = "digits-vc", n_units: int = 3) -> tuple[JobStore, list[str], object]:
     """A VC-ASGD job in Redis with server weights at version 0 and ``n_units`` units."""
     spec = parse_spec(
-        {"name": job, "model": "examples.models:mlp", "dataset": {"name": "digits"}, "vcasgd": {"alpha": 0.5}}
+        {"name": job, "model": "examples.models:mlp", "dataset": {"name": "digits"}, "vcasgd": {"alpha": 0.5, "merge_rule": "paper"}}
     )
     names = ["dense/kernel", "dense/bias"]
     arrays = [np.zeros((4, 3), np.float32), np.zeros(3, np.float32)]

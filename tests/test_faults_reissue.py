@@ -64,10 +64,11 @@ def test_first_merged_result_of_a_subset_wins(tmp_path: Path, redis_server, firs
     info = store.unit_info(a)
     assert info["attempt"] == 1 and info["weights_version"] == 1  # a restarted generator re-submits these
 
-    fresh = _result(tmp_path / "fresh", store, a, 1, 3.0)
-    late = _result(tmp_path / "late", store, a, 0, 5.0)
+    # The job system names which issue each result answers: <unit>_r1_0 and <unit>_0.
+    fresh = (f"{a}_r1_0", _result(tmp_path / "fresh", store, a, 1, 3.0))
+    late = (f"{a}_0", _result(tmp_path / "late", store, a, 0, 5.0))
     order = [fresh, late] if first == "regenerated" else [late, fresh]
-    outs = [assimilate_files(store, paths, spec, unit=a).status for paths in order]
+    outs = [assimilate_files(store, paths, spec, result, unit=a).status for result, paths in order]
     assert outs == ["merged", "duplicate"]
     assert store.version("0") == 2
     rec = store.assimilated()[a]

@@ -369,13 +369,13 @@ def test_rejections_are_visible_in_boinc_dl_status(stores, tmp_path: Path) -> No
     st = json.loads(res.stdout)
     reasons = [r["reason"] for r in st["rejections"]]
     assert any("not JSON" in r for r in reasons)
-    assert any("exceeds the bound" in r for r in reasons)
+    assert any("exceeds max_update_norm" in r for r in reasons)
     assert any("unknown unit" in r for r in reasons)
     assert st["counters"]["rejected"] >= 3
     table = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "status", "fznorm", "--redis-url", redis_url],
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"})
-    assert "rejected results" in table.stdout and "exceeds the bound" in table.stdout
+    assert "rejected results" in table.stdout and "exceeds max_update_norm" in table.stdout
 
 
 def test_fuzz_files_are_cleaned_up(workdir) -> None:

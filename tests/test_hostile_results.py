@@ -26,7 +26,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from boinc_dl.server.assimilator import norms
 from boinc_dl.server.backends.local import assimilate_message
 from boinc_dl.server.common import bounded, h5bounds
 from boinc_dl.server.common.errors import ResultRejected, WeightsFormatError
@@ -273,42 +272,50 @@ def test_gzip_bomb_stops_at_the_bound(tmp_path: Path) -> None:
 
 # ---- values ----------------------------------------------------------------------------------
 
-def test_adaptive_bound_statistic() -> None:
-    assert norms.adaptive_bound([1.0] * 5, 10.0, 10) is None  # warm-up
-    assert norms.adaptive_bound([1.0] * 20, None, 10) is None  # disabled
-    b = norms.adaptive_bound([1.0] * 20, 10.0, 10)
-    assert b == pytest.approx(4.0)  # MAD 0: the median-ratio floor
-    rng = np.random.default_rng(0)
-    honest = list(rng.normal(1.0, 0.1, 50))
-    b = norms.adaptive_bound(honest, 10.0, 10)
-    assert 1.5 < b < 5.0
-    # A few poisoned values accepted in the warm-up barely move it (robust statistic).
-    assert norms.adaptive_bound(honest + [1e6] * 5, 10.0, 10) < 1.2 * b
+def test_an_update_beyond_the_trusted_radius_is_clipped_and_feeds_nothing(tiny_job, tmp_path: Path) -> None:
+    """Trusted results (the local backend's hosts) set the clip radius; an untrusted
+    result far beyond it is shortened to it, and its norm never enters the statistics."""
+    from boinc_dl.server.assimilator import policy
+    from boinc_dl.server.assimilator.framework import Delivery, assimilate
 
-
-def test_poisoned_update_rejected_honest_ones_kept(tiny_job, tmp_path: Path) -> None:
     store, spec, fp = tiny_job
-    store.register_unit("p", {"epoch": 1, "shard": 9, "model": "0"}, 1)
-    spec = spec.model_copy(update={"validation": spec.validation.model_copy(
-        update={"update_norm_k": 10.0, "update_norm_warmup": 3})})
+    spec = spec.model_copy(update={"validation": spec.validation.model_copy(update={"clip_min_trusted": 3})})
     rng = np.random.default_rng(1)
-    for i in range(4):  # honest: small steps around the current server weights
-        ws, _ = store.get_weights("0")
-        flat = (ws + rng.normal(0, 0.2, fp.n_params)).astype(np.float32)
-        out = assimilate_files(store, _result(tmp_path / f"h{i}", unit=f"u{i}", flat=flat), spec, unit=f"u{i}")
+    base = np.zeros(fp.n_params, np.float32)  # every unit's base: version 0 (zeros)
+    for i in range(4):  # trusted, honest: steps of norm ~0.77
+        flat = (base + rng.normal(0, 0.2, fp.n_params)).astype(np.float32)
+        files = _result(tmp_path / f"h{i}", unit=f"u{i}", flat=flat)
+        out = assimilate(store, Delivery(f"u{i}", unit=f"u{i}", files=[Path(p) for p in files], trusted=True),
+                         spec=spec)
         assert out.status == "merged", out
-    assert len(norms.accepted_norms(store, "0")) == 4
-    ws, v = store.get_weights("0")
-    poison = (ws + 1000.0).astype(np.float32)
-    out = assimilate_files(store, _result(tmp_path / "p", unit="p", flat=poison), spec, unit="p")
-    assert out.status == "rejected" and "median + 10 MAD" in out.reason
-    assert store.version("0") == v
-    # The fixed bound still applies alone when it is tighter.
+    radius = policy.trusted_radius(store, spec, "0", 1)
+    assert radius is not None and 1.0 < radius < 2.5  # 2 x the median trusted norm, frozen for epoch 1
+    v = store.version("0")
+    ws_before, _ = store.get_weights("0")
+    poison = np.full(fp.n_params, 1000.0, np.float32)  # an untrusted host's huge update
+    files = _result(tmp_path / "p", unit="u4", flat=poison)
+    out = assimilate(store, Delivery("u4", unit="u4", files=[Path(p) for p in files]), spec=spec)
+    assert out.status == "merged" and store.version("0") == v + 1
+    rec = store.assimilated()["u4"]
+    assert rec["clip_scale"] < 0.01 and rec["trusted"] is False
+    moved = float(np.linalg.norm(store.get_weights("0")[0] - ws_before))
+    assert moved <= radius * 1.0001  # the update applied is at most the radius (delta rule, lr 1)
+    assert len(store.trusted_values("0", policy.RADIUS, 256)) == 4  # its norm fed nothing
+    assert policy.trusted_radius(store, spec, "0", 1) == radius  # frozen
+
+
+def test_max_update_norm_refuses_and_the_paper_rule_is_kept(tiny_job, tmp_path: Path) -> None:
+    store, spec, fp = tiny_job
     spec2 = spec.model_copy(update={"validation": spec.validation.model_copy(update={"max_update_norm": 1e-3})})
-    ws, _ = store.get_weights("0")
-    out = assimilate_files(store, _result(tmp_path / "q", unit="u5", flat=(ws + 0.1).astype(np.float32)), spec2,
-                           unit="u5")
+    out = assimilate_files(store, _result(tmp_path / "q", unit="u5", flat=np.full(fp.n_params, 0.1, np.float32)),
+                           spec2, unit="u5")
     assert out.status == "rejected" and "max_update_norm" in out.reason
+    paper = spec.model_copy(update={"vcasgd": spec.vcasgd.model_copy(update={"merge_rule": "paper", "alpha": 0.5})})
+    out = assimilate_files(store, _result(tmp_path / "r", unit="u6", flat=np.full(fp.n_params, 2.0, np.float32)),
+                           paper, unit="u6")
+    assert out.status == "merged"
+    np.testing.assert_allclose(store.get_weights("0")[0], 1.0)  # 0.5 * 0 + 0.5 * 2
+    assert store.assimilated()["u6"]["rule"] == "paper(a=0.5)"
 
 
 # ---- accounting ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from boinc_dl.server.assimilator import rules as R
 from boinc_dl.server.assimilator.core import merge_into
-from boinc_dl.server.validator import norms
+from tests.support import baselines as norms
 
 F = np.float32
 

@@ -78,7 +78,7 @@ def test_update_norm_bound(tiny_job, tmp_path: Path) -> None:
     spec = spec.model_copy(update={"validation": spec.validation.model_copy(update={"max_update_norm": 10.0})})
     far = _result(tmp_path, fp, np.full(fp.n_params, 100.0, np.float32), name="far")
     out = assimilate_files(store, far, spec, "u0_0")
-    assert out.status == "rejected" and "exceeds the bound" in out.reason
+    assert out.status == "rejected" and "exceeds max_update_norm" in out.reason
     near = _result(tmp_path, fp, np.full(fp.n_params, 1.0, np.float32), unit="u1", name="near")
     assert assimilate_files(store, near, spec, "u1_0").status == "merged"
 

@@ -1,7 +1,8 @@
 """The parameter server: merge a validated result into the server weights in Redis.
 
-VC-ASGD (papers' eq. 1): ``W_s <- a_e*W_s + (1-a_e)*W_c``; MOP replaces the model's
-weights (a = 0). The merge is numpy on one flat float32 buffer: no TensorFlow here.
+How a result is folded in (the merge rule, its staleness and base, the clip radius) is
+:mod:`boinc_dl.server.assimilator.policy`'s; the update of a shard is
+:mod:`boinc_dl.server.assimilator.rules`' (numpy on float32: no TensorFlow here).
 The weights are sharded: the merge applies shard by shard, each shard's update
 committed with its "unit applied" mark, and the unit's global mark once every shard
 has it (``JobStore.merge``). Each call is idempotent, so BOINC's at-least-once calls
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator import norms
+from boinc_dl.server.assimilator import policy, rules
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.validator.checks import ValidResult
@@ -35,15 +36,8 @@ class AssimilationOutcome:
 
 
 def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
-    """``a*ws + (1-a)*wc`` computed in place in ``ws`` as ``a*(ws - wc) + wc``: three
-    passes over float32 and no 20 MB temporary."""
-    if alpha == 0.0:
-        ws[:] = wc
-        return ws
-    ws -= wc
-    ws *= np.float32(alpha)
-    ws += wc
-    return ws
+    """The paper's merge ``a*ws + (1-a)*wc``, in place in ``ws`` (the ``paper`` rule)."""
+    return rules.MergeRule("paper", alpha).apply(ws, wc, None, 0)
 
 
 #: The range each host metric may take; a value outside it is recorded as None.
@@ -65,65 +59,59 @@ def _number(v: Any, lo: float = -math.inf, hi: float = math.inf) -> float | None
     return f if math.isfinite(f) and lo <= f <= hi else None
 
 
-def alpha_for(spec: JobSpec, epoch: int) -> float:
-    """The merge weight of the server copy for a unit of ``epoch``."""
-    return spec.vcasgd.alpha_for(epoch) if spec.mode == "vcasgd" else 0.0
-
-
 def assimilate_valid(
-    store: JobStore, spec: JobSpec, res: ValidResult, strict: bool | None = None
+    store: JobStore, spec: JobSpec, res: ValidResult, strict: bool | None = None, trusted: bool = False,
+    attempt: int | None = None,
 ) -> AssimilationOutcome:
-    """Merge an already validated result (idempotent; atomic with its mark)."""
+    """Merge an already validated result (idempotent; atomic with its mark).
+
+    ``trusted``: the job system vouches for the result (see :mod:`.policy`): its update's
+    norm then feeds the clip radius of later epochs. ``attempt``: which issue of the unit
+    the result answers (the job system's name for it), hence its base weights.
+    """
     unit = res.unit
     info = store.unit_info(unit) or {}
     epoch = int(info.get("epoch", 0))
     model = str(info.get("model", "0"))
-    alpha = alpha_for(spec, epoch)
-    bound, source = norms.bound_for(store, spec, model)
     rejected: list[str] = []
     wc = res.weights.flat
+    plan: policy.MergePlan | None = None
     # Checks on the whole model come before any shard is touched: a merge applies shard
     # by shard and cannot take back the shards already applied.
     n = store.layout(model).n
     if n != wc.size:
         rejected.append(f"server weights have {n} values, result {wc.size}")
-    elif bound is not None:
-        # Against a snapshot (each shard atomic): the bound guards against a wild
-        # result, a merge landing in between moves the reference by a step at most.
-        reason = norms.check_distance(float(np.linalg.norm(wc - store.snapshot(model).flat)), bound, source)
-        if reason:
-            rejected.append(reason)
-    # The distance for the adaptive bound's statistic, from the shards as merged (no
-    # second read of the weights): squared distance per shard, by shard start.
-    sq: dict[int, float] = {}
-
-    def combine(ws: np.ndarray, sl: slice) -> np.ndarray:
-        d = wc[sl] - ws
-        sq[sl.start or 0] = float(np.dot(d, d))
-        return merge_into(ws, wc[sl], alpha)
+    else:
+        plan = policy.plan_merge(store, spec, info, model, epoch, wc, store.fingerprint(model), attempt)
+        cap = spec.validation.max_update_norm
+        if cap is not None:
+            norm = plan.norm if plan.norm is not None else \
+                policy.update_distance(store, info, attempt, model, wc, store.fingerprint(model))
+            if not norm <= cap:
+                rejected.append(f"update norm {norm:.4g} exceeds max_update_norm {cap:.4g}")
 
     m = res.metrics
     record: dict[str, Any] = {
         "epoch": epoch,
         "shard": info.get("shard"),
-        "alpha": alpha,
-        "base_version": res.weights.base_version,
+        "base_version_claimed": res.weights.base_version,
         "examples_seen": res.weights.examples_seen,
         # A host's metrics are typed here: what the generator, status and reports read
         # from the merge record is a finite number or None, the host a short string.
         **{k: _number(m.get(k), *METRIC_RANGES[k]) for k in METRIC_RANGES},
         "host": str(m["host"])[:64] if isinstance(m.get("host"), str | int) else None,
     }
-    if rejected:
+    if rejected or plan is None:
         store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
+    record.update(plan.record(), trusted=trusted)
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
-    out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
+    out = store.merge(model, unit, plan.combine(wc), record, epoch, strict=use_strict)
     if out.given_up:
         reason = "the unit was already given up; a late result is not merged"
         return AssimilationOutcome("duplicate", unit, out.version, reason, out.retries)
-    if out.applied and sq:
-        norms.record_norm(store, model, math.sqrt(sum(sq.values())))
+    if out.applied:
+        policy.observe(store, model, epoch, plan, trusted)
     if out.applied and spec.mode == "mop" and res.weights.optimizer is not None:
         # MOP hops the optimizer state with the model. Tagged with the weights version it
         # belongs to: a crash before this write only means the next unit starts a fresh

@@ -95,6 +95,10 @@ class Delivery:
     """No other result of this workunit will come (BOINC's assimilator): a rejected
     result gives the unit up. False where the job system re-issues an invalid result's
     unit itself (the local backend)."""
+    trusted: bool = False
+    """The job system vouches for the result (the local backend's own hosts; on BOINC, a
+    result that agreed with a replica from another host): its update may feed the clip
+    radius (:mod:`boinc_dl.server.assimilator.policy`)."""
     notes: dict[str, str] = field(default_factory=dict)
 
 
@@ -110,6 +114,18 @@ def unit_for_workunit(store: JobStore, wu_name: str) -> str | None:
         base = unit_name(p["job"], p["epoch"], p["shard"], p["model"])
         if store.unit_info(base) is not None:
             return base
+    return None
+
+
+def attempt_of(delivery: Delivery) -> int | None:
+    """Which issue of its unit a result answers, from the job system's names: its result
+    name ``<workunit>_<n>`` (BOINC's, and the local backend's instances), else the
+    workunit's (``<unit>_r<attempt>``)."""
+    wu, sep, seq = delivery.result.rpartition("_")
+    for name in ((wu,) if sep and seq.isdigit() else ()) + (delivery.workunit,):
+        parsed = parse_unit_name(name) if is_safe_name(name) else None
+        if parsed:
+            return int(parsed["attempt"])
     return None
 
 
@@ -201,7 +217,7 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         res = validate_result(paths, expected_of(store, unit), spec.units.max_upload_bytes)
     except ResultRejected as e:
         return reject(store, delivery, unit, e.reason)
-    out = assimilate_valid(store, spec, res)
+    out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery))
     if out.status == "rejected":
         return _settle_rejection(store, delivery, unit, out)
     return out

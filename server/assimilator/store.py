@@ -17,7 +17,19 @@ Keys of job J:
 ``bdl:J:epochs``               hash E -> JSON epoch summary (validation accuracy ...)
 ``bdl:J:metrics``              stream: one entry per merge, rejection, epoch end
 ``bdl:J:rejections``           stream: rejected results with their reasons
+``bdl:J:unit_state``           hash unit -> created, in_progress, assimilated, failed, cancelled
+``bdl:J:counters``             hash: counters (rejected, superseded calls, ...)
+``bdl:J:fingerprints``         hash model -> its fingerprint (tensor names, shapes, dtypes)
+``bdl:J:opt:M``                MOP: the optimizer state hopping with model M (its version)
+``bdl:J:trusted:S:M``          list: trusted values [epoch, value] of statistic S (clip radius)
+``bdl:J:trusted_frozen:S:M``   hash epoch -> the value of S frozen for that epoch
+``bdl:J:once:<token>``         idempotency tokens of retried increments (expire in an hour)
 =============================  ===================================================
+
+Other owners keep their own keys in the job's namespace: BOINC's workunit records
+(:mod:`boinc_dl.server.backends.boinc.registry`), MOP's search state
+(:mod:`boinc_dl.server.work_generator.mop.state`); the fleet controller keeps its state
+under ``bdl:fleet:{F}:...`` (:mod:`boinc_dl.server.fleet.state`).
 
 Weights are sharded (:mod:`boinc_dl.server.assimilator.shards`) and merged by
 :class:`~boinc_dl.server.assimilator.merging.ShardMerging` (mixed in): shard by shard, each shard's
@@ -481,20 +493,41 @@ class JobStore(ShardMerging):
     def set_optimizer_state(self, model: str, blob: bytes) -> None:
         self.call(lambda: self.r.set(self.k("opt", model), blob))
 
-    def update_norms(self, model: str, count: int) -> list[float]:
-        """The most recent accepted update distances of ``model`` (newest first)."""
-        return [float(v) for v in self.call(lambda: self.r.lrange(self.k("update_norms", model), 0, count - 1))]
+    # ---- trusted statistics (the clip radius: server.assimilator.policy) ------------------
+    def trusted_values(self, model: str, name: str, window: int) -> list[tuple[int, float]]:
+        """The newest ``window`` trusted values of statistic ``name``, oldest first, each
+        with its epoch."""
+        raw = self.call(lambda: self.r.lrange(self.k("trusted", name, model), 0, window - 1))
+        out = [json.loads(v) for v in raw]
+        return [(int(e), float(x)) for e, x in reversed(out)]
 
-    def push_update_norm(self, model: str, dist: float, keep: int) -> None:
-        """Add an accepted result's update distance, keeping the newest ``keep``."""
-        key = self.k("update_norms", model)
+    def push_trusted_value(self, model: str, name: str, epoch: int, value: float, window: int) -> None:
+        """Add a trusted value (after the merge of the result it comes from)."""
+        key = self.k("trusted", name, model)
 
         def op() -> None:
             p = self.r.pipeline(transaction=True)
-            p.lpush(key, repr(float(dist)))
-            p.ltrim(key, 0, keep - 1)
+            p.lpush(key, json.dumps([int(epoch), float(value)]))
+            p.ltrim(key, 0, window - 1)
             p.execute()
         self.call(op)
+
+    def trusted_frozen(self, model: str, name: str, epoch: int) -> float | None:
+        """The value of statistic ``name`` frozen for ``epoch``, if any."""
+        v = self.call(lambda: self.r.hget(self.k("trusted_frozen", name, model), epoch))
+        return float(v) if v is not None else None
+
+    def freeze_trusted(self, model: str, name: str, epoch: int, value: float) -> float:
+        """Freeze ``value`` for ``epoch`` unless another process froze one first; the
+        value in force."""
+        key = self.k("trusted_frozen", name, model)
+
+        def op() -> Any:
+            p = self.r.pipeline(transaction=True)
+            p.hsetnx(key, epoch, repr(float(value)))
+            p.hget(key, epoch)
+            return p.execute()[1]
+        return float(self.call(op))
 
     # ---- epochs -------------------------------------------------------------------------
     def epoch_counts(self, epoch: int) -> dict[str, float]:

@@ -76,12 +76,17 @@ AlphaSchedule = Literal["e/(e+1)"]
 
 
 class VCASGDSpec(_Strict):
-    """VC-ASGD: one model, merged as W_s <- a_e*W_s + (1-a_e)*W_c."""
+    """VC-ASGD: one model, each result merged into the server weights as it arrives."""
 
     n_subsets: int | None = Field(
         None, gt=0, le=1_000_000,
         description="subsets (units) per epoch; default: derived from the training examples and the slots")
-    alpha: float | AlphaSchedule = Field("e/(e+1)", description="constant in [0,1) or 'e/(e+1)'")
+    merge_rule: Literal["delta", "fedasync", "paper"] = Field(
+        "delta", description="delta: W_s += server_lr * (W_c - W_base) / (1+s)^p; fedasync: "
+        "W_s += (1-a) * (W_c - W_s) / (1+s)^p; paper: W_s <- a*W_s + (1-a)*W_c (s: the result's staleness)")
+    staleness_power: float = Field(1.0, ge=0.0, le=8.0, description="p of the staleness weight (1+s)^-p")
+    server_lr: float = Field(1.0, gt=0.0, le=10.0, description="delta: the weight of a fresh result's update")
+    alpha: float | AlphaSchedule = Field("e/(e+1)", description="paper, fedasync: constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"
     window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots")
     give_up_policy: Literal["skip", "fail"] = Field(
@@ -154,15 +159,14 @@ class ValidationSpec(_Strict):
     """Result checks beyond the fingerprint and finiteness."""
 
     max_update_norm: float | None = Field(
-        None, gt=0, description="reject a result whose L2 distance from the server copy exceeds this"
+        None, gt=0, description="reject a result whose update ||W_c - W_base|| exceeds this"
     )
-    update_norm_k: float | None = Field(
-        10.0, gt=0,
-        description="reject a result whose distance from the server copy exceeds the median + k * MAD "
-        "(scaled to a standard deviation) of this model's accepted distances; null disables",
+    clip_factor: float | None = Field(
+        2.0, gt=0, description="clip an update to this times the median norm of trusted updates (frozen "
+        "per epoch); null disables"
     )
-    update_norm_warmup: int = Field(
-        10, ge=3, description="accepted results seen before the adaptive distance bound applies"
+    clip_min_trusted: int = Field(
+        8, ge=1, le=100_000, description="trusted results needed before the clip radius applies"
     )
 
 

@@ -175,7 +175,10 @@ class VCASGDWorkGenerator:
         version, wpath = self._weights_path()
         wu = self._describe(epoch, shard, version, wpath)
         info = {"epoch": epoch, "shard": shard, "model": self.model, "weights_version": version,
-                "created_at": time.time(), "files": wu.files}
+                "created_at": time.time(), "files": wu.files,
+                # each attempt's base (a late original and its regeneration start from different
+                # weights): what the merge measures a result's staleness and update against
+                "bases": {"0": [version, str(wpath)]}}
         if not self.store.register_unit(wu.unit, info, epoch):
             log.warning("unit %s was already registered; resubmitting it", wu.unit)
         self._submit(wu)
@@ -252,7 +255,10 @@ class VCASGDWorkGenerator:
         version, wpath = self._weights_path()
         wu = self._describe(epoch, shard, version, wpath, attempt)
         Path(wu.files[WU_JSON]).write_text(wu.to_json())
-        info.update(attempt=attempt, weights_version=version, files=wu.files, regenerated_at=time.time())
+        bases = dict(info.get("bases") or {})
+        bases[str(attempt)] = [version, str(wpath)]
+        info.update(attempt=attempt, weights_version=version, files=wu.files, regenerated_at=time.time(),
+                    bases=bases)
         self.store.update_unit_info(unit, info)
         return wu, unit_name(self.spec.name, epoch, shard, self.model, attempt)
 

@@ -261,7 +261,7 @@ def test_validate_update_norm_bound(env, redis_server) -> None:
     far = make_result(project.upload_dir, f"{u}_0", spec.name, u, np.full(N, 10.0), upload=project)
     p = run_script(project.root, f"../bin/bdl_validate {' '.join(far)}", e)
     assert p.returncode == 1
-    assert "exceeds the bound" in store.rejections()[0]["reason"]
+    assert "exceeds max_update_norm" in store.rejections()[0]["reason"]
 
 
 def test_validate_redis_down_is_transient(env, redis_server) -> None:

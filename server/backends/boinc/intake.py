@@ -179,7 +179,8 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
         return copies
 
     try:
-        out = assimilate(store, Delivery(wu, result, files=files, missing=missing, final=True),
+        out = assimilate(store, Delivery(wu, result, files=files, missing=missing, final=True,
+                                         trusted=agreed_across_hosts(project, wu)),
                          BoincRegistry(store))
         if copies and out.unit and out.status in ("merged", "duplicate"):
             try:
@@ -208,6 +209,28 @@ def sweep_intake(spool: Path, prefix: str = "") -> None:
             shutil.rmtree(d, ignore_errors=True)
         except (PermissionError, OverflowError):
             pass
+
+
+#: ``result.validate_state`` of a result the validator found valid (db/boinc_db_types.h).
+VALIDATE_STATE_VALID = 1
+
+
+def agreed_across_hosts(project: BoincProject, wu: str) -> bool:
+    """Whether workunit ``wu`` was replicated and its result agreed with a replica from
+    another host (BOINC's quorum): only such results may feed the statistics that bound
+    updates (a patient host cannot vouch for itself). False when BOINC's database cannot
+    be read."""
+    from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
+
+    try:
+        with BoincDB.connect(project) as db:
+            state = db.workunits([wu]).get(wu)
+    except BoincDBError:
+        return False
+    if state is None:
+        return False
+    hosts = {r.hostid for r in state.results if r.validate_state == VALIDATE_STATE_VALID and r.hostid}
+    return len(hosts) >= 2
 
 
 def assimilate_give_up(store: JobStore, wu: str, mask: int) -> AssimilationOutcome:

@@ -45,9 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator import norms
 from boinc_dl.server.assimilator.connection import connect
-from boinc_dl.server.assimilator.framework import expected_of, unit_for_workunit
+from boinc_dl.server.assimilator.framework import (
+    Delivery,
+    attempt_of,
+    expected_of,
+    unit_for_workunit,
+)
+from boinc_dl.server.assimilator.policy import update_distance
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
 from boinc_dl.server.backends.boinc.intake import (
@@ -349,13 +354,14 @@ def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: 
             raise ResultRejected(f"workunit {wu!r} is not a unit of job {job!r}")
         bound = job_upload_bound(store, spec)
         copies = copy_result(paths, tmp, bound)
-        res = validate_result(copies, expected_of(store, unit), bound)
-        bound, source = norms.bound_for(store, spec, res.weights.model)
-        ws, _ = store.get_weights(res.weights.model)
-        if ws.size == res.weights.flat.size:
-            reason = norms.check_distance(float(np.linalg.norm(res.weights.flat - ws)), bound, source)
-            if reason:
-                raise ResultRejected(reason)
+        expected = expected_of(store, unit)
+        res = validate_result(copies, expected, bound)
+        cap = spec.validation.max_update_norm
+        if cap is not None:
+            norm = update_distance(store, store.unit_info(unit) or {}, attempt_of(Delivery(wu, result)),
+                                   expected.model, res.weights.flat, expected.fingerprint)
+            if not norm <= cap:
+                raise ResultRejected(f"update norm {norm:.4g} exceeds max_update_norm {cap:.4g}")
     except ResultRejected as e:
         store.record_rejection(unit or wu, result, e.reason)
         log.warning("result %s of %s invalid: %s", result, unit or wu, e.reason)

@@ -36,6 +36,7 @@ def assimilate_message(store: Any, spec: Any, kind: str, result: str, unit: str,
     assimilators before; ``payload``: the reason). The unit is the backend's own record
     of what the slot ran, never the file's. A rejected result is not final here: the
     backend re-issues the unit (BOINC's transitioner does the same for an invalid result).
+    Its hosts are the user's own processes: their results are trusted.
     """
     from boinc_dl.server.assimilator.framework import Delivery, assimilate, reject
 
@@ -43,7 +44,8 @@ def assimilate_message(store: Any, spec: Any, kind: str, result: str, unit: str,
         return reject(store, Delivery(unit, result, unit=unit, final=False), unit, payload)
     if kind == "error":
         return assimilate(store, Delivery(unit, result, unit=unit, error=payload, final=True), spec=spec)
-    return assimilate(store, Delivery(unit, result, unit=unit, files=list(payload), final=False), spec=spec)
+    return assimilate(store, Delivery(unit, result, unit=unit, files=list(payload), final=False, trusted=True),
+                      spec=spec)
 
 
 def _assimilator_main(index: int, conn: Any, redis_url: str, job: str, owner: int) -> None:

@@ -1,0 +1,162 @@
+"""How one validated result is folded into the server weights: the rule, its staleness,
+its base, and the clip radius that only trusted results feed.
+
+The merge rule (:mod:`boinc_dl.server.assimilator.rules`) is chosen by the job spec:
+
+* ``delta`` (the default): ``W_s <- W_s + lr * S(s) * scale * (W_c - W_b)``, the client's
+  own progress from the weights it started from (``W_b``), damped by its staleness ``s``
+  (``S(s) = (1 + s) ** -p``) so that results computed from one base add up to their mean,
+  not their sum;
+* ``fedasync``: ``W_s <- W_s + (1 - a) * S(s) * (W_c - W_s)``;
+* ``paper``: the VC-ASGD paper's ``W_s <- a*W_s + (1-a)*W_c``, kept to reproduce it.
+
+MOP replaces a model's weights (its units never overlap): ``W_s <- W_c``, clipped too.
+
+Per result, before any shard is touched (a re-run after a crash applies the shards
+left with the same numbers, recorded in the merge record):
+
+* the **staleness** ``s``: merges into the model since the unit's base version, both
+  from the server's own records (never the result file's ``base_version``, which the
+  host writes);
+* the **base weights** ``W_b``: the unit's input weights file, which the work generator
+  wrote and keeps;
+* the **clip scale**: an update ``W_c - W_b`` longer than the clip radius is shortened to
+  it. The radius is ``clip_factor`` times the median norm of *trusted* updates, frozen per
+  epoch (:class:`~boinc_dl.server.assimilator.rules.TrustedRadius`). A result is trusted
+  when the job system vouches for it: the local backend's hosts are the user's own; on
+  BOINC, a result whose workunit was replicated and agreed with a replica from another
+  host. A patient host cannot feed the radius with its own accepted results.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from boinc_dl.server.assimilator import rules
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.errors import WeightsFormatError
+from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.weights import Fingerprint, read_weights
+from boinc_dl.server.common.workunit import WEIGHTS_IN
+
+log = logging.getLogger(__name__)
+
+#: Name of the trusted statistic the clip radius is computed from (per model).
+RADIUS = "update_norm"
+
+
+def rule_for(spec: JobSpec, epoch: int) -> rules.MergeRule:
+    """The merge rule of ``spec`` for a unit of ``epoch``."""
+    if spec.mode != "vcasgd":
+        return rules.MergeRule("paper", 0.0)  # MOP: the unit's weights replace the model's
+    v = spec.vcasgd
+    stale = rules.Staleness("poly", p=v.staleness_power)
+    if v.merge_rule == "delta":
+        return rules.MergeRule("delta", staleness=stale, server_lr=v.server_lr)
+    if v.merge_rule == "fedasync":
+        return rules.MergeRule("fedasync", v.alpha_for(epoch), stale)
+    return rules.MergeRule("paper", v.alpha_for(epoch))
+
+
+def trusted_radius(store: JobStore, spec: JobSpec, model: str, epoch: int) -> float | None:
+    """The clip radius in force for ``model`` in ``epoch`` (None: no trusted statistics
+    yet, or clipping off). Frozen at its first computation: the first assimilator of an
+    epoch to compute it stores it, every other one reads the stored value."""
+    v = spec.validation
+    if v.clip_factor is None:
+        return None
+    frozen = store.trusted_frozen(model, RADIUS, epoch)
+    if frozen is not None:
+        return frozen
+    tr = rules.TrustedRadius(factor=v.clip_factor, min_samples=v.clip_min_trusted)
+    tr.values = store.trusted_values(model, RADIUS, tr.window)
+    r = tr.radius(epoch)
+    if r is None:
+        return None
+    return store.freeze_trusted(model, RADIUS, epoch, r)
+
+
+@dataclass
+class MergePlan:
+    """Everything a merge of one result needs, computed once before its first shard."""
+
+    rule: rules.MergeRule
+    staleness: int
+    base_version: int | None
+    base: np.ndarray | None
+    scale: float
+    norm: float | None
+    radius: float | None
+
+    def combine(self, wc: np.ndarray) -> Any:
+        """The per-shard update ``combine(ws, slice)`` that :meth:`JobStore.merge` calls."""
+        base, rule, s, scale = self.base, self.rule, self.staleness, self.scale
+
+        def combine(ws: np.ndarray, sl: slice) -> np.ndarray:
+            return rule.apply(ws, wc[sl], None if base is None else base[sl], s, None, scale)
+        return combine
+
+    def record(self) -> dict[str, Any]:
+        """The plan's numbers for the merge record (enough to replay the merge)."""
+        return {"rule": self.rule.describe(), "staleness": self.staleness, "base_version": self.base_version,
+                "clip_scale": self.scale, "update_norm": self.norm, "clip_radius": self.radius}
+
+
+def base_of(info: dict[str, Any], attempt: int | None) -> tuple[int | None, str | None]:
+    """(weights version, weights file) a unit's ``attempt`` was issued from: the job
+    system names the attempt a result belongs to (a regenerated unit runs as
+    ``<unit>_r<n>``); without one, the unit's current issue."""
+    rec = (info.get("bases") or {}).get(str(attempt)) if attempt is not None else None
+    if rec:
+        return int(rec[0]), str(rec[1])
+    v = info.get("weights_version")
+    return (int(v) if v is not None else None), (info.get("files") or {}).get(WEIGHTS_IN)
+
+
+def plan_merge(store: JobStore, spec: JobSpec, info: dict[str, Any], model: str, epoch: int,
+               wc: np.ndarray, fp: Fingerprint, attempt: int | None = None) -> MergePlan:
+    """The plan of merging ``wc``, a result of ``attempt`` of the unit recorded as ``info``."""
+    rule = rule_for(spec, epoch)
+    base_version, base_path = base_of(info, attempt)
+    now = store.version(model)
+    staleness = max(0, now - (base_version if base_version is not None else now))
+    radius = trusted_radius(store, spec, model, epoch)
+    base = load_base(base_path, fp)
+    if base is None and rule.needs_base:
+        # The unit's base is gone (removed by hand): damp the result by its staleness with
+        # a mix instead, which needs no base.
+        log.warning("unit base weights missing (%s): mixing this result instead", base_path)
+        rule = rules.MergeRule("fedasync", 0.0, rule.staleness)
+    norm = rules.update_norm(wc, base) if base is not None else None
+    scale = rules.clip_scale(norm, radius) if norm is not None else 1.0
+    return MergePlan(rule, staleness, base_version, base, scale, norm, radius)
+
+
+def load_base(path: str | None, fp: Fingerprint) -> np.ndarray | None:
+    """A unit's base weights (an input weights file the work generator wrote), or None."""
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        return read_weights(path, fp).flat
+    except (WeightsFormatError, OSError):
+        return None
+
+
+def update_distance(store: JobStore, info: dict[str, Any], attempt: int | None, model: str, wc: np.ndarray,
+                    fp: Fingerprint) -> float:
+    """``||W_c - W_b||`` of a result, for the hard cap ``max_update_norm``; against the
+    server's current weights when the unit's base is gone."""
+    base = load_base(base_of(info, attempt)[1], fp)
+    return rules.update_norm(wc, base if base is not None else store.snapshot(model).flat)
+
+
+def observe(store: JobStore, model: str, epoch: int, plan: MergePlan, trusted: bool) -> None:
+    """After a merge: a trusted result's update norm joins the statistics of the radius."""
+    if trusted and plan.norm is not None and math.isfinite(plan.norm):
+        store.push_trusted_value(model, RADIUS, epoch, plan.norm, rules.TrustedRadius().window)
