@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator import norms
+from boinc_dl.server.assimilator import norms, rules
+from boinc_dl.server.assimilator.rules import merge_into  # noqa: F401 - part of this module's interface
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.validator.checks import ValidResult
@@ -32,18 +33,6 @@ class AssimilationOutcome:
     version: int = 0
     reason: str = ""
     retries: int = 0
-
-
-def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
-    """``a*ws + (1-a)*wc`` computed in place in ``ws`` as ``a*(ws - wc) + wc``: three
-    passes over float32 and no 20 MB temporary."""
-    if alpha == 0.0:
-        ws[:] = wc
-        return ws
-    ws -= wc
-    ws *= np.float32(alpha)
-    ws += wc
-    return ws
 
 
 #: The range each host metric may take; a value outside it is recorded as None.
@@ -96,17 +85,22 @@ def assimilate_valid(
     # The distance for the adaptive bound's statistic, from the shards as merged (no
     # second read of the weights): squared distance per shard, by shard start.
     sq: dict[int, float] = {}
+    # The rule by name and parameters (rules.py): a durable merge logs them and a replay
+    # after a Redis crash recomputes the same bytes with them.
+    rule, rule_params = "alpha", {"alpha": alpha}
 
     def combine(ws: np.ndarray, sl: slice) -> np.ndarray:
         d = wc[sl] - ws
         sq[sl.start or 0] = float(np.dot(d, d))
-        return merge_into(ws, wc[sl], alpha)
+        return rules.apply(rule, ws, wc[sl], rule_params)
 
     m = res.metrics
     record: dict[str, Any] = {
         "epoch": epoch,
         "shard": info.get("shard"),
         "alpha": alpha,
+        "rule": rule,
+        "rule_params": rule_params,
         "base_version": res.weights.base_version,
         "examples_seen": res.weights.examples_seen,
         # A host's metrics are typed here: what the generator, status and reports read
@@ -118,7 +112,7 @@ def assimilate_valid(
         store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
-    out = store.merge(model, unit, combine, record, epoch, strict=use_strict)
+    out = store.merge(model, unit, combine, record, epoch, strict=use_strict, source=res.files.weights)
     if out.given_up:
         reason = "the unit was already given up; a late result is not merged"
         return AssimilationOutcome("duplicate", unit, out.version, reason, out.retries)

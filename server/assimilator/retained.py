@@ -1,0 +1,133 @@
+"""Retained inputs: a merged result's weights file, kept until a snapshot covers its merge.
+
+A durable merge logs its input by name (``docs/parameter-server.md``, "Durability"):
+the bytes a replay needs are the result's weights file, already on the server's disk.
+Job systems delete result files once a merge is acknowledged (BOINC's file deleter,
+the local backend's cleanup, BOINC's intake removes its working copy), so the file is
+first given a second name in the job's retained area, ``<durable dir>/inputs/<model>/``:
+
+* **one filesystem**: a hard link, which costs no copy; deleting the upload later
+  removes one name, the data stays until the retained name goes too;
+* **another filesystem** (``EXDEV``): a copy, bounded by the job's upload bound (about
+  10-20 ms for 20 MB); ``RetainedInput.copied`` says which happened.
+
+A background thread then computes the file's SHA-256 and ``fdatasync``s it and its
+directory, overlapping the validation and the merge; the merge waits for it before it
+is acknowledged (:meth:`RetainedInput.wait`), so an acknowledged merge never names an
+input that a crash of the machine could take back. The retained file is removed when a
+snapshot covers its merge (:mod:`boinc_dl.server.assimilator.snapshot`).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from boinc_dl.server.common import bounded
+from boinc_dl.server.common.errors import ResultRejected
+from boinc_dl.server.common.paths import confined
+
+#: Read size for hashing (hashlib releases the GIL for every chunk).
+_CHUNK = 1 << 20
+
+
+class RetainedInput:
+    """One result file, retained under ``area``: its path, size and (once computed) SHA-256."""
+
+    def __init__(self, source: Path, path: Path, rel: str, size: int, copied: bool):
+        self.source = source
+        self.path = path
+        #: The path relative to the durable dir: what the log records.
+        self.rel = rel
+        self.size = size
+        self.copied = copied
+        self._sha: str | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._settle, name="bdl-retain", daemon=True)
+        self._thread.start()
+
+    def _settle(self) -> None:
+        try:
+            h = hashlib.sha256()
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+                    buf = bytearray(_CHUNK)
+                    view = memoryview(buf)
+                    while n := f.readinto(buf):
+                        h.update(view[:n])
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            sync_dir(self.path.parent)
+            self._sha = h.hexdigest()
+        except BaseException as e:  # noqa: BLE001 - reported by wait()
+            self._error = e
+
+    def wait(self) -> str:
+        """Block until the file is hashed and on disk; its SHA-256 (hex)."""
+        self._thread.join()
+        if self._error is not None:
+            raise OSError(f"retained input {self.path}: {self._error}") from self._error
+        assert self._sha is not None
+        return self._sha
+
+    def discard(self) -> None:
+        """Remove the retained name (its merge was not logged: rejected, a duplicate)."""
+        self._thread.join()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def retain(source: Path, durable_dir: Path, model: str, unit: str, max_bytes: int | None = None) -> RetainedInput:
+    """Give ``source`` a second name in the retained area of ``model`` (hard link, or a
+    bounded copy across filesystems) and start hashing and syncing it.
+
+    ``unit`` and ``model`` come from the job's records, never from the file; the name
+    is built with :func:`confined`. Raises :class:`ResultRejected` for a symbolic link
+    or a file over ``max_bytes``, ``OSError`` when the area cannot be written."""
+    source = Path(source)
+    if source.is_symlink():
+        raise ResultRejected(f"result file {source.name} is a symbolic link")
+    area = confined(durable_dir, "inputs", model)
+    area.mkdir(parents=True, exist_ok=True)
+    size = source.stat().st_size
+    if max_bytes is not None and size > max_bytes:
+        raise ResultRejected(f"result file {source.name}: {size} bytes, over the {max_bytes}-byte bound")
+    name = f"{unit}.{os.urandom(6).hex()}.h5"
+    path = confined(area, name)
+    copied = False
+    try:
+        os.link(source, path)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        # Another filesystem (or one without hard links): a copy of its own.
+        bounded.copy_file_bounded(source, path, max_bytes if max_bytes is not None else size)
+        copied = True
+    return RetainedInput(source, path, f"inputs/{model}/{name}", size, copied)
+
+
+def sha256_of(path: Path) -> str:
+    """SHA-256 (hex) of a file, read in chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def sync_dir(path: Path) -> None:
+    """fsync a directory, so that a name just created in it survives a machine crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
