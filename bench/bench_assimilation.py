@@ -7,15 +7,23 @@ update in Redis (1.29 s in MySQL) in the paper. Baseline measured in the same ru
 a naive parameter server that reads the file tensor by tensor, unpickles the server
 copy from a plain GET, merges per tensor and SETs the pickle back.
 
+Durability, in the same run, rows alternated result by result: the *logged* merge (a
+job with a durable dir: the shard bytes out of the AOF, the merge log and the retained
+input make it durable; on a Redis of its own, so that its AOF's growth per merge is
+measured alone; also with ``appendfsync always``), against today's *byte-logged* merge
+(the shard bytes in the AOF) with the AOF on and with Redis's AOF off.
+
     python bench/bench_assimilation.py [--updates 30] [--params 4972746]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +35,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, median  # noqa: E402
-from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator import snapshot as snaps  # noqa: E402
+from boinc_dl.server.assimilator.aof_sync import aof_files  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect  # noqa: E402
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
 from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec  # noqa: E402
@@ -73,6 +83,11 @@ def append_ms(path: Path, data: memoryview, n: int, recycle: bool) -> list[float
     return times
 
 
+def aof_size(data_dir: Path) -> int:
+    """Bytes of a Redis data dir's append-only file(s)."""
+    return sum(f.stat().st_size for f in aof_files(data_dir))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--updates", type=int, default=30)
@@ -89,6 +104,9 @@ def main() -> None:
     # (not a deployment setting: a crash would lose merges), and a bare append of the
     # model's bytes to a file beside the AOF, what every durable merge writes.
     bare = EmbeddedRedis(tmp / "redis-noaof", extra_args=["--appendonly", "no"]).start()
+    logged_srv = EmbeddedRedis(tmp / "redis-logged").start()
+    always_srv = EmbeddedRedis(tmp / "redis-logged-always", appendfsync="always").start()
+    os.environ.setdefault("BDL_SNAPSHOT_EVERY", str(10**6))  # one snapshot, timed on its own below
     try:
         r = connect(srv.url)
         spec = parse_spec({"name": "bench", "model": "m:f", "dataset": {"name": "digits"},
@@ -114,6 +132,16 @@ def main() -> None:
         noaof_store = JobStore(connect(bare.url), "noaof")
         noaof_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {})
         noaof_store.init_weights("0", w0)
+        # The logged merge: a job with a directory (its durable dir beside the results).
+        logged_store = JobStore(connect(logged_srv.url), "logged")
+        logged_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {"job_dir": str(tmp / "job-logged")})
+        logged_store.init_weights("0", w0)
+        always_store = JobStore(connect(always_srv.url), "always")
+        always_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {"job_dir": str(tmp / "job-always")})
+        always_store.init_weights("0", w0)
+        aof0 = aof_size(tmp / "redis-logged")
+        logged: list[float] = []
+        logged_always: list[float] = []
         no_aof: list[float] = []
         ours: list[float] = []
         one_key: list[float] = []
@@ -121,7 +149,8 @@ def main() -> None:
         for i in range(args.updates):
             unit = f"u{i}"
             for st, times, version in ((store, ours, 2), (one_key_store, one_key, 2), (v1_store, v1_files, 1),
-                                       (noaof_store, no_aof, 2)):
+                                       (noaof_store, no_aof, 2), (logged_store, logged, 2),
+                                       (always_store, logged_always, 2)):
                 st.register_unit(unit, {"epoch": 1, "shard": i, "model": "0"}, 1)
                 path = tmp / f"r{i}.h5"
                 write_weights(path, WeightsFile(wc, fp, job=st.job, model="0", unit=unit), format_version=version)
@@ -130,6 +159,13 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
                 assert out.status == "merged", out
                 path.unlink()
+        aof_per_merge = (aof_size(tmp / "redis-logged") - aof0) / args.updates
+        intent_bytes = statistics.median(len(v) for v in logged_store.r.hvals(logged_store.mlog_key("0")))
+        mark = logged_store.r.hget(logged_store._shard_keys("0", 0)[1], "u:u3")
+        record_bytes = len(json.dumps(logged_store.assimilated()["u3"]))
+        t0 = time.perf_counter()
+        snaps.take(logged_store, "0")
+        snapshot_s = time.perf_counter() - t0
         # One result at a time (results arriving `--gap` seconds apart, below what the
         # disk can absorb): the latency of a result when the server is not saturated.
         alone: list[float] = []
@@ -188,12 +224,13 @@ def main() -> None:
         appends = append_ms(tmp / "redis" / "append.test", model_bytes, 10, recycle=False)
         appends_recycled = append_ms(tmp / "redis" / "append.test", model_bytes, 10, recycle=True)
     finally:
-        srv.kill()
-        bare.kill()
+        for s in (srv, bare, logged_srv, always_srv):
+            s.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     m_ours, m_naive = median(ours), median(naive)
     mb = fp.n_params * 4 / 1e6
-    print(f"model: {fp.n_params:,} float32 parameters in {len(fp.tensors)} tensors ({mb:.1f} MB)")
+    print(f"model: {fp.n_params:,} float32 parameters in {len(fp.tensors)} tensors ({mb:.1f} MB); "
+          f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"boinc-dl assimilation (validate + atomic merge), median of {len(ours)}: {m_ours*1000:7.1f} ms"
           f"   p90 {sorted(ours)[int(0.9*len(ours))-1]*1000:7.1f} ms")
     print(f"  one result at a time ({args.gap:g} s apart), median of {len(alone)}: {median(alone)*1000:.1f} ms")
@@ -203,6 +240,15 @@ def main() -> None:
     print(f"same, result files in the earlier per-tensor format, median: {median(v1_files)*1000:7.1f} ms "
           f"({median(v1_files)/m_ours:.2f}x)")
     print(f"same, Redis without its append-only file, median: {median(no_aof)*1000:7.1f} ms")
+    m_logged, m_no_aof = median(logged), median(no_aof)
+    print(f"logged (durable) merge, median: {m_logged*1000:7.1f} ms = {m_logged/m_no_aof:.2f}x the merge with "
+          f"the AOF off (goal <= 1.2x, <= 40 ms); byte-logged with the AOF on: {m_ours/m_no_aof:.2f}x")
+    print(f"  with appendfsync always, median: {median(logged_always)*1000:7.1f} ms "
+          f"({median(logged_always)/m_no_aof:.2f}x)")
+    print(f"  AOF growth per logged merge: {aof_per_merge:,.0f} bytes (intent {intent_bytes:.0f} B, "
+          f"{store.layout('0').shards} shard marks like {mark!r}, merge record {record_bytes} B, in the "
+          f"assimilated hash and the metrics stream); a snapshot (read, write, fsync, truncate): "
+          f"{snapshot_s*1000:.0f} ms")
     print(f"a bare {mb:.0f} MB append to a file beside the AOF: {median(appends)*1000:.1f} ms on fresh pages, "
           f"{median(appends_recycled)*1000:.1f} ms on recycled ones")
     print(f"same, whole model as one shard (one-key layout), median: {median(one_key)*1000:7.1f} ms "
@@ -216,6 +262,12 @@ def main() -> None:
          read_check_v1_s=median(read_v1), one_at_a_time_median_s=median(alone), gap_s=args.gap, no_aof_median_s=median(no_aof),
          bare_append_s=median(appends),
          bare_append_recycled_s=median(appends_recycled),
+         logged_median_s=m_logged, ratio_logged_vs_no_aof=m_logged / m_no_aof,
+         ratio_byte_logged_vs_no_aof=m_ours / m_no_aof, logged_always_median_s=median(logged_always),
+         logged_p90_s=sorted(logged)[int(0.9 * len(logged)) - 1],
+         meets_durable_goal=m_logged <= 1.2 * m_no_aof and m_logged <= 0.040,
+         aof_bytes_per_logged_merge=aof_per_merge, intent_bytes=intent_bytes, record_bytes=record_bytes,
+         snapshot_s=snapshot_s, load=os.getloadavg(),
          p90_s=sorted(ours)[int(0.9 * len(ours)) - 1], naive_median_s=m_naive, ratio_naive=m_naive / m_ours,
          paper_redis_s=PAPER_REDIS_S, goal_s=0.05, meets_goal=m_ours <= 0.05,
          **{f"phase_{k.split()[0].replace('+', '_').replace('/', '_')}_s": median(v) for k, v in phases.items()})

@@ -69,6 +69,15 @@ def merge_file(store: JobStore, path: Path, unit: str) -> str:
     return assimilate_files(store, [path], make_spec(store.job), unit=unit).status
 
 
+def log_entry(store: JobStore, unit: str) -> dict:
+    """The unit's entry in the model's merge log."""
+    return json.loads(store.r.hget(store.mlog_key("0"), unit))
+
+
+def retained_path(store: JobStore, job_dir: Path, unit: str) -> Path:
+    return job_dir / "durable" / "inputs" / "0" / f"{unit}.{log_entry(store, unit)['f']}.h5"
+
+
 def aof_bytes(data_dir: Path) -> int:
     return sum(os.path.getsize(f) for f in glob.glob(str(data_dir / "appendonly*")) +
                glob.glob(str(data_dir / "appendonlydir" / "*")))
@@ -119,9 +128,10 @@ def test_logged_merges_keep_the_bytes_out_of_the_aof_and_come_back_bitwise(env) 
     # not by 40 x 8 KB of shard bytes.
     grown = aof_bytes(tmp / "redis") - aof_before
     assert grown < 40 * 3000, grown
-    rec = store.assimilated()["u7"]
-    assert len(rec["shard_versions"]) == 4 and len(rec["input"]["sha256"]) == 64
-    assert (tmp / "job" / "durable" / rec["input"]["path"]).is_file()
+    entry = log_entry(store, "u7")
+    assert entry["rule"] == "alpha" and entry["params"] == {"alpha": ALPHA}
+    assert len(entry["versions"]) == 4 and len(entry["sha256"]) == 64
+    assert retained_path(store, tmp / "job", "u7").is_file()
     after_store = _restart(srv)
     after = after_store.snapshot("0")
     assert after.flat.tobytes() == before.flat.tobytes()
@@ -204,7 +214,7 @@ def test_a_lost_input_stops_recovery_until_it_is_back(env) -> None:
     for i in range(3):
         assert merge_file(store, result_file(tmp / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
     before = store.snapshot("0").flat.tobytes()
-    lost = tmp / "job" / "durable" / store.assimilated()["u1"]["input"]["path"]
+    lost = retained_path(store, tmp / "job", "u1")
     aside = tmp / "aside.h5"
     lost.rename(aside)
     after_store = _restart(srv)
@@ -220,7 +230,7 @@ def test_a_damaged_input_is_refused(env) -> None:
     store = new_job(srv.url, tmp / "job", units=2)
     for i in range(2):
         assert merge_file(store, result_file(tmp / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
-    path = tmp / "job" / "durable" / store.assimilated()["u0"]["input"]["path"]
+    path = retained_path(store, tmp / "job", "u0")
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF
     path.unlink()
@@ -272,7 +282,7 @@ def test_a_job_without_a_directory_logs_its_bytes_as_before(env) -> None:
     store.init_weights("0", np.zeros(N, np.float32))
     store.register_unit("u0", {"epoch": 1, "shard": 0, "model": "0"}, 1)
     assert merge_file(store, result_file(tmp / "r", "plain", "u0", 0), "u0") == "merged"
-    assert "input" not in store.assimilated()["u0"]
+    assert store.r.hlen(store.mlog_key("0")) == 0
     before = store.snapshot("0").flat.tobytes()
     assert _restart(srv, "plain").snapshot("0").flat.tobytes() == before
 

@@ -8,8 +8,9 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
 1. **retain** the result's weights file in the job's retained area (a hard link:
    :mod:`boinc_dl.server.assimilator.retained`), hashed and synced in the background;
 2. **intent** (before any shard changes): ``bdl:J:mlog:M`` hash, unit -> JSON {rule,
-   its parameters, the retained file's path and size}; logged. The first intent of a
-   unit wins: a second result of the same unit finishes the first one's merge;
+   its parameters, the retained file (``inputs/M/<unit>.<f>.h5``: ``f``) and its size};
+   logged. The first intent of a unit wins: a second result of the same unit finishes
+   the first one's merge;
 3. **shards**: each shard is committed by ``COMMIT_LOGGED`` (a Lua script, strict:
    the tag it read must still be there): the new bytes, tag and ``bv`` are written
    with replication off, so they stay out of the AOF; the shard's version and the
@@ -17,8 +18,8 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
    is the shard's log entry: the order of the merges into a shard is the order of
    its versions, which is what a replay needs;
 4. **finalize**: once the input is hashed and on disk, ``FINALIZE`` (logged) sets the
-   unit's global mark with the merge record, which now also holds the per-shard
-   versions the merge produced and the input's path and SHA-256.
+   unit's global mark and, in the same script, completes the unit's log entry with the
+   input's SHA-256 and the version each shard reached with this merge.
 
 The bytes are rebuilt after a restart of Redis by
 :mod:`boinc_dl.server.assimilator.recovery`; snapshots bound the replay and let the
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +54,11 @@ BEGIN = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return false end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
+
+
+def input_rel(model: str, unit: str, entry: dict[str, Any]) -> str:
+    """The retained file of a log entry, relative to the durable dir."""
+    return f"inputs/{model}/{unit}.{entry['f']}.h5"
 
 
 @dataclass
@@ -153,26 +158,28 @@ class LoggedMerging:
         assert d is not None
         inp = self._input_for(unit, model, source)
         self._step("retained")
-        intent = {"unit": unit, "model": model, "rule": record["rule"], "params": record.get("rule_params") or {},
-                  "input": inp.rel, "bytes": inp.size, "t": round(time.time(), 3)}
+        intent = {"rule": record["rule"], "params": record.get("rule_params") or {},
+                  "f": inp.path.name[len(unit) + 1:-len(".h5")], "bytes": inp.size}
         begin = self._script("mlog_begin", BEGIN)  # type: ignore[attr-defined]
         prev = self.call(lambda: begin(keys=[self.mlog_key(model)], args=[unit, json.dumps(intent)]))  # type: ignore[attr-defined]
         ours = prev is None
         self._step("intent")
         if not ours:
             first = json.loads(prev)
-            if first.get("input") != inp.rel:
+            if first.get("f") != intent["f"]:
                 # Another result of this unit reached the log first (a crash part-way, or
                 # a late original and its re-issue at once): its input is the unit's.
-                other = LoggedInput(str(first["input"]), d / str(first["input"]), int(first.get("bytes", 0)))
+                rel = input_rel(model, unit, first)
+                other = LoggedInput(rel, d / rel, int(first.get("bytes", 0)))
                 if other.sha256() != inp.sha256():
                     from boinc_dl.server.assimilator.recovery import rule_combine
 
-                    combine_for = rule_combine(self, model, first, other.path)  # type: ignore[arg-type]
+                    combine_for = rule_combine(self, model, unit, first, other.path)  # type: ignore[arg-type]
                     record = {**record, "rule": first["rule"], "rule_params": first.get("params") or {},
                               "helped": True}
                 inp.discard()
                 inp = other
+                intent = first
         versions, retries, applied = self._logged_shards(model, order, unit, combine_for, max_retries)
         if versions is None:
             if ours:
@@ -180,9 +187,8 @@ class LoggedMerging:
                 inp.discard()
             return MergeOutcome(False, self.version(model), retries)  # type: ignore[attr-defined]
         lay = self.layout(model)  # type: ignore[attr-defined]
-        record = {**record, "input": {"path": inp.rel, "sha256": inp.sha256(), "bytes": inp.size},
-                  "shard_versions": [versions[i] for i in range(lay.shards)]}
-        out = self._finalize(model, unit, token, record, epoch, retries)  # type: ignore[attr-defined]
+        entry = {**intent, "sha256": inp.sha256(), "versions": [versions[i] for i in range(lay.shards)]}
+        out = self._finalize(model, unit, token, record, epoch, retries, json.dumps(entry))  # type: ignore[attr-defined]
         self._step("finalized")
         if out.duplicate and ours and not applied:
             # Every shard already carried the unit and its global mark was set: this

@@ -42,6 +42,7 @@ import numpy as np
 from boinc_dl.server.assimilator import rules
 from boinc_dl.server.assimilator import shards as sh
 from boinc_dl.server.assimilator import snapshot as snaps
+from boinc_dl.server.assimilator.mergelog import input_rel
 from boinc_dl.server.assimilator.retained import sha256_of
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.paths import confined
@@ -218,30 +219,23 @@ def rebuild(store: JobStore, model: str, dead: list[int], renew: Callable[[], No
 
 
 def _intents(store: JobStore, model: str, units: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """The intents of ``units`` and, for the finalized ones, their inputs' SHA-256."""
+    """The log entries of ``units`` (with ``unit`` and ``input``, the retained file) and,
+    for the finalized ones, their inputs' SHA-256."""
     if not units:
         return {}, {}
-
-    def read() -> list[Any]:
-        p = store.r.pipeline(transaction=False)
-        p.hmget(store.mlog_key(model), units)
-        p.hmget(store.k("assimilated"), units)
-        return p.execute()
-    raw, recs = store.call(read)
+    raw = store.call(lambda: store.r.hmget(store.mlog_key(model), units))
     intents: dict[str, dict[str, Any]] = {}
     shas: dict[str, str] = {}
-    for u, it, rec in zip(units, raw, recs, strict=True):
+    for u, it in zip(units, raw, strict=True):
         if it is None:
             raise RecoveryError(f"{store.job}/{model}: the log has no intent for unit {u} (dropped without a "
                                 "snapshot covering it?)")
-        intents[u] = json.loads(it)
+        intents[u] = {**json.loads(it), "unit": u, "input": input_rel(model, u, json.loads(it))}
         if rules.get(str(intents[u].get("rule"))) is None:
             raise RecoveryError(f"{store.job}/{model}: unit {u} was merged with rule {intents[u].get('rule')!r}, "
                                 "which this process does not know")
-        if rec is not None:
-            inp = json.loads(rec).get("input") or {}
-            if inp.get("path") == intents[u]["input"] and inp.get("sha256"):
-                shas[u] = str(inp["sha256"])
+        if intents[u].get("sha256"):  # finalized: completed with its input's SHA-256
+            shas[u] = str(intents[u]["sha256"])
     return intents, shas
 
 
@@ -263,7 +257,7 @@ def _load_input(d: Path, intent: dict[str, Any], sha: str | None, fp: Any, n: in
     return np.ascontiguousarray(wc, np.float32)
 
 
-def rule_combine(store: JobStore, model: str, intent: dict[str, Any], path: Path
+def rule_combine(store: JobStore, model: str, unit: str, intent: dict[str, Any], path: Path
                  ) -> Callable[[int], Callable[[np.ndarray], np.ndarray]]:
     """``combine_for(shard)`` of a logged merge, from its intent and retained input: how a
     second result of a unit finishes the merge the first one logged."""
@@ -271,7 +265,8 @@ def rule_combine(store: JobStore, model: str, intent: dict[str, Any], path: Path
     d = store.durable_dir()
     if d is None:
         raise RecoveryError(f"{store.job}: no durable dir to read merge inputs from")
-    wc = _load_input(d, intent, sha256_of(path), store.fingerprint(model), lay.n, f"{store.job}/{model}")
+    intent = {**intent, "unit": unit, "input": input_rel(model, unit, intent)}
+    wc = _load_input(d, intent, intent.get("sha256"), store.fingerprint(model), lay.n, f"{store.job}/{model}")
     rule, params = str(intent["rule"]), intent.get("params") or {}
 
     def combine_for(i: int) -> Callable[[np.ndarray], np.ndarray]:

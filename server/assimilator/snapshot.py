@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from boinc_dl.server.assimilator.mergelog import input_rel
 from boinc_dl.server.assimilator.retained import sha256_of, sync_dir
 from boinc_dl.server.common.paths import confined
 
@@ -175,7 +176,7 @@ def truncate(store: JobStore, model: str, m: Manifest) -> int:
     assert d is not None
     for u in drop:
         try:
-            confined(d, *Path(str(intents[u]["input"])).parts).unlink(missing_ok=True)
+            confined(d, *Path(input_rel(model, u, intents[u])).parts).unlink(missing_ok=True)
         except (OSError, ValueError):
             pass
     return len(drop)
@@ -190,8 +191,8 @@ def sweep_orphans(store: JobStore, model: str, older_than_s: float = ORPHAN_AGE_
     area = d / "inputs" / model
     if not area.is_dir():
         return 0
-    named = {Path(str(json.loads(v)["input"])).name
-             for v in store.call(lambda: store.r.hvals(store.mlog_key(model)))}
+    named = {Path(input_rel(model, k.decode(), json.loads(v))).name
+             for k, v in store.call(lambda: store.r.hgetall(store.mlog_key(model))).items()}
     now, n = time.time(), 0
     for f in area.iterdir():
         try:

@@ -4,6 +4,7 @@ deleter then removes the upload; a merge's retained input survives both."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def test_boincs_intake_and_file_deleter_leave_the_retained_input_intake_and_file
         assert p.returncode == 0, p.stderr
         for q in paths:  # the file deleter
             Path(q).unlink()
-    rec = store.assimilated()[f"{spec.name}__m0_e0001_s0001"]
-    assert rec["input"]["path"].startswith("inputs/0/")
+    u = f"{spec.name}__m0_e0001_s0001"
+    entry = json.loads(store.r.hget(store.mlog_key("0"), u))
+    assert (project.job_dir(spec.name) / "durable" / "inputs" / "0" / f"{u}.{entry['f']}.h5").is_file()
     assert not list((project.boincdl_dir / "spool").glob("*.*/*"))  # the intake's working copies are gone
     before = store.snapshot("0").flat.tobytes()
     redis_server.kill()
