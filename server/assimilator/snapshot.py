@@ -256,3 +256,34 @@ def after_merge(store: JobStore, model: str) -> threading.Thread | None:
         _running[key] = t
         t.start()
         return t
+
+
+@dataclass
+class LogStatus:
+    """Where one model's merge log stands (``boinc-dl redis check``)."""
+
+    job: str
+    model: str
+    merges: int              # merges in the log (since the snapshot that truncated it)
+    input_bytes: int         # their retained inputs: what a rebuild reads
+    snapshot_age_s: float | None
+    not_live: int            # shards whose bytes Redis lost (rebuilt at the next read or merge)
+
+
+def status(store: JobStore) -> list[LogStatus]:
+    """The merge log of every model of ``store``'s job (empty for a job without a durable dir)."""
+    from boinc_dl.server.assimilator.recovery import dead_shards
+
+    if store.durable_dir() is None:
+        return []
+    out = []
+    for model in store.models():
+        entries = [json.loads(v) for v in store.call(lambda m=model: store.r.hvals(store.mlog_key(m)))]
+        m = manifest(store, model)
+        try:
+            dead = len(dead_shards(store, model))
+        except Exception:  # noqa: BLE001 - a model without weights yet
+            dead = 0
+        out.append(LogStatus(store.job, model, len(entries), sum(int(e.get("bytes", 0)) for e in entries),
+                             time.time() - m.t if m else None, dead))
+    return out
