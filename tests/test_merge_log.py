@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator import retained
 from boinc_dl.server.assimilator import snapshot as snaps
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.recovery import RecoveryError, ensure_live
@@ -130,7 +131,8 @@ def test_logged_merges_keep_the_bytes_out_of_the_aof_and_come_back_bitwise(env) 
     assert grown < 40 * 3000, grown
     entry = log_entry(store, "u7")
     assert entry["rule"] == "alpha" and entry["params"] == {"alpha": ALPHA}
-    assert len(entry["versions"]) == 4 and len(entry["sha256"]) == 64
+    assert len(entry["versions"]) == 4  # its SHA-256 came from the worker (joined at its exit)
+    assert len(entry["sha256"]) == 64
     assert retained_path(store, tmp / "job", "u7").is_file()
     after_store = _restart(srv)
     after = after_store.snapshot("0")
@@ -230,6 +232,8 @@ def test_a_damaged_input_is_refused(env) -> None:
     store = new_job(srv.url, tmp / "job", units=2)
     for i in range(2):
         assert merge_file(store, result_file(tmp / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
+    retained._finish_pending()  # the SHA-256 is recorded off the merge's critical path
+    assert len(log_entry(store, "u0")["sha256"]) == 64
     path = retained_path(store, tmp / "job", "u0")
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF

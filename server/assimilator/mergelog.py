@@ -17,9 +17,10 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
    unit's mark ``u:<unit> -> version`` are logged in the same atomic script. That mark
    is the shard's log entry: the order of the merges into a shard is the order of
    its versions, which is what a replay needs;
-4. **finalize**: once the input is hashed and on disk, ``FINALIZE`` (logged) sets the
-   unit's global mark and, in the same script, completes the unit's log entry with the
-   input's SHA-256 and the version each shard reached with this merge.
+4. **finalize**: once the input is on disk, ``FINALIZE`` (logged) sets the unit's
+   global mark and, in the same script, completes the unit's log entry with the version
+   each shard reached with this merge (and the input's SHA-256 when it is computed
+   already; else the hashing thread adds it right after, with ``RECORD_SHA``).
 
 The bytes are rebuilt after a restart of Redis by
 :mod:`boinc_dl.server.assimilator.recovery`; snapshots bound the replay and let the
@@ -55,6 +56,15 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return false end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
+# Add the input's SHA-256 to a finalized log entry, if the entry is still the one the
+# merge wrote (not truncated, not another's). A string edit, not a JSON re-encoding: the
+# rule's parameters keep their exact digits. ARGV: unit, entry as written, SHA-256.
+RECORD_SHA = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], string.sub(ARGV[2], 1, -2) .. ', "sha256": "' .. ARGV[3] .. '"}')
+return 1
+"""
+
 
 def input_rel(model: str, unit: str, entry: dict[str, Any]) -> str:
     """The retained file of a log entry, relative to the durable dir."""
@@ -72,9 +82,18 @@ class LoggedInput:
     sha: str | None = None
 
     def sha256(self) -> str:
-        """The SHA-256, once the file is hashed and synced (waits for that)."""
+        """The SHA-256, once the file is hashed (waits for that)."""
         if self.sha is None:
-            self.sha = self.retained.wait() if self.retained is not None else sha256_of(self.path)
+            self.sha = self.retained.sha256() if self.retained is not None else sha256_of(self.path)
+        return self.sha
+
+    def wait_synced(self) -> None:
+        if self.retained is not None:
+            self.retained.wait_synced()
+
+    def sha_if_ready(self) -> str | None:
+        if self.sha is None and self.retained is not None:
+            self.sha = self.retained.sha_if_ready()
         return self.sha
 
     def discard(self) -> None:
@@ -187,8 +206,21 @@ class LoggedMerging:
                 inp.discard()
             return MergeOutcome(False, self.version(model), retries)  # type: ignore[attr-defined]
         lay = self.layout(model)  # type: ignore[attr-defined]
-        entry = {**intent, "sha256": inp.sha256(), "versions": [versions[i] for i in range(lay.shards)]}
-        out = self._finalize(model, unit, token, record, epoch, retries, json.dumps(entry))  # type: ignore[attr-defined]
+        inp.wait_synced()  # acknowledged only with its input on disk
+        entry = {**intent, "versions": [versions[i] for i in range(lay.shards)]}
+        sha = inp.sha_if_ready()
+        if sha is not None:
+            entry["sha256"] = sha
+        text = json.dumps(entry)
+        out = self._finalize(model, unit, token, record, epoch, retries, text)  # type: ignore[attr-defined]
+        if inp.retained is not None:
+            if sha is None and (out.applied or out.given_up):
+                record_sha = self._script("mlog_sha", RECORD_SHA)  # type: ignore[attr-defined]
+                key = self.mlog_key(model)
+                inp.retained.then_record(lambda h: self.call(  # type: ignore[attr-defined]
+                    lambda: record_sha(keys=[key], args=[unit, text, h])))
+            else:
+                inp.retained.then_record(None)
         self._step("finalized")
         if out.duplicate and ours and not applied:
             # Every shard already carried the unit and its global mark was set: this

@@ -11,19 +11,25 @@ first given a second name in the job's retained area, ``<durable dir>/inputs/<mo
 * **another filesystem** (``EXDEV``): a copy, bounded by the job's upload bound (about
   10-20 ms for 20 MB); ``RetainedInput.copied`` says which happened.
 
-A background thread then computes the file's SHA-256 and ``fdatasync``s it and its
-directory, overlapping the validation and the merge; the merge waits for it before it
-is acknowledged (:meth:`RetainedInput.wait`), so an acknowledged merge never names an
-input that a crash of the machine could take back. The retained file is removed when a
-snapshot covers its merge (:mod:`boinc_dl.server.assimilator.snapshot`).
+A background thread then ``fdatasync`` calls on the file and its directory, overlapping the
+validation and the merge; the merge waits for that before it is acknowledged
+(:meth:`RetainedInput.wait_synced`), so an acknowledged merge never names an input that
+a crash of the machine could take back. The same thread then computes the file's
+SHA-256, off the merge's critical path, and hands it to the merge's ``then_record``
+callback (which completes the merge's log entry with it); a process that exits first
+waits for its threads (``atexit``). The retained file is removed when a snapshot covers
+its merge (:mod:`boinc_dl.server.assimilator.snapshot`).
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import hashlib
 import os
 import threading
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 from boinc_dl.server.common import bounded
@@ -46,38 +52,63 @@ class RetainedInput:
         self.copied = copied
         self._sha: str | None = None
         self._error: BaseException | None = None
+        self._synced = threading.Event()
+        self._hashed = threading.Event()
+        self._handed = threading.Event()
+        self._then: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._settle, name="bdl-retain", daemon=True)
+        _pending.add(self._thread)
         self._thread.start()
 
     def _settle(self) -> None:
         try:
-            h = hashlib.sha256()
             fd = os.open(self.path, os.O_RDONLY)
             try:
-                with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
-                    buf = bytearray(_CHUNK)
-                    view = memoryview(buf)
-                    while n := f.readinto(buf):
-                        h.update(view[:n])
                 os.fdatasync(fd)
             finally:
                 os.close(fd)
             sync_dir(self.path.parent)
-            self._sha = h.hexdigest()
-        except BaseException as e:  # noqa: BLE001 - reported by wait()
+        except BaseException as e:  # noqa: BLE001 - reported by wait_synced()
             self._error = e
+        self._synced.set()
+        if self._error is None:
+            try:
+                self._sha = sha256_of(self.path)
+            except OSError as e:  # removed meanwhile (discarded): nothing to record
+                self._error = e
+        self._hashed.set()
+        if self._sha is not None and self._handed.wait(300) and self._then is not None:
+            try:
+                self._then(self._sha)
+            except Exception:  # noqa: BLE001 - the entry then keeps its size check only
+                pass
 
-    def wait(self) -> str:
-        """Block until the file is hashed and on disk; its SHA-256 (hex)."""
-        self._thread.join()
+    def wait_synced(self) -> None:
+        """Block until the file and its name are on disk (OSError if that failed)."""
+        self._synced.wait()
         if self._error is not None:
             raise OSError(f"retained input {self.path}: {self._error}") from self._error
-        assert self._sha is not None
+
+    def sha_if_ready(self) -> str | None:
+        """The SHA-256 if the thread has computed it already, else None (no waiting)."""
+        return self._sha if self._hashed.is_set() else None
+
+    def sha256(self) -> str:
+        """Block until the file is hashed; its SHA-256 (hex)."""
+        self.wait_synced()
+        self._hashed.wait()
+        if self._sha is None:
+            raise OSError(f"retained input {self.path}: {self._error}")
         return self._sha
+
+    def then_record(self, fn: Callable[[str], None] | None) -> None:
+        """Once hashed, call ``fn(sha256)`` from the thread (None: nothing to record)."""
+        self._then = fn
+        self._handed.set()
 
     def discard(self) -> None:
         """Remove the retained name (its merge was not logged: rejected, a duplicate)."""
-        self._thread.join()
+        self.then_record(None)
         try:
             self.path.unlink()
         except FileNotFoundError:
@@ -111,6 +142,17 @@ def retain(source: Path, durable_dir: Path, model: str, unit: str, max_bytes: in
         bounded.copy_file_bounded(source, path, max_bytes if max_bytes is not None else size)
         copied = True
     return RetainedInput(source, path, f"inputs/{model}/{name}", size, copied)
+
+
+# Threads still hashing: a short-lived process (BOINC's script) finishes them at exit,
+# so that its merges' log entries get their SHA-256.
+_pending: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _finish_pending() -> None:
+    for t in list(_pending):
+        t.join(60)
 
 
 def sha256_of(path: Path) -> str:
