@@ -15,12 +15,11 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
    the tag it read must still be there): the new bytes, tag and ``bv`` are written
    with replication off, so they stay out of the AOF; the shard's version and the
    unit's mark ``u:<unit> -> version`` are logged in the same atomic script. That mark
-   is the shard's log entry: the order of the merges into a shard is the order of
-   its versions, which is what a replay needs;
-4. **finalize**: once the input is on disk, ``FINALIZE`` (logged) sets the unit's
-   global mark and, in the same script, completes the unit's log entry with the version
-   each shard reached with this merge (and the input's SHA-256 when it is computed
-   already; else the hashing thread adds it right after, with ``RECORD_SHA``).
+   is the shard's log entry, and the version the merge produced in that shard: the
+   order of the merges into a shard is the order of its versions, what a replay needs;
+4. **finalize**: once the input is on disk, ``FINALIZE`` sets the unit's global mark
+   (as for every merge). The input's SHA-256, computed off the critical path, is added
+   to the intent when ready (``RECORD_SHA``).
 
 The bytes are rebuilt after a restart of Redis by
 :mod:`boinc_dl.server.assimilator.recovery`; snapshots bound the replay and let the
@@ -56,9 +55,9 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return false end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
-# Add the input's SHA-256 to a finalized log entry, if the entry is still the one the
-# merge wrote (not truncated, not another's). A string edit, not a JSON re-encoding: the
-# rule's parameters keep their exact digits. ARGV: unit, entry as written, SHA-256.
+# Add the input's SHA-256 to an intent, if the intent is still the one the merge read
+# (not truncated, not completed already). A string edit, not a JSON re-encoding: the
+# rule's parameters keep their exact digits. ARGV: unit, intent as stored, SHA-256.
 RECORD_SHA = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], string.sub(ARGV[2], 1, -2) .. ', "sha256": "' .. ARGV[3] .. '"}')
@@ -113,6 +112,7 @@ class LoggedMerging:
     _cache: dict[tuple[str, int], tuple[bytes, np.ndarray]]
     _alone: dict[str, bool]
     _from_snapshot: set[tuple[str, int]]
+    _foreign: bool
     _prefetched: dict[tuple[str, str], RetainedInput]
     _durable_dir: Path | None | bool
     on_merge_step: Callable[[str], None] | None
@@ -175,15 +175,23 @@ class LoggedMerging:
         token = os.urandom(8).hex()
         d = self.durable_dir()
         assert d is not None
-        inp = self._input_for(unit, model, source)
+        try:
+            inp = self._input_for(unit, model, source)
+        except OSError as e:
+            # A full or failing disk: not the result's fault. Transient for the job
+            # system (it keeps the result and tries again), as an unreachable Redis is.
+            raise StoreUnavailable(f"merge of {unit}: cannot retain its input in {d}: {e}") from None
         self._step("retained")
         intent = {"rule": record["rule"], "params": record.get("rule_params") or {},
                   "f": inp.path.name[len(unit) + 1:-len(".h5")], "bytes": inp.size}
         begin = self._script("mlog_begin", BEGIN)  # type: ignore[attr-defined]
-        prev = self.call(lambda: begin(keys=[self.mlog_key(model)], args=[unit, json.dumps(intent)]))  # type: ignore[attr-defined]
-        ours = prev is None
+        text = json.dumps(intent)
+        prev = self.call(lambda: begin(keys=[self.mlog_key(model)], args=[unit, text]))  # type: ignore[attr-defined]
+        # Ours also when a retried BEGIN finds what its first try wrote (a lost reply).
+        ours = prev is None or json.loads(prev).get("f") == intent["f"]
         self._step("intent")
         if not ours:
+            text = prev.decode()
             first = json.loads(prev)
             if first.get("f") != intent["f"]:
                 # Another result of this unit reached the log first (a crash part-way, or
@@ -198,29 +206,27 @@ class LoggedMerging:
                               "helped": True}
                 inp.discard()
                 inp = other
-                intent = first
+        if '"sha256"' not in text:
+            record_sha = self._script("mlog_sha", RECORD_SHA)  # type: ignore[attr-defined]
+            key = self.mlog_key(model)
+
+            def add_sha(h: str) -> None:
+                self.call(lambda: record_sha(keys=[key], args=[unit, text, h]))  # type: ignore[attr-defined]
+            if inp.retained is not None:
+                inp.retained.then_record(add_sha)  # from the hashing thread, once hashed
+            else:
+                add_sha(inp.sha256())  # another result's input, hashed above
         versions, retries, applied = self._logged_shards(model, order, unit, combine_for, max_retries)
         if versions is None:
             if ours:
                 self.call(lambda: self.r.hdel(self.mlog_key(model), unit))  # type: ignore[attr-defined]
                 inp.discard()
             return MergeOutcome(False, self.version(model), retries)  # type: ignore[attr-defined]
-        lay = self.layout(model)  # type: ignore[attr-defined]
-        inp.wait_synced()  # acknowledged only with its input on disk
-        entry = {**intent, "versions": [versions[i] for i in range(lay.shards)]}
-        sha = inp.sha_if_ready()
-        if sha is not None:
-            entry["sha256"] = sha
-        text = json.dumps(entry)
-        out = self._finalize(model, unit, token, record, epoch, retries, text)  # type: ignore[attr-defined]
-        if inp.retained is not None:
-            if sha is None and (out.applied or out.given_up):
-                record_sha = self._script("mlog_sha", RECORD_SHA)  # type: ignore[attr-defined]
-                key = self.mlog_key(model)
-                inp.retained.then_record(lambda h: self.call(  # type: ignore[attr-defined]
-                    lambda: record_sha(keys=[key], args=[unit, text, h])))
-            else:
-                inp.retained.then_record(None)
+        try:
+            inp.wait_synced()  # acknowledged only with its input on disk
+        except OSError as e:
+            raise StoreUnavailable(f"merge of {unit}: its retained input could not be synced: {e}") from None
+        out = self._finalize(model, unit, token, record, epoch, retries)  # type: ignore[attr-defined]
         self._step("finalized")
         if out.duplicate and ours and not applied:
             # Every shard already carried the unit and its global mark was set: this
@@ -243,6 +249,7 @@ class LoggedMerging:
         versions: dict[int, int] = {}
         retries = applied = 0
         left = list(order)
+        self._foreign = False
         backoff = Backoff(self.retry_s)
         while left:
             try:
@@ -282,7 +289,9 @@ class LoggedMerging:
                     applied += 1
                     self._shard_applied(applied)  # type: ignore[attr-defined]
                 if not left:
-                    self._alone[model] = retries == 0
+                    # Nobody else wrote these shards meanwhile: the next merge can commit
+                    # all of them from the cache in one round trip.
+                    self._alone[model] = retries == 0 and not self._foreign
             except (redis.RedisError, redis.RedisClusterException, OSError) as e:
                 if not (isinstance(e, OSError) or is_transient(e) or is_redirect(e)):
                     raise
@@ -332,6 +341,7 @@ class LoggedMerging:
                 # commit's tag check catches a write in between).
                 w = held.run([("GET", wkey)])[0]
                 cached = None
+                self._foreign = True
             if w is None and cached is None:
                 raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
             ws = _writable(cached[1]) if cached is not None else np.frombuffer(w, dtype=np.float32).copy()

@@ -427,18 +427,14 @@ class ShardMerging(LoggedMerging):
                 backoff.wait(f"merge of {unit}", e)
 
     def _finalize(self, model: str, unit: str, token: str, record: dict[str, Any], epoch: int | None,
-                  retries: int, log_entry: str | None = None) -> MergeOutcome:
-        """Set the unit's global mark once every shard carries it (idempotent); with
-        ``log_entry``, the logged merge's completed entry in the model's log with it."""
+                  retries: int) -> MergeOutcome:
+        """Set the unit's global mark once every shard carries it (idempotent)."""
         script = self._script("finalize", sh.FINALIZE)
         rec = json.dumps({**record, "t": time.time(), "token": token})[:-1]
         keys = [self.k("assimilated"), self.k("unit_state"),
                 self.k("epoch", epoch if epoch is not None else "none"), self.k("metrics"), self.k("v", model),
                 self.k("failed")]
         args = [unit, rec, "1" if epoch is not None else "0", model]
-        if log_entry is not None:
-            keys.append(self.mlog_key(model))
-            args.append(log_entry)
         res = self.call(lambda: script(keys=keys, args=args))
         if int(res[0]) == 1:
             return MergeOutcome(True, int(res[1]), retries)

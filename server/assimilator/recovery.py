@@ -12,8 +12,8 @@ read and merge that meets one calls :func:`ensure_live`, which, under a lock in 
 2. lists the merges the shard's log holds after the base (marks ``u:<unit> -> version``),
    which must be every version from the base's to the shard's ``v``;
 3. replays them in version order: each merge's input is read from its retained file
-   (SHA-256 checked against the merge record when the merge was finalized; the size
-   otherwise), and its registered rule (:mod:`~boinc_dl.server.assimilator.rules`)
+   (SHA-256 checked against the one its intent records; the size where the process
+   that hashed it died first), and its registered rule (:mod:`~boinc_dl.server.assimilator.rules`)
    recomputes the shard with the same float ops in the same order: the bytes are
    identical to the ones that were lost;
 4. writes the shard back (unlogged, only if its version did not move).
@@ -223,8 +223,8 @@ def rebuild(store: JobStore, model: str, dead: list[int], renew: Callable[[], No
 
 
 def _intents(store: JobStore, model: str, units: list[str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """The log entries of ``units`` (with ``unit`` and ``input``, the retained file) and,
-    for the finalized ones, their inputs' SHA-256."""
+    """The intents of ``units`` (with ``unit`` and ``input``, the retained file) and the
+    SHA-256 of their inputs, where recorded."""
     if not units:
         return {}, {}
     raw = store.call(lambda: store.r.hmget(store.mlog_key(model), units))
@@ -238,7 +238,7 @@ def _intents(store: JobStore, model: str, units: list[str]) -> tuple[dict[str, d
         if rules.get(str(intents[u].get("rule"))) is None:
             raise RecoveryError(f"{store.job}/{model}: unit {u} was merged with rule {intents[u].get('rule')!r}, "
                                 "which this process does not know")
-        if intents[u].get("sha256"):  # finalized: completed with its input's SHA-256
+        if intents[u].get("sha256"):
             shas[u] = str(intents[u]["sha256"])
     return intents, shas
 

@@ -158,14 +158,11 @@ def is_live(tag: object, v: object, bv: object) -> bool:
 # the accounting it drives (version counter, unit state, epoch count, metrics entry).
 # A unit given up meanwhile (its epoch already counted it failed) is not marked: its
 # shards carry the update, but the accounting never counts one unit twice.
-# KEYS: assimilated, unit_state, epoch hash, metrics, version counter, failed, and for a
-# logged merge the model's merge log. ARGV: unit, record JSON without its closing
-# brace, has-epoch flag, model, and for a logged merge its completed log entry (the
-# intent with the input's SHA-256 and the per-shard versions): written with the mark.
+# KEYS: assimilated, unit_state, epoch hash, metrics, version counter, failed.
+# ARGV: unit, record JSON without its closing brace, has-epoch flag, model.
 FINALIZE = """
 local prev = redis.call('HGET', KEYS[1], ARGV[1])
 if prev then return {0, prev} end
-if ARGV[5] then redis.call('HSET', KEYS[7], ARGV[1], ARGV[5]) end
 if redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1 then
   redis.call('XADD', KEYS[4], '*', 'kind', 'late_merge', 'unit', ARGV[1], 'model', ARGV[4])
   return {-1}

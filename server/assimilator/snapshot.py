@@ -196,7 +196,8 @@ def sweep_orphans(store: JobStore, model: str, older_than_s: float = ORPHAN_AGE_
     now, n = time.time(), 0
     for f in area.iterdir():
         try:
-            if f.name not in named and now - f.stat().st_mtime > older_than_s:
+            # ctime, not mtime: a hard link keeps the upload's mtime, but link() sets ctime.
+            if f.name not in named and now - f.stat().st_ctime > older_than_s:
                 f.unlink()
                 n += 1
         except OSError:
