@@ -83,6 +83,72 @@ def append_ms(path: Path, data: memoryview, n: int, recycle: bool) -> list[float
     return times
 
 
+def commit_costs(tmp: Path, flat: np.ndarray, shards: int, n: int = 30) -> dict[str, float]:
+    """Median seconds to commit a whole model's shards in one round trip, three ways: as
+    the logged merge does (``COMMIT_LOGGED``: a Lua script, the bytes kept out of the AOF
+    with their two Lua copies), and as the byte-logged merge does (``MULTI``/``SET``)
+    with the AOF on and with it off. Each on a fresh Redis; rows alternated."""
+    from boinc_dl.server.assimilator import shards as sh
+    from boinc_dl.server.assimilator.merging import _Held
+    from boinc_dl.server.assimilator.shards import ShardLayout
+
+    lay = ShardLayout(flat.size, shards)
+    parts = [sh.as_bytes(flat[lay.bounds(i)]) for i in range(shards)]
+    servers = {"logged": EmbeddedRedis(tmp / "c-logged").start(), "multi_aof": EmbeddedRedis(tmp / "c-aof").start(),
+               "multi_no_aof": EmbeddedRedis(tmp / "c-noaof", extra_args=["--appendonly", "no"]).start()}
+    times: dict[str, list[float]] = {k: [] for k in servers}
+    try:
+        clients = {k: connect(v.url) for k, v in servers.items()}
+        sha = clients["logged"].script_load(sh.COMMIT_LOGGED)
+        for c in clients.values():
+            for i in range(shards):
+                c.hset(f"c:{i}:m", mapping={"tag": "t", "v": 0, "bv": 0})
+        for j in range(n):
+            for k, c in clients.items():
+                held = _Held(c)
+                if k == "logged":
+                    cmds = [("EVALSHA", sha, 2, f"c:{i}:w", f"c:{i}:m", "t", "t", f"u:{j}", parts[i])
+                            for i in range(shards)]
+                else:
+                    cmds = [("MULTI",), *[c2 for i in range(shards) for c2 in
+                                          (("SET", f"c:{i}:w", parts[i]), ("HSET", f"c:{i}:m", "v", j, f"u:{j}", j))],
+                            ("EXEC",)]
+                t0 = time.perf_counter()
+                held.run(cmds)
+                times[k].append(time.perf_counter() - t0)
+                held.release()
+    finally:
+        for v in servers.values():
+            v.kill()
+    return {k: median(v) for k, v in times.items()}
+
+
+def retain_costs(tmp: Path, src: Path, n: int = 5) -> dict[str, float]:
+    """Median seconds to retain a result file: a hard link on the same filesystem, a
+    bounded copy from another one (/dev/shm, a tmpfs, where there is one)."""
+    from boinc_dl.server.assimilator.retained import retain
+
+    out: dict[str, float] = {}
+    shm = Path("/dev/shm")
+    other = shm / f"bdl-bench-{os.getpid()}.h5" if shm.is_dir() and os.stat(shm).st_dev != os.stat(tmp).st_dev \
+        else None
+    for kind, source in (("link", src), ("copy", other)):
+        if source is None:
+            continue
+        if kind == "copy":
+            shutil.copyfile(src, source)
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = retain(source, tmp / "retain-bench", "0", f"u{kind}{i}")
+            ts.append(time.perf_counter() - t0)
+            r.discard()
+        out[kind] = median(ts)
+        if kind == "copy":
+            source.unlink()
+    return out
+
+
 def aof_size(data_dir: Path) -> int:
     """Bytes of a Redis data dir's append-only file(s)."""
     return sum(f.stat().st_size for f in aof_files(data_dir))
@@ -161,8 +227,8 @@ def main() -> None:
                 path.unlink()
         aof_per_merge = (aof_size(tmp / "redis-logged") - aof0) / args.updates
         intent_bytes = statistics.median(len(v) for v in logged_store.r.hvals(logged_store.mlog_key("0")))
-        mark = logged_store.r.hget(logged_store._shard_keys("0", 0)[1], "u:u3")
-        record_bytes = len(json.dumps(logged_store.assimilated()["u3"]))
+        mark = logged_store.r.hget(logged_store._shard_keys("0", 0)[1], "u:u0")
+        record_bytes = len(json.dumps(logged_store.assimilated()["u0"]))
         t0 = time.perf_counter()
         snaps.take(logged_store, "0")
         snapshot_s = time.perf_counter() - t0
@@ -220,6 +286,9 @@ def main() -> None:
             merged = [0.95 * s + 0.05 * c for s, c in zip(server, client, strict=True)]
             r.set("naive", pickle.dumps(merged))
             naive.append(time.perf_counter() - t0)
+        commits = commit_costs(tmp, wc, store.layout("0").shards)
+        write_weights(tmp / "retain.h5", WeightsFile(wc, fp, job="bench", model="0", unit="r"))
+        retains = retain_costs(tmp, tmp / "retain.h5")
         model_bytes = memoryview(wc).cast("B")
         appends = append_ms(tmp / "redis" / "append.test", model_bytes, 10, recycle=False)
         appends_recycled = append_ms(tmp / "redis" / "append.test", model_bytes, 10, recycle=True)
@@ -249,6 +318,10 @@ def main() -> None:
           f"{store.layout('0').shards} shard marks like {mark!r}, merge record {record_bytes} B, in the "
           f"assimilated hash and the metrics stream); a snapshot (read, write, fsync, truncate): "
           f"{snapshot_s*1000:.0f} ms")
+    print(f"committing all {store.layout('0').shards} shards in one round trip: COMMIT_LOGGED (bytes out of the "
+          f"AOF) {commits['logged']*1000:.1f} ms, MULTI/SET with the AOF {commits['multi_aof']*1000:.1f} ms, "
+          f"without it {commits['multi_no_aof']*1000:.1f} ms")
+    print("retaining a result file: " + ", ".join(f"{k} {v*1000:.1f} ms" for k, v in retains.items()))
     print(f"a bare {mb:.0f} MB append to a file beside the AOF: {median(appends)*1000:.1f} ms on fresh pages, "
           f"{median(appends_recycled)*1000:.1f} ms on recycled ones")
     print(f"same, whole model as one shard (one-key layout), median: {median(one_key)*1000:7.1f} ms "
@@ -262,6 +335,8 @@ def main() -> None:
          read_check_v1_s=median(read_v1), one_at_a_time_median_s=median(alone), gap_s=args.gap, no_aof_median_s=median(no_aof),
          bare_append_s=median(appends),
          bare_append_recycled_s=median(appends_recycled),
+         commit_logged_s=commits["logged"], commit_multi_aof_s=commits["multi_aof"],
+         commit_multi_no_aof_s=commits["multi_no_aof"], **{f"retain_{k}_s": v for k, v in retains.items()},
          logged_median_s=m_logged, ratio_logged_vs_no_aof=m_logged / m_no_aof,
          ratio_byte_logged_vs_no_aof=m_ours / m_no_aof, logged_always_median_s=median(logged_always),
          logged_p90_s=sorted(logged)[int(0.9 * len(logged)) - 1],

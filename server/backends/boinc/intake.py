@@ -181,6 +181,10 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
             keep_result(project, store, out.unit, copies, weights=False)
         return out
     finally:
+        # The working copies go; a durable merge has already given the weights copy a
+        # second name in the job's retained area (a hard link, same filesystem as the
+        # spool when the job dir is under the project; else a copy), which its merge
+        # log names until a snapshot covers it (server/assimilator/retained.py).
         shutil.rmtree(work, ignore_errors=True)
 
 
