@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import h5py
@@ -35,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit, median  # noqa: E402
+from boinc_dl.server.assimilator import retained  # noqa: E402
 from boinc_dl.server.assimilator import snapshot as snaps  # noqa: E402
 from boinc_dl.server.assimilator.aof_sync import aof_files  # noqa: E402
 from boinc_dl.server.assimilator.connection import connect  # noqa: E402
@@ -149,6 +151,12 @@ def retain_costs(tmp: Path, src: Path, n: int = 5) -> dict[str, float]:
     return out
 
 
+def redis_cpu(store: JobStore) -> float:
+    """Seconds of CPU ``store``'s Redis has used."""
+    info = store.r.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
 def aof_size(data_dir: Path) -> int:
     """Bytes of a Redis data dir's append-only file(s)."""
     return sum(f.stat().st_size for f in aof_files(data_dir))
@@ -206,6 +214,7 @@ def main() -> None:
         always_store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {"job_dir": str(tmp / "job-always")})
         always_store.init_weights("0", w0)
         aof0 = aof_size(tmp / "redis-logged")
+        cpu: dict[int, list[tuple[float, float]]] = defaultdict(list)
         logged: list[float] = []
         logged_always: list[float] = []
         no_aof: list[float] = []
@@ -220,10 +229,13 @@ def main() -> None:
                 st.register_unit(unit, {"epoch": 1, "shard": i, "model": "0"}, 1)
                 path = tmp / f"r{i}.h5"
                 write_weights(path, WeightsFile(wc, fp, job=st.job, model="0", unit=unit), format_version=version)
+                rc0, c0 = redis_cpu(st), time.process_time()
                 t0 = time.perf_counter()
                 out = assimilate_files(st, [path], spec, f"{unit}_0")
                 times.append(time.perf_counter() - t0)
                 assert out.status == "merged", out
+                retained._finish_pending()  # the input's SHA-256, computed after the merge: its CPU counts
+                cpu[id(times)].append((time.process_time() - c0, redis_cpu(st) - rc0))
                 path.unlink()
         aof_per_merge = (aof_size(tmp / "redis-logged") - aof0) / args.updates
         intent_bytes = statistics.median(len(v) for v in logged_store.r.hvals(logged_store.mlog_key("0")))
@@ -314,6 +326,10 @@ def main() -> None:
           f"the AOF off (goal <= 1.2x, <= 40 ms); byte-logged with the AOF on: {m_ours/m_no_aof:.2f}x")
     print(f"  with appendfsync always, median: {median(logged_always)*1000:7.1f} ms "
           f"({median(logged_always)/m_no_aof:.2f}x)")
+    cpu_ms = {name: (median([c[0] for c in cpu[id(t)]]) * 1000, median([c[1] for c in cpu[id(t)]]) * 1000)
+              for name, t in (("logged", logged), ("byte-logged", ours), ("AOF off", no_aof))}
+    print("  CPU per assimilation (this process incl. the hashing thread / Redis): " +
+          ", ".join(f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in cpu_ms.items()))
     print(f"  AOF growth per logged merge: {aof_per_merge:,.0f} bytes (intent {intent_bytes:.0f} B, "
           f"{store.layout('0').shards} shard marks like {mark!r}, merge record {record_bytes} B, in the "
           f"assimilated hash and the metrics stream); a snapshot (read, write, fsync, truncate): "
@@ -337,6 +353,7 @@ def main() -> None:
          bare_append_recycled_s=median(appends_recycled),
          commit_logged_s=commits["logged"], commit_multi_aof_s=commits["multi_aof"],
          commit_multi_no_aof_s=commits["multi_no_aof"], **{f"retain_{k}_s": v for k, v in retains.items()},
+         cpu_ms_per_merge={k: {"assimilator": a, "redis": b} for k, (a, b) in cpu_ms.items()},
          logged_median_s=m_logged, ratio_logged_vs_no_aof=m_logged / m_no_aof,
          ratio_byte_logged_vs_no_aof=m_ours / m_no_aof, logged_always_median_s=median(logged_always),
          logged_p90_s=sorted(logged)[int(0.9 * len(logged)) - 1],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -89,12 +90,19 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
         store.register_unit(u, {"epoch": 1, "shard": 0, "model": "0"}, 1)
     ctx = mp.get_context("fork")
     ps = [ctx.Process(target=_worker, args=(url, job, units[i::procs], mode, n, str(source))) for i in range(procs)]
+    # CPU per merge, a figure the machine's load does not change much: the assimilator
+    # processes' (their rusage once joined) and Redis's (INFO, one server only).
+    redis_cpu0 = _redis_cpu(store)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     for p in ps:
         p.start()
     for p in ps:
         p.join()
     dt = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    redis_cpu = _redis_cpu(store) - redis_cpu0 if redis_cpu0 is not None else float("nan")
+    client_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     snap = store.snapshot("0")
     lay = store.layout("0")
     # Merges landed in each shard, read back from the shard's values.
@@ -104,9 +112,18 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
     store.delete()
     shutil.rmtree(job_dir, ignore_errors=True)
     return {"mode": mode, "shards": shards, "seconds": dt, "merges_per_s": results / dt,
+            "redis_cpu_ms_per_merge": redis_cpu / results * 1000, "client_cpu_ms_per_merge": client_cpu / results * 1000,
             "landed_min": round(min(landed), 2), "landed_max": round(max(landed), 2),
             "lost": round(results - min(landed), 2), "doubled": round(max(landed) - results, 2),
             "marks": marks, "version": store.version("0") if marks else 0}
+
+
+def _redis_cpu(store: JobStore) -> float | None:
+    """Seconds of CPU the Redis server has used (None for a cluster)."""
+    if store.cluster:
+        return None
+    info = store.r.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 @contextmanager
@@ -202,7 +219,9 @@ def main() -> None:
                     r = run_once(url, mode, a.procs, a.results, a.params, sb)
                 rows[cfg].append(r)
                 print(f"  [{rep + 1}] {eng:18s} {mode:8s} {r['shards']:3d} shard(s): {r['merges_per_s']:6.1f} "
-                      f"merges/s, landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, "
+                      f"merges/s (CPU per merge: Redis {r['redis_cpu_ms_per_merge']:.1f} ms, assimilators "
+                      f"{r['client_cpu_ms_per_merge']:.1f} ms), "
+                      f"landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, "
                       f"marks {r['marks']}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -211,10 +230,13 @@ def main() -> None:
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if a.rows:
         for cfg, m in med.items():
-            print(f"median merges/s {cfg[0]} {cfg[1]}: {m:.1f} ({m / base:.2f}x the first row)")
+            rcpu = statistics.median(r["redis_cpu_ms_per_merge"] for r in rows[cfg])
+            ccpu = statistics.median(r["client_cpu_ms_per_merge"] for r in rows[cfg])
+            print(f"median merges/s {cfg[0]} {cfg[1]}: {m:.1f} ({m / base:.2f}x the first row); CPU per merge: "
+                  f"Redis {rcpu:.1f} ms, assimilators {ccpu:.1f} ms")
             emit("concurrent_merges", engine=cfg[0], mode=cfg[1], procs=a.procs, results=a.results, params=a.params,
                  repeats=a.repeats, merges_per_s=m, runs_merges_per_s=[round(r["merges_per_s"], 2) for r in rows[cfg]],
-                 ratio_vs_first=m / base, lost_max=max(r["lost"] for r in rows[cfg]),
+                 ratio_vs_first=m / base, redis_cpu_ms_per_merge=rcpu, client_cpu_ms_per_merge=ccpu, lost_max=max(r["lost"] for r in rows[cfg]),
                  doubled_max=max(r["doubled"] for r in rows[cfg]), load=os.getloadavg())
         return
     for cfg, rs in rows.items():

@@ -263,7 +263,7 @@ class LoggedMerging:
                         applied += status == "applied"
                     if done:
                         self._shard_applied(applied)  # type: ignore[attr-defined]
-                    self._alone[model] = len(done) == len(left)
+                    self._alone[model] = bool(done) and len(done) == len(left)
                     left = [i for i in left if i not in done]
                     if dead:
                         self.recover(model)  # type: ignore[attr-defined]
@@ -371,6 +371,22 @@ class LoggedMerging:
         rejected; whether a shard was found not live)."""
         from boinc_dl.server.assimilator.merging import _Held, _writable
 
+        # The tags first (a few bytes per shard): with another writer about, computing
+        # and sending 20 MB only to have every commit refused would cost more than this.
+        held = _Held(self.r)
+        ok = False
+        try:
+            heads = held.run([("HMGET", self._shard_keys(model, i)[1], "tag", "v", "bv", field)  # type: ignore[attr-defined]
+                              for i in shards])
+            ok = True
+        finally:
+            held.release() if ok else held.discard()
+        if any(mark is not None or tag != self._cache[(model, i)][0] or not sh.is_live(tag, v, bv)
+               for i, (tag, v, bv, mark) in zip(shards, heads, strict=True)):
+            # Not alone after all: the per-shard path takes over (it reads what changed).
+            self._alone[model] = False
+            self._from_snapshot.difference_update((model, i) for i in shards)
+            return {}, False
         news: list[tuple[int, np.ndarray, bytes, bytes]] = []
         for i in shards:
             (tag, buf), _ = self._take_cached(model, i)  # type: ignore[attr-defined]

@@ -57,7 +57,7 @@ _LOCK_MS = 30_000
 #: Seconds a rebuild takes per GB of retained inputs replayed (read, SHA-256 check, the
 #: rule on every shard), measured by ``bench/bench_redis_restart.py --recovery-merges``
 #: (bench/README.md); ``boinc-dl redis check`` estimates rebuild times with it.
-REPLAY_S_PER_GB = 4.0
+REPLAY_S_PER_GB = 3.1
 #: How long a process waits for another one's rebuild before it gives up (the
 #: rebuilding process renews its lock as it goes; a dead one's lock lapses in 30 s).
 WAIT_S = 1800.0
