@@ -58,7 +58,13 @@ UNIT_S = 300  # a 5-minute unit per host
 def _worker(url: str, job: str, units: list[str], mode: str, n: int, source: str) -> None:
     store = JobStore(connect(url), job)
     wc = np.full(n, C, np.float32)
-    if mode == "logged":
+    if mode == "logged-nohash":
+        # What the inputs' SHA-256 costs: the same merges with the hash replaced by a
+        # constant (a measurement only: such a log could not check its inputs).
+        from boinc_dl.server.assimilator import retained
+
+        retained.sha256_of = lambda path: "0" * 64
+    if mode.startswith("logged"):
         # What the assimilator passes: the rule by name and the result file it came from.
         params = {"alpha": ALPHA}
         for u in units:
@@ -81,7 +87,7 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
     job_dir = Path(tempfile.mkdtemp(prefix="bdl-conc-job-", dir=os.environ.get("BDL_BENCH_DIR")))
     source = job_dir / "result.h5"
     write_weights(source, WeightsFile(np.full(n, C, np.float32), fp, job=job, model="0", unit="any"))
-    store.create("{}", "vcasgd", {"0": fp}, {"job_dir": str(job_dir)} if mode == "logged" else {})
+    store.create("{}", "vcasgd", {"0": fp}, {"job_dir": str(job_dir)} if mode.startswith("logged") else {})
     os.environ["BDL_SHARD_BYTES"] = str(shard_bytes)
     store.init_weights("0", np.zeros(n, np.float32))
     shards = store.layout("0").shards
@@ -199,7 +205,8 @@ def main() -> None:
                ("redis", "eventual", a.shard_bytes), ("redis-aof-defaults", "strict", a.shard_bytes),
                ("redis", "strict+check", a.shard_bytes),
                ("cluster1", "strict", a.shard_bytes), ("cluster3", "strict", a.shard_bytes),
-               ("redis-everysec", "strict", a.shard_bytes), ("redis", "logged", a.shard_bytes)]
+               ("redis-everysec", "strict", a.shard_bytes), ("redis", "logged", a.shard_bytes),
+               ("redis", "logged-nohash", a.shard_bytes)]
     if a.rows:
         # engine:mode names a sharded row; redis:one-key the one-key baseline.
         named = {(e, "one-key" if sb == one_key else m): (e, m, sb) for e, m, sb in configs}

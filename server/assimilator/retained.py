@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import errno
 import hashlib
+import mmap
 import os
 import threading
 import weakref
@@ -35,9 +36,6 @@ from pathlib import Path
 from boinc_dl.server.common import bounded
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.common.paths import confined
-
-#: Read size for hashing (hashlib releases the GIL for every chunk).
-_CHUNK = 1 << 20
 
 
 class RetainedInput:
@@ -156,13 +154,14 @@ def _finish_pending() -> None:
 
 
 def sha256_of(path: Path) -> str:
-    """SHA-256 (hex) of a file, read in chunks."""
+    """SHA-256 (hex) of a file, hashed from a read-only mapping of it (no copy through
+    a buffer; hashlib releases the GIL while it hashes)."""
     h = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as m:
+                h.update(m)
     return h.hexdigest()
 
 
