@@ -11,11 +11,14 @@ each row on a fresh engine: the one-key layout (the whole model as one shard: th
 baseline) and the sharded layout on one Redis, the same with Redis's own AOF-rewrite
 thresholds (the baseline for boinc-dl's), the same with the assimilator's distance
 check (a snapshot of the weights before each merge, as with the default adaptive
-bound), and the sharded layout on a Redis Cluster of 1 and of 3 masters on loopback. Also: one shard's check-and-set as a Lua script vs as
-WATCH/MULTI/EXEC (single process, hiredis parser when installed).
+bound), and the sharded layout on a Redis Cluster of 1 and of 3 masters on loopback;
+the *logged* merge (durable by the merge log: shard bytes out of the AOF, each merge's
+input a retained hard link of one result file, hashed and synced; the assimilator's
+path), against today's byte-logged strict merge. Also: one shard's check-and-set as a
+Lua script vs as WATCH/MULTI/EXEC (single process, hiredis parser when installed).
 Model size: the paper's 4,972,746 float32 parameters.
 
-    python bench/bench_concurrency.py [--procs 4] [--results 100] [--repeats 3]
+    python bench/bench_concurrency.py [--procs 4] [--results 100] [--repeats 3] [--rows redis:strict,redis:logged]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -38,21 +42,35 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import emit  # noqa: E402
+from boinc_dl.server.assimilator import rules  # noqa: E402
 from boinc_dl.server.assimilator import shards as sh  # noqa: E402
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into  # noqa: E402
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis, LocalRedisCluster  # noqa: E402
 from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
-from boinc_dl.server.common.weights import fingerprint_of  # noqa: E402
+from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights  # noqa: E402
 
 ALPHA = 0.99
 C = 1.0
 UNIT_S = 300  # a 5-minute unit per host
 
 
-def _worker(url: str, job: str, units: list[str], mode: str, n: int) -> None:
+def _worker(url: str, job: str, units: list[str], mode: str, n: int, source: str) -> None:
     store = JobStore(connect(url), job)
     wc = np.full(n, C, np.float32)
+    if mode == "logged-nohash":
+        # What the inputs' SHA-256 costs: the same merges with the hash replaced by a
+        # constant (a measurement only: such a log could not check its inputs).
+        from boinc_dl.server.assimilator import retained
+
+        retained.sha256_of = lambda path: "0" * 64
+    if mode.startswith("logged"):
+        # What the assimilator passes: the rule by name and the result file it came from.
+        params = {"alpha": ALPHA}
+        for u in units:
+            store.merge("0", u, lambda ws, sl: rules.apply("alpha", ws, wc[sl], params, sl),
+                        {"rule": "alpha", "rule_params": params}, epoch=1, strict=True, source=Path(source))
+        return
     for u in units:
         if mode == "strict+check":
             # What the assimilator does with the default adaptive distance bound: a
@@ -66,7 +84,10 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
     job = f"conc{os.urandom(3).hex()}"
     fp = fingerprint_of(["w"], [np.zeros(n, np.float32)])
     store = JobStore(connect(url), job)
-    store.create("{}", "vcasgd", {"0": fp}, {})
+    job_dir = Path(tempfile.mkdtemp(prefix="bdl-conc-job-", dir=os.environ.get("BDL_BENCH_DIR")))
+    source = job_dir / "result.h5"
+    write_weights(source, WeightsFile(np.full(n, C, np.float32), fp, job=job, model="0", unit="any"))
+    store.create("{}", "vcasgd", {"0": fp}, {"job_dir": str(job_dir)} if mode.startswith("logged") else {})
     os.environ["BDL_SHARD_BYTES"] = str(shard_bytes)
     store.init_weights("0", np.zeros(n, np.float32))
     shards = store.layout("0").shards
@@ -74,13 +95,20 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
     for u in units:
         store.register_unit(u, {"epoch": 1, "shard": 0, "model": "0"}, 1)
     ctx = mp.get_context("fork")
-    ps = [ctx.Process(target=_worker, args=(url, job, units[i::procs], mode, n)) for i in range(procs)]
+    ps = [ctx.Process(target=_worker, args=(url, job, units[i::procs], mode, n, str(source))) for i in range(procs)]
+    # CPU per merge, a figure the machine's load does not change much: the assimilator
+    # processes' (their rusage once joined) and Redis's (INFO, one server only).
+    redis_cpu0 = _redis_cpu(store)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     for p in ps:
         p.start()
     for p in ps:
         p.join()
     dt = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    redis_cpu = _redis_cpu(store) - redis_cpu0 if redis_cpu0 is not None else float("nan")
+    client_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     snap = store.snapshot("0")
     lay = store.layout("0")
     # Merges landed in each shard, read back from the shard's values.
@@ -88,10 +116,20 @@ def run_once(url: str, mode: str, procs: int, results: int, n: int, shard_bytes:
                     / np.log(ALPHA)) for i in range(shards)]
     marks = len(store.assimilated())
     store.delete()
+    shutil.rmtree(job_dir, ignore_errors=True)
     return {"mode": mode, "shards": shards, "seconds": dt, "merges_per_s": results / dt,
+            "redis_cpu_ms_per_merge": redis_cpu / results * 1000, "client_cpu_ms_per_merge": client_cpu / results * 1000,
             "landed_min": round(min(landed), 2), "landed_max": round(max(landed), 2),
             "lost": round(results - min(landed), 2), "doubled": round(max(landed) - results, 2),
             "marks": marks, "version": store.version("0") if marks else 0}
+
+
+def _redis_cpu(store: JobStore) -> float | None:
+    """Seconds of CPU the Redis server has used (None for a cluster)."""
+    if store.cluster:
+        return None
+    info = store.r.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
 @contextmanager
@@ -126,21 +164,21 @@ def cas_lua_vs_watch(url: str, shard_floats: int, updates: int = 40) -> dict:
     lua, watch = [], []
     for i in range(updates):
         t0 = time.perf_counter()
-        tag, _v, _mark, w = read(keys=[wkey, mkey], args=[f"u:a{i}", b""])
+        tag, _v, _mark, w, _live = read(keys=[wkey, mkey], args=[f"u:a{i}", b""])
         ws = np.frombuffer(w, np.float32).copy()
         ws += 1
-        assert int(cas(keys=[wkey, mkey], args=[tag, f"t{i}a", f"u:a{i}", "tok", ws.tobytes()])[0]) == 1
+        assert int(cas(keys=[wkey, mkey], args=[tag, f"t{i}a", f"u:a{i}", ws.tobytes()])[0]) == 1
         lua.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         with r.pipeline(transaction=True) as p:
             p.watch(mkey)
             if p.hget(mkey, f"u:b{i}") is None:
+                nv = int(p.hget(mkey, "v") or 0) + 1
                 ws = np.frombuffer(p.get(wkey), np.float32).copy()
                 ws += 1
                 p.multi()
                 p.set(wkey, ws.tobytes())
-                p.hset(mkey, mapping={"tag": f"t{i}b", f"u:b{i}": "tok"})
-                p.hincrby(mkey, "v", 1)
+                p.hset(mkey, mapping={"tag": f"t{i}b", f"u:b{i}": nv, "v": nv, "bv": nv})
                 p.execute()
         watch.append(time.perf_counter() - t0)
     r.delete(wkey, mkey)
@@ -154,6 +192,8 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=4_972_746)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shard-bytes", type=int, default=sh.TARGET_SHARD_BYTES)
+    ap.add_argument("--rows", default="", help="only these engine:mode rows (comma-separated), e.g. "
+                                                "redis:strict,redis:logged; the first one is the baseline")
     a = ap.parse_args()
     # A SIGTERM (timeout, Ctrl-C from a wrapper) still runs the finally blocks that stop
     # the Redis servers this script started.
@@ -165,7 +205,12 @@ def main() -> None:
                ("redis", "eventual", a.shard_bytes), ("redis-aof-defaults", "strict", a.shard_bytes),
                ("redis", "strict+check", a.shard_bytes),
                ("cluster1", "strict", a.shard_bytes), ("cluster3", "strict", a.shard_bytes),
-               ("redis-everysec", "strict", a.shard_bytes)]
+               ("redis-everysec", "strict", a.shard_bytes), ("redis", "logged", a.shard_bytes),
+               ("redis", "logged-nohash", a.shard_bytes)]
+    if a.rows:
+        # engine:mode names a sharded row; redis:one-key the one-key baseline.
+        named = {(e, "one-key" if sb == one_key else m): (e, m, sb) for e, m, sb in configs}
+        configs = [named[tuple(r.split(":"))] for r in a.rows.split(",")]
     rows: dict[tuple[str, str, int], list[dict]] = {c: [] for c in configs}
     cas: list[dict] = []
     tmp = Path(tempfile.mkdtemp(prefix="bdl-conc-"))
@@ -181,12 +226,26 @@ def main() -> None:
                     r = run_once(url, mode, a.procs, a.results, a.params, sb)
                 rows[cfg].append(r)
                 print(f"  [{rep + 1}] {eng:18s} {mode:8s} {r['shards']:3d} shard(s): {r['merges_per_s']:6.1f} "
-                      f"merges/s, landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, "
+                      f"merges/s (CPU per merge: Redis {r['redis_cpu_ms_per_merge']:.1f} ms, assimilators "
+                      f"{r['client_cpu_ms_per_merge']:.1f} ms), "
+                      f"landed {r['landed_min']:.2f}..{r['landed_max']:.2f} of {a.results}, "
                       f"marks {r['marks']}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {cfg: statistics.median(r["merges_per_s"] for r in rs) for cfg, rs in rows.items()}
     base = med[configs[0]]
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    if a.rows:
+        for cfg, m in med.items():
+            rcpu = statistics.median(r["redis_cpu_ms_per_merge"] for r in rows[cfg])
+            ccpu = statistics.median(r["client_cpu_ms_per_merge"] for r in rows[cfg])
+            print(f"median merges/s {cfg[0]} {cfg[1]}: {m:.1f} ({m / base:.2f}x the first row); CPU per merge: "
+                  f"Redis {rcpu:.1f} ms, assimilators {ccpu:.1f} ms")
+            emit("concurrent_merges", engine=cfg[0], mode=cfg[1], procs=a.procs, results=a.results, params=a.params,
+                 repeats=a.repeats, merges_per_s=m, runs_merges_per_s=[round(r["merges_per_s"], 2) for r in rows[cfg]],
+                 ratio_vs_first=m / base, redis_cpu_ms_per_merge=rcpu, client_cpu_ms_per_merge=ccpu, lost_max=max(r["lost"] for r in rows[cfg]),
+                 doubled_max=max(r["doubled"] for r in rows[cfg]), load=os.getloadavg())
+        return
     for cfg, rs in rows.items():
         eng, mode, _sb = cfg
         worst_lost = max(r["lost"] for r in rs)

@@ -14,7 +14,17 @@ Measured, from the merge records' timestamps (``history.json``):
   span no kill), and the median gap;
 * that every unit was merged exactly once and the run exited 0.
 
+With ``--recovery-merges N``, instead: the rebuild of logged (durable) merges. A job of
+``--params`` parameters (the paper's 4,972,746 by default) is snapshotted, then N
+results are assimilated through the real path (result files written, retained,
+hashed, synced, logged; each upload deleted after its merge, as a job system does),
+Redis is SIGKILLed and restarted, and the time from the kill until the weights are
+served again is measured (Redis's restart on its small AOF, then the replay of the N
+merges from the snapshot and the retained inputs), with the AOF's growth per merge and
+a bitwise comparison of the weights before and after.
+
     python bench/bench_redis_restart.py [--epochs 6] [--kills 3]
+    python bench/bench_redis_restart.py --recovery-merges 1000 [--params 4972746]
 """
 
 from __future__ import annotations
@@ -63,11 +73,85 @@ def redis_pid(run_dir: Path) -> int | None:
     return None
 
 
+def recovery(merges: int, params: int) -> None:
+    """The ``--recovery-merges`` measurement (module doc)."""
+    import numpy as np
+
+    from bench.bench_assimilation import aof_size, resnet_like_shapes
+    from boinc_dl.server.assimilator import snapshot as snaps
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.recovery import ensure_live
+    from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
+    from boinc_dl.server.assimilator.store import JobStore
+    from boinc_dl.server.common.spec import parse_spec
+    from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
+    from tests.support.results import assimilate_files
+
+    os.environ["BDL_SNAPSHOT_EVERY"] = str(10 * merges)  # the N merges all stay in the log
+    shapes = resnet_like_shapes(params)
+    fp = fingerprint_of([f"layer{i}/w" for i in range(len(shapes))], [np.zeros(s, np.float32) for s in shapes])
+    tmp = Path(tempfile.mkdtemp(prefix="bdl-recovery-"))
+    srv = EmbeddedRedis(tmp / "redis").start()
+    try:
+        spec = parse_spec({"name": "rec", "model": "m:f", "dataset": {"name": "digits"},
+                           "vcasgd": {"alpha": 0.95, "n_subsets": merges}, "units": {"max_upload_bytes": 10**9}})
+        store = JobStore(connect(srv.url), "rec")
+        store.create(spec.model_dump_json(), "vcasgd", {"0": fp}, {"job_dir": str(tmp / "job")})
+        rng = np.random.default_rng(0)
+        store.init_weights("0", rng.standard_normal(fp.n_params).astype(np.float32))
+        snaps.take(store, "0")
+        aof0 = aof_size(tmp / "redis")
+        base = rng.standard_normal(fp.n_params).astype(np.float32)
+        t0 = time.perf_counter()
+        for i in range(merges):
+            unit = f"u{i}"
+            store.register_unit(unit, {"epoch": 1, "shard": i, "model": "0"}, 1)
+            path = tmp / f"r{i}.h5"
+            base[i % base.size] += 1.0  # every result differs
+            write_weights(path, WeightsFile(base, fp, job="rec", model="0", unit=unit))
+            out = assimilate_files(store, [path], spec, unit=unit)
+            assert out.status == "merged", out
+            path.unlink()  # the job system's cleanup: the retained name keeps the data
+            if (i + 1) % 100 == 0:
+                print(f"  {i + 1} merges ({time.perf_counter() - t0:.0f} s)", flush=True)
+        per_merge = (aof_size(tmp / "redis") - aof0) / merges
+        inputs = sum(f.stat().st_size for f in (tmp / "job" / "durable" / "inputs" / "0").iterdir())
+        before = store.snapshot("0").flat.tobytes()
+        t_kill = time.perf_counter()
+        srv.kill()
+        srv.restart()
+        t_up = time.perf_counter()
+        after_store = JobStore(connect(srv.url), "rec")
+        report = ensure_live(after_store, "0")
+        after = after_store.snapshot("0").flat.tobytes()
+        t_done = time.perf_counter()
+    finally:
+        srv.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert report is not None
+    total = t_done - t_kill
+    print(f"{merges} logged merges of {fp.n_params:,} parameters since the last snapshot: AOF growth "
+          f"{per_merge:,.0f} bytes per merge; retained inputs {inputs / 1e9:.2f} GB")
+    print(f"SIGKILL -> weights served again: {total:.1f} s (Redis restart {t_up - t_kill:.2f} s, replay of "
+          f"{report.merges} merges {report.seconds:.1f} s = {report.seconds / (inputs / 1e9):.1f} s per GB of "
+          f"retained input, {report.seconds / report.merges * 1000:.0f} ms per merge); bitwise identical: "
+          f"{before == after}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    emit("recovery", merges=merges, params=fp.n_params, aof_bytes_per_merge=per_merge, input_gb=inputs / 1e9,
+         kill_to_served_s=total, redis_restart_s=t_up - t_kill, replay_s=report.seconds,
+         replay_s_per_gb=report.seconds / (inputs / 1e9), replay_ms_per_merge=report.seconds / report.merges * 1000,
+         bitwise_identical=before == after, load=os.getloadavg(), **machine())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument("--recovery-merges", type=int, default=0)
+    ap.add_argument("--params", type=int, default=4_972_746)
     args = ap.parse_args()
+    if args.recovery_merges:
+        recovery(args.recovery_merges, args.params)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="bdl-redis-restart-"))
     try:
         shutil.copy(ROOT / "examples" / "models.py", tmp / "models.py")

@@ -315,7 +315,7 @@ def test_max_update_norm_refuses_and_the_paper_rule_is_kept(tiny_job, tmp_path: 
                            paper, unit="u6")
     assert out.status == "merged"
     np.testing.assert_allclose(store.get_weights("0")[0], 1.0)  # 0.5 * 0 + 0.5 * 2
-    assert store.assimilated()["u6"]["rule"] == "paper(a=0.5)"
+    assert store.assimilated()["u6"]["merge_rule"] == "paper(a=0.5)"
 
 
 # ---- accounting ------------------------------------------------------------------------------

@@ -229,6 +229,86 @@ def test_cluster_master_killed_and_restarted_loses_no_acknowledged_merge(tmp_pat
         cl.kill()
 
 
+def _logged_merger(url: str, units: list[str], files: str, acks: mp.Queue) -> None:
+    from tests.test_merge_log import merge_file
+
+    store = JobStore(connect(url, wait_s=30), "lj", retry_s=30)
+    for u in units:
+        if merge_file(store, Path(files) / f"{u}.h5", u) == "merged":
+            acks.put(u)
+
+
+def test_cluster_master_rebuilds_its_shards_from_its_own_log(tmp_path: Path, monkeypatch) -> None:
+    """Logged merges (shard bytes out of the AOF) on a 3-master cluster: 4 processes
+    merge 60 results while masters are SIGKILLed and restarted twice; each restarted
+    master's shards are rebuilt from the marks in its own AOF (and the retained inputs),
+    every acknowledged merge survives, every shard holds each unit once. Then the master
+    of shard 0 is killed once more: exactly its shards are rebuilt, bit for bit."""
+    from boinc_dl.server.assimilator.recovery import ensure_live
+    from boinc_dl.server.common.weights import WeightsFile, write_weights
+    from tests.test_merge_log import ALPHA, FP, new_job
+    from tests.test_merge_log import SHARD_BYTES as LSB
+    from tests.test_merge_log import N as LN
+
+    monkeypatch.setenv("BDL_SHARD_BYTES", LSB)
+    monkeypatch.setenv("BDL_SNAPSHOT_EVERY", "25")
+    cl = LocalRedisCluster(tmp_path / "cluster", masters=3).start()
+    try:
+        n = 60
+        store = new_job(cl.url, tmp_path / "job", units=n)
+        files = tmp_path / "r"
+        files.mkdir()
+        for i in range(n):
+            write_weights(files / f"u{i}.h5", WeightsFile(np.ones(LN, np.float32), FP, job="lj", model="0", unit=f"u{i}"))
+        ctx = mp.get_context("fork")
+        acks: mp.Queue = ctx.Queue()
+        units = [f"u{i}" for i in range(n)]
+        ps = [ctx.Process(target=_logged_merger, args=(cl.url, units[k::4], str(files), acks)) for k in range(4)]
+        for p in ps:
+            p.start()
+        acked: set[str] = set()
+        kills = 0
+        deadline = time.monotonic() + 120
+        while any(p.is_alive() for p in ps) and time.monotonic() < deadline:
+            while not acks.empty():
+                acked.add(acks.get())
+            if kills < 2 and len(acked) >= 15 * (kills + 1):
+                victim = cl.nodes[kills % 3]
+                victim.kill()
+                time.sleep(0.3)
+                victim.restart()
+                kills += 1
+            time.sleep(0.01)
+        for p in ps:
+            p.join(60)
+            assert p.exitcode == 0
+        while not acks.empty():
+            acked.add(acks.get())
+        assert kills == 2
+        cl.wait_ok()
+        store = JobStore(connect(cl.url), "lj")
+        assert set(store.assimilated()) == acked == set(units)
+        w = np.linspace(-1, 1, LN, dtype=np.float32)
+        for _ in range(n):
+            merge_into(w, np.ones(LN, np.float32), ALPHA)
+        before = store.snapshot("0")
+        assert before.shard_versions == [n] * 4 and before.flat.tobytes() == w.tobytes()
+        assert audit_job(store, n_subsets=1000).ok
+        # The master of shard 0 once more: it rebuilds its shards, and only those.
+        port = store.r.get_node_from_key(store._shard_keys("0", 0)[0]).port
+        victim = next(nd for nd in cl.nodes if nd.port == port)
+        mine = [i for i in range(4) if store.r.get_node_from_key(store._shard_keys("0", i)[0]).port == port]
+        victim.kill()
+        victim.restart()
+        cl.wait_ok()
+        again = JobStore(connect(cl.url, wait_s=10), "lj")
+        report = ensure_live(again, "0")
+        assert report is not None and report.shards == mine
+        assert again.snapshot("0").flat.tobytes() == w.tobytes()
+    finally:
+        cl.kill()
+
+
 def test_one_key_layout_is_migrated(tmp_path: Path, monkeypatch) -> None:
     """Weights stored by an earlier release as one value are cut into shards on first
     use, at their version; merges then go on from there."""

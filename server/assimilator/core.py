@@ -106,7 +106,10 @@ def assimilate_valid(
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
     record.update(plan.record(), trusted=trusted)
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
-    out = store.merge(model, unit, plan.combine(wc), record, epoch, strict=use_strict)
+    # The rule by name with its parameters (rules.py): a durable merge logs them, and a
+    # replay after a Redis crash recomputes the same bytes with the same function.
+    record.update(rule=policy.REPLAYABLE, rule_params=plan.params())
+    out = store.merge(model, unit, plan.combine(wc), record, epoch, strict=use_strict, source=res.files.weights)
     if out.given_up:
         reason = "the unit was already given up; a late result is not merged"
         return AssimilationOutcome("duplicate", unit, out.version, reason, out.retries)

@@ -41,7 +41,7 @@ from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable, Unkn
 from boinc_dl.server.common.paths import check_name, is_safe_name
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
 from boinc_dl.server.common.workunit import parse_unit_name, unit_name
-from boinc_dl.server.validator.checks import Expected, validate_result
+from boinc_dl.server.validator.checks import Expected, identify_files, validate_result
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +214,27 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
     spec = spec or spec_from_json(store.spec_json())
     try:
         paths = delivery.files() if callable(delivery.files) else delivery.files
-        res = validate_result(paths, expected_of(store, unit), spec.units.max_upload_bytes)
+        expected = expected_of(store, unit)
+        _prefetch(store, unit, expected.model, paths, spec.units.max_upload_bytes)
+        res = validate_result(paths, expected, spec.units.max_upload_bytes)
+        out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery))
     except ResultRejected as e:
         return reject(store, delivery, unit, e.reason)
-    out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery))
+    finally:
+        store.release_inputs()  # a retained copy no merge logged (rejected, duplicate)
     if out.status == "rejected":
         return _settle_rejection(store, delivery, unit, out)
     return out
+
+
+def _prefetch(store: JobStore, unit: str, model: str, paths: Sequence[Path], max_bytes: int) -> None:
+    """Retain the result's weights file before it is validated: a durable merge logs it by
+    name, and its hashing and syncing then overlap the validation (mergelog.py)."""
+    try:
+        weights = identify_files(paths).weights
+    except ResultRejected:
+        return  # validation says why
+    store.prefetch_input(unit, model, weights, max_bytes)
 
 
 def reject(store: JobStore, delivery: Delivery, unit: str, reason: str) -> AssimilationOutcome:

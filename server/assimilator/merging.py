@@ -15,12 +15,14 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import redis
 
 from boinc_dl.server.assimilator import shards as sh
+from boinc_dl.server.assimilator.mergelog import LoggedMerging
 from boinc_dl.server.assimilator.retry import Backoff, is_redirect, is_transient
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
 
@@ -39,7 +41,7 @@ class MergeOutcome:
     given_up: bool = False  # the unit was marked failed before: never merged after that
 
 
-class ShardMerging:
+class ShardMerging(LoggedMerging):
     """``merge`` and its machinery, mixed into :class:`~boinc_dl.server.assimilator.store.JobStore`,
     which provides the connection, the keys (``k``, ``_shard_keys``), ``layout``,
     ``version``, ``call`` and ``_script``, and the caches annotated here."""
@@ -70,6 +72,7 @@ class ShardMerging:
         epoch: int | None,
         strict: bool = True,
         max_retries: int = 1000,
+        source: Path | None = None,
     ) -> MergeOutcome:
         """Apply ``W_s <- combine(W_s)`` shard by shard and mark ``unit`` assimilated.
 
@@ -84,6 +87,15 @@ class ShardMerging:
         update of the shard can be overwritten. Once every shard carries the unit, one
         script sets the unit's global mark and its accounting. A re-run (a crash or a
         lost reply part-way) skips the shards already marked: none is applied twice.
+
+        ``source``: the result's weights file ``combine`` takes its values from. With
+        it, a strict merge whose ``record`` names a registered rule (``record["rule"]``,
+        parameters in ``record["rule_params"]``: :mod:`~boinc_dl.server.assimilator.rules`)
+        in a job with a durable dir is *logged*: its shard bytes stay out of Redis's
+        append-only file and a small merge log makes it durable
+        (:mod:`~boinc_dl.server.assimilator.mergelog`). ``combine`` must then compute
+        exactly that rule on the file's values: a replay recomputes it from them.
+        Otherwise the shard bytes are logged, as before.
         """
         # Names this call's merge: a retry after a lost reply finds its own marks.
         token = os.urandom(8).hex()
@@ -94,6 +106,9 @@ class ShardMerging:
             p.hexists(self.k("failed"), unit)
             return p.execute()
         prev, failed = self.call(marks)
+        logged = self.can_log(record, source, strict)
+        if (prev is not None or failed) and source is not None:
+            self.release_inputs()
         if prev is not None:
             return self._outcome_of_mark(model, prev, token, 0)
         if failed:
@@ -113,6 +128,9 @@ class ShardMerging:
         def fn_for(i: int) -> Callable[[np.ndarray], np.ndarray | None]:
             sl = lay.bounds(i)
             return (lambda part: combine(part)) if one_arg else (lambda part: combine(part, sl))
+        if logged:
+            assert source is not None
+            return self._merge_logged(model, unit, fn_for, order, record, epoch, source, max_retries)
         if strict:
             retries, applied_here = self._merge_strict(model, order, unit, token, fn_for, max_retries)
             if applied_here < 0:
@@ -153,6 +171,7 @@ class ShardMerging:
         backoff = Backoff(self.retry_s)
         while left:
             held: _Held | None = None
+            dead = False
             try:
                 if not self.cluster and len(left) > 1 and self._alone.get(model) and \
                         all((model, i) in self._cache for i in left):
@@ -186,6 +205,9 @@ class ShardMerging:
                         if retries > max_retries:
                             raise StoreUnavailable(f"merge of {unit}: gave up after {retries} conflicts on shard {i}")
                         continue
+                    if status == "dead":
+                        dead = True
+                        break
                     left.pop(0)
                     if status == "applied":
                         applied += 1
@@ -195,6 +217,10 @@ class ShardMerging:
                         held = _Held(self._client_for(self._shard_keys(model, left[0])[0]))
                 held.release()
                 held = None
+                if dead:
+                    # Redis restarted since the shard was merged: rebuild it, then go on.
+                    self.recover(model)
+                    continue
                 # Nobody else wrote any shard since this process did: the next merge can
                 # take the cached fast path (and skip reading the bytes).
                 self._alone[model] = not self._foreign
@@ -236,7 +262,7 @@ class ShardMerging:
         holds a copy likely current: it is alone on the model, or a snapshot just read
         the shard (then the bytes are read only if the tag moved)."""
         wkey, mkey = self._shard_keys(model, i)
-        cmds: list[tuple[Any, ...]] = [("WATCH", wkey, mkey), ("HMGET", mkey, "tag", field)]
+        cmds: list[tuple[Any, ...]] = [("WATCH", wkey, mkey), ("HMGET", mkey, "tag", field, "v", "bv")]
         key = (model, i)
         if not (key in self._cache and (self._alone.get(model) or key in self._from_snapshot)):
             cmds.append(("GET", wkey))
@@ -246,18 +272,22 @@ class ShardMerging:
                       combine: Callable[[np.ndarray], np.ndarray | None], pending: list[Any] | None,
                       next_shard: int | None) -> tuple[str, list[Any] | None]:
         """One attempt at shard ``i``: ``applied``, ``skipped`` (it carries the unit),
-        ``conflict`` (written by another merge meanwhile: retry) or ``rejected``; with
-        the replies of the next shard's read when it rode along."""
+        ``conflict`` (written by another merge meanwhile: retry), ``dead`` (not live:
+        rebuild it first) or ``rejected``; with the replies of the next shard's read
+        when it rode along."""
         wkey, mkey = self._shard_keys(model, i)
         if pending is None:
             pending = held.run(self._read_cmds(model, i, field))  # before the cache entry goes
         cached, from_snapshot = self._take_cached(model, i)
-        (tag, mark), w = pending[1], (pending[2] if len(pending) > 2 else None)
+        (tag, mark, v, bv), w = pending[1], (pending[2] if len(pending) > 2 else None)
         if mark is not None:
             held.run([("UNWATCH",)])
             if cached is not None:
                 self._cache[(model, i)] = cached
             return "skipped", None
+        if not sh.is_live(tag, v, bv):
+            held.run([("UNWATCH",)])
+            return "dead", None
         if tag is None:
             held.run([("UNWATCH",)])
             raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
@@ -273,14 +303,15 @@ class ShardMerging:
             held.run([("UNWATCH",)])
             return "rejected", None
         new_tag = sh.new_tag()
+        nv = int(v or 0) + 1  # v cannot move under the WATCH
         cmds: list[tuple[Any, ...]] = [("MULTI",), ("SET", wkey, sh.as_bytes(new)),
-                                       ("HSET", mkey, "tag", new_tag, field, token), ("HINCRBY", mkey, "v", 1),
+                                       ("HSET", mkey, "tag", new_tag, field, nv, "v", nv, "bv", nv),
                                        ("EXEC",)]
         if next_shard is not None:
             cmds += self._read_cmds(model, next_shard, field)
         res = held.run(cmds)
-        ahead = res[5:] if next_shard is not None else None
-        if res[4] is None:
+        ahead = res[4:] if next_shard is not None else None
+        if res[3] is None:
             # Aborted: another merge wrote the shard after our WATCH. The next shard's
             # read-ahead is dropped: re-watching this shard on the same connection would
             # tie the two shards' commits together.
@@ -299,10 +330,10 @@ class ShardMerging:
         Returns the shards now done (applied here, or already carrying the unit), an
         empty set when the per-shard path must take over, None when rejected."""
         keys = [k for i in shards for k in self._shard_keys(model, i)]
-        heads = held.run([("WATCH", *keys), *[("HMGET", self._shard_keys(model, i)[1], "tag", field)
+        heads = held.run([("WATCH", *keys), *[("HMGET", self._shard_keys(model, i)[1], "tag", field, "v", "bv")
                                                for i in shards]])[1:]
-        if any(mark is not None or tag != self._cache[(model, i)][0]
-               for i, (tag, mark) in zip(shards, heads, strict=True)):
+        if any(mark is not None or tag != self._cache[(model, i)][0] or not sh.is_live(tag, v, bv)
+               for i, (tag, mark, v, bv) in zip(shards, heads, strict=True)):
             held.run([("UNWATCH",)])
             return set()
         news: list[tuple[int, np.ndarray, bytes]] = []
@@ -314,10 +345,10 @@ class ShardMerging:
                 return None
             news.append((i, new, sh.new_tag()))
         cmds: list[tuple[Any, ...]] = [("MULTI",)]
-        for i, new, new_tag in news:
+        for (i, new, new_tag), (_tag, _mark, v, _bv) in zip(news, heads, strict=True):
             wkey, mkey = self._shard_keys(model, i)
-            cmds += [("SET", wkey, sh.as_bytes(new)), ("HSET", mkey, "tag", new_tag, field, token),
-                     ("HINCRBY", mkey, "v", 1)]
+            nv = int(v or 0) + 1
+            cmds += [("SET", wkey, sh.as_bytes(new)), ("HSET", mkey, "tag", new_tag, field, nv, "v", nv, "bv", nv)]
         res = held.run([*cmds, ("EXEC",)])
         if res[-1] is None:
             return set()  # another writer came in: the per-shard path re-reads every shard
@@ -344,15 +375,18 @@ class ShardMerging:
         while True:
             try:
                 if ahead is not None:
-                    cached, (tag, _v, mark, w) = ahead
+                    cached, (tag, _v, mark, w, live) = ahead
                     ahead = None
                 else:
                     cached, _ = self._take_cached(model, i)
-                    tag, _v, mark, w = read(keys=keys, args=[field, cached[0] if cached else b""])
+                    tag, _v, mark, w, live = read(keys=keys, args=[field, cached[0] if cached else b""])
                 if mark is not None:
                     if cached is not None:
                         self._cache[(model, i)] = cached
                     return "skipped", retries, None
+                if not int(live):
+                    self.recover(model)
+                    continue
                 if w is None:
                     if tag is None or cached is None:
                         raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
@@ -363,7 +397,7 @@ class ShardMerging:
                 if new is None:
                     return "rejected", retries, None
                 new_tag = sh.new_tag()
-                cas_args = [tag if strict else b"", new_tag, field, token, sh.as_bytes(new)]
+                cas_args = [tag if strict else b"", new_tag, field, sh.as_bytes(new)]
                 nxt: _ReadAhead | None = None
                 if next_shard is not None and not self.cluster:
                     nxt_cached, _ = self._take_cached(model, next_shard)
@@ -380,6 +414,8 @@ class ShardMerging:
                     return "applied", retries, nxt
                 if int(res[0]) == 0:
                     return "skipped", retries, nxt  # another merge of this unit got there first
+                if int(res[0]) == -2:
+                    self.recover(model)
                 if nxt is not None and nxt[0] is not None:
                     self._cache[(model, next_shard)] = nxt[0]  # type: ignore[index]
                 retries += 1

@@ -1,12 +1,15 @@
 """Does a Redis keep boinc-dl's promises when it crashes? Its persistence settings, checked.
 
 boinc-dl's guarantee "no acknowledged merge is lost when Redis dies" (docs/fault-tolerance.md)
-holds only with an append-only file written before each reply: ``appendonly yes`` with
-``appendfsync no`` (plus :mod:`boinc_dl.server.assimilator.aof_sync` flushing it once a second) or
-``always``. Redis's usual ``everysec`` replies before it writes while its previous fsync
-is slow, and a Redis without an AOF loses everything since its last snapshot. The private
-Redis of ``boinc-dl run`` and the docker stack are set up right; a Redis of the admin's
-own is checked here, by ``boinc-dl redis check`` and by the BOINC work generator when it
+holds only with an append-only file written before each reply: it holds the merge log
+(each shard's version and marks, each merge's intent; the shard bytes themselves are
+rebuilt from snapshots and retained inputs) and the job's bookkeeping. So ``appendonly
+yes`` with ``appendfsync no`` (plus :mod:`boinc_dl.server.assimilator.aof_sync` flushing
+it once a second) or ``always``, which the log's small writes now make affordable.
+Redis's usual ``everysec`` replies before it writes while its previous fsync is slow, and
+a Redis without an AOF loses everything since its last snapshot. The private Redis of
+``boinc-dl run`` and the docker stack are set up right; a Redis of the admin's own is
+checked here, by ``boinc-dl redis check`` and by the BOINC work generator when it
 connects.
 """
 
@@ -21,9 +24,10 @@ _MIN_REWRITE_PERCENTAGE = 400
 _MIN_REWRITE_BYTES = 1 << 30
 
 #: What boinc-dl runs its own Redis with (``EmbeddedRedis``, ``docker/redis/redis.conf``).
-#: The rewrite thresholds: every merge appends the whole model to the AOF, and Redis's
-#: defaults (rewrite at 2x, at least 64 MB) rewrite it every two or three merges of a
-#: large model (a fork and the dataset written again: a quarter to a half of the merge rate).
+#: The rewrite thresholds matter for byte-logged merges (eventual mode, jobs without a
+#: directory), which append the whole model to the AOF: Redis's defaults (rewrite at 2x,
+#: at least 64 MB) then rewrite it every two or three merges of a large model. A logged
+#: merge appends a few KB, and a rewrite every tens of thousands of merges costs nothing.
 RECOMMENDED: dict[str, str] = {
     "appendonly": "yes",
     "appendfsync": "no",
@@ -78,9 +82,9 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     found: list[Finding] = []
     sync_cmd = f"`boinc-dl redis sync-aof {s.get('dir') or 'DIR'}`"
     if s.get("appendonly") != "yes":
-        found.append(Finding(name, "error", "no append-only file (appendonly no): a crash of Redis loses every "
-                                            "merge since its last snapshot, while BOINC has already counted those "
-                                            "units as assimilated. Set appendonly yes"))
+        found.append(Finding(name, "error", "no append-only file (appendonly no): a crash of Redis loses the merge "
+                                            "log and every mark since its last RDB snapshot, while BOINC has "
+                                            "already counted those units as assimilated. Set appendonly yes"))
     fsync = s.get("appendfsync")
     if fsync == "everysec":
         found.append(Finding(name, "error", "appendfsync everysec can acknowledge a merge and then lose it when the "
@@ -90,7 +94,8 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     elif fsync == "no":
         found.append(Finding(name, "note", "appendfsync no: nothing acknowledged is lost when Redis crashes; make "
                                            f"sure {sync_cmd} runs beside Redis, or an OS crash can lose "
-                                           "up to the kernel's writeback delay (about 30 s) of merges"))
+                                           "up to the kernel's writeback delay (about 30 s) of merges. "
+                                           "appendfsync always loses none: the merge log's writes are small"))
     try:
         pct = int(s.get("auto-aof-rewrite-percentage") or 0)
         min_size = int(s.get("auto-aof-rewrite-min-size") or 0)
@@ -98,9 +103,10 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
         pct, min_size = _MIN_REWRITE_PERCENTAGE, _MIN_REWRITE_BYTES
     if pct and (pct < _MIN_REWRITE_PERCENTAGE or min_size < _MIN_REWRITE_BYTES):
         rewrite = " and ".join(f"{k} {v}" for k, v in RECOMMENDED.items() if k.startswith("auto-aof"))
-        found.append(Finding(name, "warning", f"the AOF is rewritten at {pct}% growth, {min_size >> 20} MB at least: "
-                                              "with a large model that is every few merges and costs a quarter to "
-                                              f"a half of the merge rate. Set {rewrite}"))
+        found.append(Finding(name, "note", f"the AOF is rewritten at {pct}% growth, {min_size >> 20} MB at least: "
+                                           "fine for logged merges (a few KB each); byte-logged ones (eventual "
+                                           "mode, jobs without a directory) append the whole model, and then "
+                                           f"that is a rewrite every few merges. Set {rewrite} for those"))
     return found
 
 

@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: Name of the trusted statistic the clip radius is computed from (per model).
 RADIUS = "update_norm"
+#: The name every merge of this policy logs for a replay (:func:`rules.apply`).
+REPLAYABLE = rules.PLANNED
 
 
 def rule_for(spec: JobSpec, epoch: int) -> rules.MergeRule:
@@ -90,21 +92,32 @@ class MergePlan:
     staleness: int
     base_version: int | None
     base: np.ndarray | None
+    base_path: str | None
     scale: float
     norm: float | None
     radius: float | None
 
+    def params(self) -> dict[str, Any]:
+        """What a replay needs to recompute this merge bit for bit (JSON)."""
+        st = self.rule.staleness
+        return {"rule": {"name": self.rule.name, "alpha": self.rule.alpha, "server_lr": self.rule.server_lr,
+                         "staleness": {"kind": st.kind, "p": st.p, "a": st.a, "b": st.b}},
+                "s": self.staleness, "scale": self.scale, "base": self.base_path if self.base is not None else None}
+
     def combine(self, wc: np.ndarray) -> Any:
-        """The per-shard update ``combine(ws, slice)`` that :meth:`JobStore.merge` calls."""
-        base, rule, s, scale = self.base, self.rule, self.staleness, self.scale
+        """The per-shard update ``combine(ws, slice)`` that :meth:`JobStore.merge` calls:
+        the registered replayable rule, so that a replay computes the same bytes."""
+        params = self.params()
+        if self.base is not None and self.base_path:
+            rules.remember_base(self.base_path, self.base)
 
         def combine(ws: np.ndarray, sl: slice) -> np.ndarray:
-            return rule.apply(ws, wc[sl], None if base is None else base[sl], s, None, scale)
+            return rules.apply(REPLAYABLE, ws, wc[sl], params, sl)
         return combine
 
     def record(self) -> dict[str, Any]:
         """The plan's numbers for the merge record (enough to replay the merge)."""
-        return {"rule": self.rule.describe(), "staleness": self.staleness, "base_version": self.base_version,
+        return {"merge_rule": self.rule.describe(), "staleness": self.staleness, "base_version": self.base_version,
                 "clip_scale": self.scale, "update_norm": self.norm, "clip_radius": self.radius}
 
 
@@ -135,7 +148,7 @@ def plan_merge(store: JobStore, spec: JobSpec, info: dict[str, Any], model: str,
         rule = rules.MergeRule("fedasync", 0.0, rule.staleness)
     norm = rules.update_norm(wc, base) if base is not None else None
     scale = rules.clip_scale(norm, radius) if norm is not None else 1.0
-    return MergePlan(rule, staleness, base_version, base, scale, norm, radius)
+    return MergePlan(rule, staleness, base_version, base, base_path, scale, norm, radius)
 
 
 def load_base(path: str | None, fp: Fingerprint) -> np.ndarray | None:

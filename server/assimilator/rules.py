@@ -70,12 +70,15 @@ host id). See ``docs/merge-rules.md``.
 from __future__ import annotations
 
 import math
+import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+
+from boinc_dl.server.common.weights import read_weights
 
 RuleName = Literal["paper", "fedasync", "delta", "fedbuff", "momentum"]
 RULES: tuple[str, ...] = ("paper", "fedasync", "delta", "fedbuff", "momentum")
@@ -622,3 +625,96 @@ def iter_bounds(n: int, shards: int) -> Iterable[slice]:
     """The slices of ``ShardLayout(n, shards)`` (for tests and the bench, no Redis)."""
     for i in range(shards):
         yield slice(n * i // shards, n * (i + 1) // shards)
+
+
+# ---- replayable rules (the merge log) ----------------------------------------------------------
+# A durable merge (docs/parameter-server.md, "Durability") logs what it did, not the bytes
+# it wrote: after a Redis crash the weights are rebuilt by replaying the merges from a
+# snapshot. A replay rebuilds the same bytes only if the merge of a shard is a pure
+# function of (the shard's float32 values, the same slice of the result's weights, the
+# rule's parameters, the shard's slice), computed with the same float ops in the same
+# order. So the function a merge applies is registered here under a name, the merge
+# record names it (``record["rule"]``) with its parameters (``record["rule_params"]``, a
+# JSON object), and the live merge and the replay call the same function. A rule may
+# read nothing else but files the parameters name that the server keeps (the unit's base
+# weights): no clock, no random draw, no other key.
+
+#: ``rule(ws, wc, params, sl)``: the new value of shard ``sl`` of the model, in place in
+#: ``ws`` (a writable float32 copy of the shard), from ``wc`` (the same slice of the result).
+ReplayableRule = Callable[[np.ndarray, np.ndarray, Mapping[str, Any], slice], np.ndarray]
+
+_REGISTRY: dict[str, ReplayableRule] = {}
+
+
+def register(name: str) -> Callable[[ReplayableRule], ReplayableRule]:
+    """Decorator: make ``fn`` the replayable rule ``name`` (one definition per name)."""
+    def deco(fn: ReplayableRule) -> ReplayableRule:
+        if _REGISTRY.get(name, fn) is not fn:
+            raise ValueError(f"merge rule {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def get(name: str) -> ReplayableRule | None:
+    """The replayable rule registered as ``name`` (None when there is none)."""
+    return _REGISTRY.get(name)
+
+
+def apply(name: str, ws: np.ndarray, wc: np.ndarray, params: Mapping[str, Any], sl: slice) -> np.ndarray:
+    """Run replayable rule ``name`` on shard ``sl`` (``KeyError`` for an unknown rule)."""
+    rule = _REGISTRY.get(name)
+    if rule is None:
+        raise KeyError(f"no merge rule named {name!r} is registered")
+    return rule(ws, wc, params, sl)
+
+
+@register("alpha")
+def alpha_rule(ws: np.ndarray, wc: np.ndarray, params: Mapping[str, Any], sl: slice) -> np.ndarray:
+    """The papers' merge ``W_s <- a*W_s + (1-a)*W_c`` (logs written before the merge
+    policy named its rule with ``merge``)."""
+    return _mix(ws, wc, float(params["alpha"]))
+
+
+#: The rule every merge of the merge policy logs: a :class:`MergeRule` with its staleness,
+#: clip scale and the unit's base weights file.
+PLANNED = "merge"
+#: Base weights files a process merged or replayed from lately, by (path, mtime, size): a
+#: file rewritten under the same name (a version Redis lost, written again) is read anew.
+_BASES: dict[tuple[str, int, int], np.ndarray] = {}
+_BASES_KEPT = 4
+
+
+def _stamp(path: str) -> tuple[str, int, int]:
+    st = os.stat(path)
+    return path, st.st_mtime_ns, st.st_size
+
+
+def remember_base(path: str, flat: np.ndarray) -> None:
+    """Keep ``flat`` as the content of base weights file ``path`` (a live merge just read it)."""
+    key = _stamp(path)
+    _BASES.pop(key, None)
+    _BASES[key] = flat
+    while len(_BASES) > _BASES_KEPT:
+        _BASES.pop(next(iter(_BASES)))
+
+
+def _base_for_replay(path: str) -> np.ndarray:
+    """A base weights file by path (the server's own file; cached)."""
+    flat = _BASES.get(_stamp(path))
+    if flat is None:
+        flat = read_weights(path).flat
+        remember_base(path, flat)
+    return flat
+
+
+@register(PLANNED)
+def _replayable_merge(ws: np.ndarray, wc: np.ndarray, params: Any, sl: slice) -> np.ndarray:
+    """One shard of a merge planned by :func:`boinc_dl.server.assimilator.policy.plan_merge`
+    (live, or replayed from the log)."""
+    r = params["rule"]
+    st = r["staleness"]
+    rule = MergeRule(r["name"], float(r["alpha"]), Staleness(st["kind"], float(st["p"]), float(st["a"]),
+                                                                          float(st["b"])), float(r["server_lr"]))
+    base = _base_for_replay(params["base"])[sl] if params.get("base") else None
+    return rule.apply(ws, wc, base, float(params["s"]), None, float(params["scale"]))

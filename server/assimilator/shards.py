@@ -13,7 +13,8 @@ Keys of shard ``i`` of model ``M`` of job ``J`` (``B = bdl:J:s:{J/M/i}``):
 
 ``B:w``  the shard's float32 bytes
 ``B:m``  hash: ``tag`` (random, new at every write), ``v`` (writes applied),
-         ``u:<unit>`` -> token of the merge that applied ``unit`` to this shard
+         ``bv`` (the version of the bytes in memory), ``u:<unit>`` -> the version
+         the merge of ``unit`` produced in this shard (the shard's merge log)
 """
 
 from __future__ import annotations
@@ -79,26 +80,79 @@ class Snapshot:
         return min(self.shard_versions) if self.shard_versions else 0
 
 
-# Read one shard: its tag, version, this unit's mark, and its bytes unless the caller's
-# cached copy carries the current tag (then the bytes are not sent).
-READ_SHARD = """
-local m = redis.call('HMGET', KEYS[2], 'tag', 'v', ARGV[1])
-if m[1] and m[1] == ARGV[2] then return {m[1], m[2], m[3], false} end
-return {m[1], m[2], m[3], redis.call('GET', KEYS[1])}
+# Whether a shard's bytes in memory are current ("live"): its ``tag`` is there and
+# ``bv`` (the version of the bytes) equals ``v`` (the version the log says). A durable
+# merge writes the bytes, ``tag`` and ``bv`` without logging them (``COMMIT_LOGGED``),
+# so after a restart of Redis the shard is not live until it is rebuilt from a
+# snapshot and the merge log (:mod:`boinc_dl.server.assimilator.recovery`). Shards
+# written before ``bv`` existed have none and are live. Lua snippet: ``m`` holds
+# HMGET's tag, v, bv at indexes T, V, B.
+_LIVE = "({m}[{T}] and (not {m}[{B}] or {m}[{B}] == ({m}[{V}] or '0')))"
+
+# Read one shard: its tag, version, this unit's mark, its bytes unless the caller's
+# cached copy carries the current tag (then the bytes are not sent), and 1 if live
+# (0: rebuild it first; no bytes then).
+READ_SHARD = f"""
+local m = redis.call('HMGET', KEYS[2], 'tag', 'v', ARGV[1], 'bv')
+if not {_LIVE.format(m="m", T=1, V=2, B=4)} then return {{m[1], m[2], m[3], false, 0}} end
+if m[1] == ARGV[2] then return {{m[1], m[2], m[3], false, 1}} end
+return {{m[1], m[2], m[3], redis.call('GET', KEYS[1]), 1}}
 """
 
-# Write of one shard and its "unit applied" mark, atomically (eventual mode; strict
-# merges use WATCH/MULTI instead, which copy the bytes fewer times). ARGV: expected
-# tag ('' in eventual mode: no check, the paper's lossy merge), new tag, mark field,
-# token, bytes. Returns {1, v} applied, {0, token} already applied, {-1} conflict.
-CAS_SHARD = """
-local prev = redis.call('HGET', KEYS[2], ARGV[3])
-if prev then return {0, prev} end
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[2], 'tag') ~= ARGV[1] then return {-1} end
-redis.call('SET', KEYS[1], ARGV[5])
-redis.call('HSET', KEYS[2], 'tag', ARGV[2], ARGV[3], ARGV[4])
-return {1, redis.call('HINCRBY', KEYS[2], 'v', 1)}
+# Write of one shard and its "unit applied" mark, atomically, all of it in the
+# append-only file (eventual mode, and merges that cannot be replayed; strict merges of
+# the old kind use WATCH/MULTI instead, which copy the bytes fewer times). ARGV:
+# expected tag ('' in eventual mode: no check, the paper's lossy merge), new tag, mark
+# field, bytes. The mark's value is the version the write produced. Returns {1, v}
+# applied, {0, v} already applied, {-1} conflict, {-2} shard not live.
+CAS_SHARD = f"""
+local m = redis.call('HMGET', KEYS[2], 'tag', 'v', 'bv', ARGV[3])
+if m[4] then return {{0, m[4]}} end
+if not {_LIVE.format(m="m", T=1, V=2, B=3)} then return {{-2}} end
+if ARGV[1] ~= '' and m[1] ~= ARGV[1] then return {{-1}} end
+local v = tonumber(m[2] or '0') + 1
+redis.call('SET', KEYS[1], ARGV[4])
+redis.call('HSET', KEYS[2], 'tag', ARGV[2], ARGV[3], v, 'v', v, 'bv', v)
+return {{1, v}}
 """
+
+# A durable merge's write of one shard (strict: the tag must be the one the merge
+# read). The bytes, the new tag and ``bv`` stay out of the append-only file and
+# replication (``REPL_NONE``): they are rebuilt from the merge log after a restart. The
+# version and the unit's mark (value: the version it produced) are logged, in the same
+# atomic script: the mark is the shard's log entry, "shard i reached version v by
+# merging unit u". ARGV: expected tag, new tag, mark field, bytes. Replies as CAS_SHARD.
+COMMIT_LOGGED = f"""
+local m = redis.call('HMGET', KEYS[2], 'tag', 'v', 'bv', ARGV[3])
+if m[4] then return {{0, m[4]}} end
+if not {_LIVE.format(m="m", T=1, V=2, B=3)} then return {{-2}} end
+if m[1] ~= ARGV[1] then return {{-1}} end
+local v = tonumber(m[2] or '0') + 1
+redis.set_repl(redis.REPL_NONE)
+redis.call('SET', KEYS[1], ARGV[4])
+redis.call('HSET', KEYS[2], 'tag', ARGV[2], 'bv', v)
+redis.set_repl(redis.REPL_ALL)
+redis.call('HSET', KEYS[2], 'v', v, ARGV[3], v)
+return {{1, v}}
+"""
+
+# Recovery's write of a rebuilt shard, unlogged like a durable merge's, only if the
+# shard's version is still the one it was rebuilt to. ARGV: version, new tag, bytes.
+RESTORE_SHARD = """
+local v = redis.call('HGET', KEYS[2], 'v') or '0'
+if v ~= ARGV[1] then return 0 end
+redis.set_repl(redis.REPL_NONE)
+redis.call('SET', KEYS[1], ARGV[3])
+redis.call('HSET', KEYS[2], 'tag', ARGV[2], 'bv', v)
+redis.set_repl(redis.REPL_ALL)
+return 1
+"""
+
+
+def is_live(tag: object, v: object, bv: object) -> bool:
+    """The Python twin of the scripts' liveness test (HMGET replies, bytes or None)."""
+    return tag is not None and (bv is None or bv == (v if v is not None else b"0"))
+
 
 # The unit's global "assimilated" mark, set once every shard carries the unit, with
 # the accounting it drives (version counter, unit state, epoch count, metrics entry).

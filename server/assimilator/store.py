@@ -65,6 +65,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,7 @@ import redis
 from boinc_dl.server.assimilator import shards as sh
 from boinc_dl.server.assimilator.connection import is_cluster
 from boinc_dl.server.assimilator.merging import ShardMerging
+from boinc_dl.server.assimilator.retained import RetainedInput
 from boinc_dl.server.assimilator.retry import Backoff, is_transient
 from boinc_dl.server.assimilator.shards import ShardLayout, Snapshot
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
@@ -96,9 +98,13 @@ class JobStore(ShardMerging):
     """
 
     def __init__(self, r: redis.Redis, job: str, retry_s: float = DEFAULT_RETRY_S,
-                 on_shard_applied: Callable[[int], None] | None = None):
+                 on_shard_applied: Callable[[int], None] | None = None,
+                 on_merge_step: Callable[[str], None] | None = None):
         self.r = r
         self.on_shard_applied = on_shard_applied
+        #: Called with ``retained``, ``intent`` and ``finalized`` as a logged merge passes
+        #: those steps (fault injection for crash tests; None in production).
+        self.on_merge_step = on_merge_step
         self.job = job
         self.cluster = is_cluster(r)
         # In a cluster every bookkeeping key of a job shares the hash tag {job} (one
@@ -117,6 +123,10 @@ class JobStore(ShardMerging):
         self._alone: dict[str, bool] = {}
         self._from_snapshot: set[tuple[str, int]] = set()  # cache entries a snapshot read
         self._foreign = False
+        # Durable merges (mergelog): result files retained ahead of their merge, and the
+        # job's durable dir (False: not looked up yet; None: the job has none).
+        self._prefetched: dict[tuple[str, str], RetainedInput] = {}
+        self._durable_dir: Path | None | bool = False
 
     # ---- keys -------------------------------------------------------------------------
     def k(self, *parts: object) -> str:
@@ -251,9 +261,12 @@ class JobStore(ShardMerging):
 
             def op(wkey: str = wkey, mkey: str = mkey, part: memoryview = part) -> None:
                 p = self.r.pipeline(transaction=True)
+                # Logged in full (bytes, tag, v and bv): the starting point of every
+                # replay, whatever the merges after it log.
                 p.set(wkey, part, nx=True)
                 p.hsetnx(mkey, "tag", sh.new_tag())
                 p.hsetnx(mkey, "v", version)
+                p.hsetnx(mkey, "bv", version)
                 p.execute()
             self.call(op)
         return bool(self.call(lambda: self.r.hsetnx(self.k("layout"), model, json.dumps(lay.to_json()))))
@@ -274,6 +287,13 @@ class JobStore(ShardMerging):
             p.execute()
         self.call(op)
         return done
+
+    def recover(self, model: str = "0") -> None:
+        """Rebuild the shards of ``model`` whose bytes Redis lost in a restart (from the
+        newest snapshot and the merge log), or wait for the process doing it."""
+        from boinc_dl.server.assimilator.recovery import ensure_live
+
+        ensure_live(self, model)
 
     def snapshot(self, model: str = "0") -> Snapshot:
         """The server weights (a writable copy) with each shard's version.
@@ -297,7 +317,12 @@ class JobStore(ShardMerging):
                 script(keys=k, args=a, client=p)
             return p.execute()
         replies = self.call(read_all)
-        for i, (cached, (tag, v, _mark, w)) in enumerate(zip(cache, replies, strict=True)):
+        if not all(int(rep[4]) for rep in replies):
+            # Redis restarted since these shards were merged: rebuild them from the
+            # snapshot and the merge log, then read again.
+            self.recover(model)
+            return self.snapshot(model)
+        for i, (cached, (tag, v, _mark, w, _live)) in enumerate(zip(cache, replies, strict=True)):
             sl = lay.bounds(i)
             if w is None:
                 if tag is None or cached is None or cached[0] != tag:

@@ -51,8 +51,67 @@ def check(
         console.print(f"[{colour[f.severity]}]{f.severity}[/]: {f.node}: {f.message}", highlight=False)
     if not found:
         console.print("[green]ok[/]: every node appends before it replies and fsyncs every write")
+    _merge_logs(r)
     if any(f.severity == "error" for f in found):
         raise typer.Exit(1)
+
+
+def _merge_logs(r: object) -> None:
+    """Each job's merge log: what a crash of Redis would replay, and what it costs."""
+    from boinc_dl.server.assimilator.recovery import REPLAY_S_PER_GB
+    from boinc_dl.server.assimilator.snapshot import status
+    from boinc_dl.server.assimilator.store import JobStore
+
+    rows = [st for job in JobStore.list_jobs(r) for st in status(JobStore(r, job))]  # type: ignore[arg-type]
+    if not rows:
+        return
+    table = Table("job", "model", "merges in the log", "retained inputs", "last snapshot", "shards to rebuild",
+                  "rebuild after a Redis crash")
+    for st in rows:
+        age = "none yet" if st.snapshot_age_s is None else f"{st.snapshot_age_s / 60:.0f} min ago"
+        table.add_row(st.job, st.model, str(st.merges), f"{st.input_bytes / 1e9:.2f} GB", age, str(st.not_live),
+                      f"about {st.input_bytes / 1e9 * REPLAY_S_PER_GB:.0f} s")
+    console.print(table)
+    console.print(
+        "merges are logged, not their bytes (docs/fault-tolerance.md): a crash of Redis costs the rebuild "
+        "above (newest snapshot + the log's retained inputs, replayed at the first read or merge); a crash "
+        "of the machine costs what the AOF had not synced (appendfsync no + sync-aof: about 1 s of merges, "
+        "then re-issued; always: none); a lost durable dir (retained inputs, snapshots) costs nothing while "
+        "Redis runs, but Redis must not restart before a snapshot is taken again "
+        "(`boinc-dl redis snapshot`)", highlight=False)
+
+
+@redis_app.command()
+def snapshot(
+    redis_url: Annotated[str | None, typer.Option(envvar="BDL_REDIS_URL", help="the Redis (or cluster)")] = None,
+    project: Annotated[Path | None, typer.Option(help="BOINC project: the Redis in its boinc-dl.yaml")] = None,
+    job: Annotated[str | None, typer.Option(help="only this job (default: every job with a merge log)")] = None,
+) -> None:
+    """Snapshot the weights of every model now and truncate the merge log behind it.
+
+    The same snapshot the assimilators take in the background; run it after losing or
+    moving the durable dir (retained inputs), so a restart of Redis does not need them."""
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.snapshot import take
+    from boinc_dl.server.assimilator.store import JobStore
+
+    try:
+        r = connect(redis_url_for(redis_url, project))
+        jobs = [job] if job else JobStore.list_jobs(r)
+        for name in jobs:
+            store = JobStore(r, name).require()
+            if store.durable_dir() is None:
+                console.print(f"{name}: no durable dir (its merges log their bytes): nothing to do", highlight=False)
+                continue
+            for model in store.models():
+                m = take(store, model)
+                if m is None:
+                    console.print(f"{name}/{model}: another process is taking a snapshot", highlight=False)
+                else:
+                    console.print(f"{name}/{model}: snapshot at shard versions {min(m.versions)}..{max(m.versions)}"
+                                  f" ({m.file})", highlight=False)
+    except BoincDLError as e:
+        fail(e)
 
 
 @redis_app.command("sync-aof")

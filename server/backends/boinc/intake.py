@@ -189,6 +189,10 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
                 log.warning("result %s merged, its files not kept: %s", result, e)
         return out
     finally:
+        # The working copies go; a durable merge has already given the weights copy a
+        # second name in the job's retained area (a hard link, same filesystem as the
+        # spool when the job dir is under the project; else a copy), which its merge
+        # log names until a snapshot covers it (server/assimilator/retained.py).
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -157,7 +157,9 @@ class UnitBook:
             self.counters["duplicates"] += 1
         if status in ("merged", "duplicate") and sent is not None and sent[0] == "result" and sent[4]:
             # The file deleter's job, after the acknowledgement: never before it, or a
-            # re-sent result would find its files gone.
+            # re-sent result would find its files gone. The merge log keeps what it needs:
+            # a durable merge gave the weights file a second name (a hard link) in the
+            # job's retained area before it was acknowledged (server/assimilator/retained.py).
             shutil.rmtree(Path(sent[4][0]).parent, ignore_errors=True)
         u = self.units.get(unit)
         if u is None:
