@@ -174,3 +174,33 @@ def test_missing_input_exits_1(unit, tmp_path: Path, fake_boinccmd: Path) -> Non
     log = tmp_path / "stderr.txt"
     assert start(entry_env(slot, mount, fake_boinccmd), log).wait(120) == 1
     assert "missing input file data.npz" in log.read_text()
+
+
+def test_resolve_through_the_project_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from boinc_dl.client_app.boinc_io import resolve
+
+    slot, mount = tmp_path / "app", tmp_path / "project"
+    slot.mkdir()
+    links = {
+        "rel": f"../../projects/{PROJECT}/wu_1_0",
+        "abs": f"/var/lib/boinc-client/projects/{PROJECT}/wu_1_1",  # a client with an absolute data dir
+        "win": f"..\\..\\projects\\{PROJECT}\\wu_1_2",
+        "sub": f"../../projects/{PROJECT}/sub/./wu_1_3",
+    }
+    for name, target in links.items():
+        (slot / name).write_text(f"<soft_link>{target}</soft_link>")
+    (slot / "copied.npz").write_bytes(b"PK\x03\x04 real file")
+    want = {"rel": mount / "wu_1_0", "abs": mount / "wu_1_1", "win": mount / "wu_1_2", "sub": mount / "sub" / "wu_1_3"}
+    for name, path in want.items():
+        assert resolve(slot, name, mount) == path
+    assert resolve(slot, "copied.npz", mount) == slot / "copied.npz"
+    # from the environment, as the entry point sets it
+    monkeypatch.setenv("BDL_PROJECT_MOUNT", str(mount))
+    assert resolve(slot, "rel") == mount / "wu_1_0"
+    monkeypatch.delenv("BDL_PROJECT_MOUNT")
+    assert resolve(slot, "rel") == tmp_path.parent / "projects" / PROJECT / "wu_1_0"  # host layout: as before
+    for bad in (f"../../projects/{PROJECT}/../../etc/passwd", f"../../projects/{PROJECT}/", "../../etc/passwd",
+                "../../projects/../x", f"../../projects/{PROJECT}/a/../../b"):
+        (slot / "bad").write_text(f"<soft_link>{bad}</soft_link>")
+        with pytest.raises(ValueError, match="not a file of the project directory"):
+            resolve(slot, "bad", mount)
