@@ -23,6 +23,9 @@ from typing import Any
 
 INIT_DATA = "init_data.xml"
 FRACTION_DONE = "fraction_done"
+#: Where a BOINC Docker app's container sees the project directory (job.toml's
+#: ``project_dir_mount``); set by the container's entry point.
+PROJECT_MOUNT_ENV = "BDL_PROJECT_MOUNT"
 
 # Link files are tiny; anything bigger is a real file even if it starts oddly.
 _LINK_MAX_BYTES = 4096
@@ -43,18 +46,38 @@ def read_link(path: str | Path) -> str | None:
     return m.group(1).decode("utf-8", errors="surrogateescape")
 
 
-def resolve(slot_dir: str | Path, logical: str) -> Path:
+def resolve(slot_dir: str | Path, logical: str, project_mount: str | Path | None = None) -> Path:
     """Resolve a logical file name in a slot directory (BOINC's ``boinc_resolve_filename``).
 
     Follows one level of link file, relative to the slot directory (an absolute
     target is used as is); otherwise returns ``slot_dir/logical``, existing or not.
+
+    In a BOINC Docker app's container the project directory is not where the link
+    points (``../../projects/<project>/`` from the slot) but where docker_wrapper
+    mounted it: ``project_mount``, by default ``$BDL_PROJECT_MOUNT`` (set by the
+    container's entry point). A target under a ``projects/<project>/`` directory is
+    then read from there; one that leaves that directory is refused.
     """
     slot = Path(slot_dir)
     path = slot / logical
     target = read_link(path)
     if target is None:
         return path
+    mount = project_mount if project_mount is not None else os.environ.get(PROJECT_MOUNT_ENV, "")
+    if mount:
+        return _in_project_mount(Path(mount), target, path)
     return Path(os.path.normpath(slot / target))
+
+
+def _in_project_mount(mount: Path, target: str, link: Path) -> Path:
+    parts = target.replace("\\", "/").split("/")
+    for i in range(len(parts) - 2):
+        if parts[i] == "projects" and parts[i + 1] not in ("", ".", ".."):
+            rest = [p for p in parts[i + 2:] if p not in ("", ".")]
+            if rest and ".." not in rest:
+                return mount.joinpath(*rest)
+            break
+    raise ValueError(f"{link}: link target {target!r} is not a file of the project directory")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Exit codes:
 * 75 -- interrupted (SIGTERM/SIGINT or a spot-interruption notice): a checkpoint is
   written and a restart in the same slot resumes from it (``EX_TEMPFAIL``). After a
   spot notice under a BOINC client, the task is also aborted through ``boinccmd`` so
-  that the server re-issues it at once rather than at its deadline.
+  that the server re-issues it at once rather than at its deadline (in a BOINC Docker
+  app's container the exit status itself fails the task, with the same effect).
 
 An unexpected internal error also exits 1, with its traceback (it is a bug to report).
 
@@ -38,6 +39,8 @@ EXIT_INPUT = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 75
 PREEMPTION_REASON = "preemption notice"
+#: Set by the entry point of the BOINC Docker app's container (docker_main.sh).
+CONTAINER_ENV = "BDL_CONTAINER"
 
 log = logging.getLogger("boinc_dl.client_app")
 
@@ -171,7 +174,16 @@ def report_lost_if_boinc(slot: Path) -> bool:
 
     Runs only under a BOINC client (the slot's ``init_data.xml`` names the task) and
     after the checkpoint is written: the abort makes the client stop this task.
+
+    Not in a BOINC Docker app's container (``$BDL_CONTAINER``, set by its entry point):
+    the client's GUI RPC and ``boinccmd`` are out of its reach there. Exit 75 does the
+    same job: docker_wrapper passes the container's status to the client, which
+    reports the task as failed at its next scheduler request, and the server creates a
+    new instance of the unit then (it counts as an error against ``max_error_results``,
+    where an abort counts as no reply).
     """
+    if os.environ.get(CONTAINER_ENV, "").strip():
+        return False
     try:
         from boinc_dl.client_app.preemption import boinc_task_from_slot, report_lost_to_boinc
     except ImportError:

@@ -195,7 +195,10 @@ class _Run:
     def run(self) -> UnitResult:
         if not self.slot.is_dir():
             raise UnitInputError(f"slot directory {self.slot} does not exist")
-        paths = {n: resolve(self.slot, n) for n in (WU_JSON, MODEL, WEIGHTS_IN, DATA, VAL, WEIGHTS_OUT, METRICS)}
+        try:
+            paths = {n: resolve(self.slot, n) for n in (WU_JSON, MODEL, WEIGHTS_IN, DATA, VAL, WEIGHTS_OUT, METRICS)}
+        except ValueError as e:  # a link file pointing outside the mounted project directory
+            raise UnitInputError(str(e)) from None
         self.paths = paths
         wu, wu_raw = read_workunit(paths[WU_JSON])
         self.wu = wu

@@ -49,7 +49,7 @@ momentum      ``B:mom`` (float32, shard  ``B:mom`` and ``B:w`` every merge (ever
               size)                      ``buffer_k > 1``, which also keeps ``B:buf``/``bn``)
 ============  =========================  ===================================================
 
-``B = bdl:J:s:{J/M/i}`` (:mod:`boinc_dl.server.common.shards`). A shard's state is read
+``B = bdl:J:s:{J/M/i}`` (:mod:`boinc_dl.server.assimilator.shards`). A shard's state is read
 under the same ``WATCH`` as its bytes and written in the same ``MULTI`` as its bytes, its
 new tag and its ``u:<unit>`` mark, so a re-run of the assimilator skips it with the rest
 (exactly once) and a conflicting writer retries the state update too. Everything else a

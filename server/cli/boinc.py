@@ -60,18 +60,38 @@ def install(
     min_sendwork_interval: Annotated[int, typer.Option(
         min=0, help="config.xml <min_sendwork_interval>: every scheduler reply defers the host's next "
                     "request, a finished task's report included, by max(1.01 x N, N + 1) s (0: none)")] = 0,
+    docker_wrapper: Annotated[list[str] | None, typer.Option(
+        help="BOINC's docker_wrapper binary: adds Docker app versions (plan classes bdl_docker and, with --gpu, "
+             "bdl_docker_nvidia) for hosts with Docker or Podman and nothing installed; once per platform, "
+             "named as BOINC names it (..._x86_64-pc-linux-gnu, ..._windows_x86_64.exe) or PLATFORM=PATH")] = None,
+    docker_base_image: Annotated[str, typer.Option(
+        help="the image the hosts build on (a local one for offline sites)")] = "python:3.11-slim-bookworm",
+    docker_build_arg: Annotated[list[str] | None, typer.Option(
+        help="one more argument for the hosts' docker/podman build, e.g. PIP_INDEX_URL=... after "
+             "--docker-build-arg=--build-arg (repeatable)")] = None,
+    docker_wheel: Annotated[Path | None, typer.Option(
+        help="boinc-dl's wheel for the image (default: built with pip wheel --no-deps from the installed "
+             "source tree)")] = None,
 ) -> None:
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
 
+    from boinc_dl.server.backends.boinc.docker_app import DockerOptions, platform_of
     from boinc_dl.server.backends.boinc.install import InstallOptions
     from boinc_dl.server.backends.boinc.install import install as do_install
 
+    try:
+        docker = DockerOptions(wrappers=[platform_of(w) for w in docker_wrapper or []],
+                               base_image=docker_base_image, build_args=list(docker_build_arg or []),
+                               wheel=docker_wheel)
+    except BoincDLError as e:
+        _fail(e)
+        return
     opts = InstallOptions(redis_url=redis_url, assimilators=assimilators, app_version=app_version,
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
                           command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db,
                           next_rpc_delay_s=next_rpc_delay, maintenance_delay_s=maintenance_delay,
-                          min_sendwork_interval_s=min_sendwork_interval)
+                          min_sendwork_interval_s=min_sendwork_interval, docker=docker)
     try:
         report = do_install(project, opts)
     except BoincDLError as e:

@@ -9,7 +9,10 @@ What it does (each step reports what it changed; a second run changes nothing):
    ``bdl_work_generator`` (POSIX sh, exec boinc-dl with the project pinned);
 4. ``project.xml``: the app ``boincdl`` (and the x86_64 Linux platform);
 5. app versions ``apps/boincdl/<v>/x86_64-pc-linux-gnu[__bdl_nvidia]/``: BOINC's
-   wrapper as main program, ``job.xml``, the launcher, ``version.xml``;
+   wrapper as main program, ``job.xml``, the launcher, ``version.xml``; with
+   ``--docker-wrapper``, also the Docker app versions
+   ``apps/boincdl/<v>/<platform>__bdl_docker[_nvidia]/`` and their plan classes
+   (:mod:`~boinc_dl.server.backends.boinc.docker_app`);
 6. ``plan_class_spec.xml``: the ``bdl_nvidia`` plan class for current NVIDIA GPUs;
 7. ``config.xml``: the work generator, ``script_validator`` and P ``script_assimilator
    --mod P i`` daemons, each with its own ``<output>`` and ``<pid_file>`` (bin/start
@@ -40,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from boinc_dl.server.backends.boinc import artifacts
+from boinc_dl.server.backends.boinc import artifacts, docker_app
 from boinc_dl.server.backends.boinc.host_contact import (
     DEFAULT_MAINTENANCE_DELAY_S,
     DEFAULT_MIN_SENDWORK_INTERVAL_S,
@@ -96,6 +99,8 @@ class InstallOptions:
     #: ``<min_sendwork_interval>`` whole seconds in config.xml (0: replies carry no
     #: ``request_delay``, so a finished task is reported at the client's next poll).
     min_sendwork_interval_s: int = DEFAULT_MIN_SENDWORK_INTERVAL_S
+    #: app versions for BOINC's docker_wrapper (none unless it names a docker_wrapper)
+    docker: docker_app.DockerOptions = field(default_factory=docker_app.DockerOptions)
 
 
 @dataclass
@@ -312,6 +317,17 @@ class Installer:
             changed = True
         return changed
 
+    def docker_app_versions(self) -> tuple[bool, bool]:
+        """App versions for hosts with Docker or Podman and nothing else (module
+        :mod:`~boinc_dl.server.backends.boinc.docker_app`): whether project.xml changed,
+        and whether a version was added."""
+        d = docker_app.DockerVersions(self.p.root, self.p.apps_dir, self.o.app_version, self.o.gpu,
+                                      self.o.docker, self)
+        project_changed = d.platforms(self.p.project_xml)
+        versions_changed = d.app_versions()
+        d.plan_classes(self.p.plan_class_spec)
+        return project_changed, versions_changed
+
     def plan_class(self) -> None:
         if not self.o.gpu:
             return
@@ -443,6 +459,8 @@ class Installer:
         self.shims()
         project_changed = self.project_xml()
         versions_changed = self.app_versions()
+        docker_project, docker_versions = self.docker_app_versions()
+        project_changed, versions_changed = project_changed or docker_project, versions_changed or docker_versions
         self.plan_class()
         self.daemons()
         self.host_contact()

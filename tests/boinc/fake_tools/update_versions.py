@@ -1,5 +1,6 @@
 """Fake ``bin/update_versions [--noconfirm] [--verbose]`` (tools/update_versions): every
-directory under apps/ must be an app in the database; each new version is recorded."""
+directory under apps/ must be an app in the database, each version directory's platform
+one xadd added (once the fake database records platforms); each new version is recorded."""
 
 import sys
 import xml.etree.ElementTree as ET
@@ -18,6 +19,11 @@ with database() as db:
             for plat in sorted(ver.iterdir()):
                 key = f"{app.name}/{ver.name}/{plat.name}"
                 if key in db["app_versions"]:
+                    continue
+                # tools/update_versions: platform name, then optional "__<plan class>";
+                # an unknown platform is skipped with a message, exit status 0
+                if "platforms" in db and plat.name.split("__", 1)[0] not in db["platforms"]:
+                    print(f"         no such platform: {plat.name.split('__', 1)[0]}")
                     continue
                 vx = ET.parse(plat / "version.xml").getroot()
                 mains = [f for f in vx.findall("file") if f.find("main_program") is not None]
