@@ -84,7 +84,7 @@ def test_out_of_order_sending(job) -> None:
     project, store, spec, r = job
     be, units = create_units(project, r, spec, 3)
     # BOINC sends the last-created unit first; it is lost; the other two wait in the queue
-    fake_server.send(project, [units[2]], now=time.time() - LIMITS.delay_bound_s - 5)
+    fake_server.send(project, [units[2]], now=time.time() - be.deadline_s(LIMITS) - 5)
     assert be.regeneration_requests(spec.name) == [(units[2], 0)]
 
 
@@ -103,7 +103,7 @@ def test_result_back_is_never_regenerated(job) -> None:
 def test_timed_out_by_boinc_is_regenerated(job) -> None:
     project, store, spec, r = job
     be, (u,) = create_units(project, r, spec, 1)
-    fake_server.send(project, [u], now=time.time() - LIMITS.delay_bound_s - 2)
+    fake_server.send(project, [u], now=time.time() - be.deadline_s(LIMITS) - 2)
     assert fake_server.time_out(project) == [f"{u}_0"]  # NO_REPLY, a new unsent instance
     assert be.regeneration_requests(spec.name) == [(u, 0)]
 
