@@ -56,7 +56,8 @@ def install(
              "scheduler RPC, despite a work-fetch backoff (0 removes it)")] = 60.0,
     maintenance_delay: Annotated[float, typer.Option(
         help="config.xml <maintenance_delay>: how long a host that asks during a restart stays "
-             "away (0 removes it: BOINC's 3600 s); every deadline is timeout_s plus this")] = 30.0,
+             "away (0 removes it: BOINC's 3600 s); every deadline is timeout_s plus the longer of this and "
+             "the client's own 120 s backoff")] = 30.0,
     min_sendwork_interval: Annotated[int, typer.Option(
         min=0, help="config.xml <min_sendwork_interval>: every scheduler reply defers the host's next "
                     "request, a finished task's report included, by max(1.01 x N, N + 1) s (0: none)")] = 0,

@@ -157,6 +157,21 @@ def request_work(project: BoincProject, hostid: int, ncpus: int, n_wanted: int, 
     return sent
 
 
+#: A client's longest wait after one failed scheduler RPC: ``project_rpc_backoff``
+#: (``client/scheduler_op.cpp``) defers it SCHED_RETRY_DELAY_MIN (60 s) x 2^1 x U[0.5, 1).
+CLIENT_FIRST_BACKOFF_MAX_S = 120.0
+
+
+def client_wait_after_reply(project: BoincProject) -> float:
+    """How long a client that asks now may wait before its next RPC: a "project down"
+    reply is an RPC failure for the client (``ERR_PROJECT_DOWN``), so it waits the
+    longer of the reply's ``request_delay`` and its own first-failure backoff."""
+    delay = scheduler_reply_delay(project)
+    if (project.root / "stop_sched").exists():
+        return max(delay, CLIENT_FIRST_BACKOFF_MAX_S)
+    return delay
+
+
 def scheduler_reply_delay(project: BoincProject) -> float:
     """The ``request_delay`` of the reply a host gets now: ``maintenance_delay`` while the
     project is down (``stop_sched``), else that of ``min_sendwork_interval``."""

@@ -88,11 +88,14 @@ def test_maintenance_delay_short_by_default_and_settable(project) -> None:
 
 def test_host_wait_covers_a_restart() -> None:
     """Every deadline is extended by what boinc-dl's settings make a host wait: the
-    restart's "project down" deferral (BOINC's 3600 s when unset) and the request delay."""
+    restart's "project down" deferral (maintenance_delay, BOINC's 3600 s when unset, or
+    the client's own backoff after a failed RPC, whichever is longer) and the request delay."""
     from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 
-    assert host_wait_s({"maintenance_delay": "30", "min_sendwork_interval": "0"}) == 30
-    assert host_wait_s({"maintenance_delay": "30", "min_sendwork_interval": "6"}) == 30 + 7  # max(6.06, 7)
+    # a "project down" reply is an RPC failure for the client: it backs off 60-120 s itself
+    assert host_wait_s({"maintenance_delay": "30", "min_sendwork_interval": "0"}) == 120
+    assert host_wait_s({"maintenance_delay": "30", "min_sendwork_interval": "6"}) == 120 + 7  # max(6.06, 7)
+    assert host_wait_s({"maintenance_delay": "300"}) == 300
     assert host_wait_s({}) == 3600
     assert host_wait_s({"maintenance_delay": "0"}) == 3600  # 0 is BOINC's default again
     assert host_wait_s({"maintenance_delay": "garbage"}) == 3600

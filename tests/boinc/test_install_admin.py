@@ -192,8 +192,11 @@ def test_a_restart_never_makes_a_host_miss_its_deadline(quorum_job) -> None:
     report_s = 5 + 13  # the client's poll, then its upload and report round (docs/boinc.md)
     done = t0 + LIMITS.delay_bound_s - report_s  # a task that just makes its timeout_s
     (project.root / "stop_sched").write_text("<stop/>\n")  # bin/stop, at that moment
-    wait = fake_server.scheduler_reply_delay(project)  # "project down": come back later
-    assert wait > 0
+    # "project down, come back in maintenance_delay"; for the client an RPC failure, after
+    # which it backs off 60-120 s on its own (measured: 71 s after a 30 s request_delay)
+    assert fake_server.scheduler_reply_delay(project) == 30
+    wait = fake_server.client_wait_after_reply(project)
+    assert wait == 120
     (project.root / "stop_sched").unlink()  # bin/start
     reported = done + wait + report_s
     assert reported > t0 + LIMITS.delay_bound_s  # later than timeout_s alone would allow

@@ -490,7 +490,7 @@ class Installer:
             after = self._db_missing()
             if after and (after[0] or after[1]):
                 raise BoincProjectError("bin/xadd and bin/update_versions ran, but BOINC's database still lacks "
-                                        f"{', '.join(after[0] + after[1])}: see their output above")
+                                        f"{', '.join(after[0] + after[1])}: run them in {self.p.root} to see why")
 
     def expected_app_versions(self) -> list[tuple[int, str, str]]:
         """(version_num, platform, plan class) of every app version directory of app
@@ -499,6 +499,8 @@ class Installer:
         for vx in sorted((self.p.apps_dir / APP_NAME).glob("*/*/version.xml")):
             plat, ver = vx.parent.name, vx.parent.parent.name
             major, _, minor = ver.partition(".")
+            if not major.isdigit() or (minor and not minor.isdigit()):
+                continue  # update_versions skips what it cannot parse (version -1)
             num = int(major) * 100 + int(minor) if minor else int(major)
             platform, _, plan = plat.partition("__")
             out.append((num, platform, plan))
