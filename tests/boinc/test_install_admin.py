@@ -283,3 +283,20 @@ def env_no_db(project, tiny_boinc_job, redis_server):
     store, spec = tiny_boinc_job
     assert json.loads(store.spec_json())["name"] == spec.name and tiny_fp().n_params == 15
     return project, store, spec
+
+
+def test_rewritten_settings_keep_their_group(project) -> None:
+    """The web server reads boinc-dl.yaml (0640) through the project's group: a rewrite by
+    install (here: --min-quorum 2) keeps the group the admin gave it."""
+    import grp
+
+    if os.geteuid() != 0:
+        pytest.skip("changing a file's group to another one needs root here")
+    group = grp.getgrnam("nogroup" if "nogroup" in {g.gr_name for g in grp.getgrall()} else "daemon")
+    root = project.root
+    install(root, InstallOptions(run_db_tools=False, checks=False, redis_url="redis://localhost:6379/0"))
+    settings = root / "boinc-dl.yaml"
+    os.chown(settings, -1, group.gr_gid)
+    rep = install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=2))
+    assert "updated boinc-dl.yaml" in rep.changes
+    assert settings.stat().st_gid == group.gr_gid and settings.stat().st_mode & 0o777 == 0o640

@@ -38,6 +38,7 @@ whose name is staged with other content): changing them needs a new ``--app-vers
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -200,6 +201,18 @@ def is_our_daemon(el: ET.Element) -> bool:
     return words[0] in ("script_validator", "script_assimilator") and apps == [APP_NAME]
 
 
+def _keep_group(tmp: Path, like: Path) -> None:
+    """Give a file install writes the group of the file it replaces (else of the project
+    directory): the web server reads ``boinc-dl.yaml`` (0640) through the project's group,
+    and a rewrite by root must not take that away."""
+    try:
+        gid = like.stat().st_gid
+        if tmp.stat().st_gid != gid:
+            os.chown(tmp, -1, gid)
+    except OSError:
+        pass  # not ours to change: the admin's umask and groups decide
+
+
 class Installer:
     """Runs the install steps against one project (see module docstring)."""
 
@@ -233,6 +246,7 @@ class Installer:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(data)
+        _keep_group(tmp, path if existed else self.p.root)
         if mode is not None:
             tmp.chmod(mode)
         tmp.replace(path)
