@@ -300,3 +300,12 @@ def test_rewritten_settings_keep_their_group(project) -> None:
     rep = install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=2))
     assert "updated boinc-dl.yaml" in rep.changes
     assert settings.stat().st_gid == group.gr_gid and settings.stat().st_mode & 0o777 == 0o640
+
+
+def test_doctor_leaves_tools_run_elsewhere_to_their_host(project, monkeypatch) -> None:
+    """The docker stack runs bin/xadd and bin/start in BOINC's container: PHP and Python
+    are not checked where boinc-dl runs."""
+    monkeypatch.setenv("BDL_BOINC_TOOL_RUNNER", "/opt/boinc-dl/shims/run_in_boinc")
+    found = {f.name: f for f in doctor.diagnose(project)}
+    for name in ("php for bin/xadd", "python for bin/start"):
+        assert found[name].ok and "run_in_boinc" in found[name].detail

@@ -71,7 +71,7 @@ def test_queued_workunit_is_never_overdue(job) -> None:
     be, (u,) = create_units(project, r, spec, 1)
     age_ledger(r, store, 10 * LIMITS.delay_bound_s)  # created long ago, never sent
     assert be.regeneration_requests(spec.name) == []
-    fake_server.send(project, [u], now=time.time() - 30)  # sent 30 s ago: 60 s left
+    fake_server.send(project, [u], now=time.time() - 30)  # sent 30 s ago: well within its deadline
     assert be.regeneration_requests(spec.name) == []
     fake_server.send(project, [u])  # (nothing left to send)
     r_id = fake_server.rows(project, "SELECT id FROM result")[0]["id"]
@@ -137,7 +137,7 @@ def assimilate(project, argv: str):  # noqa: ANN201
 def test_late_calls_of_superseded_workunit_change_nothing(job) -> None:
     project, store, spec, r = job
     be, (u,) = create_units(project, r, spec, 1)
-    (r0,) = fake_server.send(project, [u], now=time.time() - 200)
+    (r0,) = fake_server.send(project, [u], now=time.time() - be.deadline_s(LIMITS) - 5)
     assert be.regeneration_requests(spec.name) == [(u, 0)]
     new = regenerate(be, project, spec, u, 1)
     assert fake_server.live_workunits(project) == [new]  # the old one was cancelled

@@ -37,7 +37,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from boinc_dl.server.backends.boinc.project import BoincProject
+from boinc_dl.server.backends.boinc.project import ENV_TOOL_RUNNER, BoincProject
 
 #: Debian's, Red Hat's and a plain Apache's user of the web server.
 WEB_USERS = ("www-data", "apache", "httpd", "daemon")
@@ -221,9 +221,26 @@ def check_app_version(project: BoincProject) -> Finding:
     return Finding("app version", True, ", ".join(str(v.parent.relative_to(project.apps_dir)) for v in versions))
 
 
+def tools_elsewhere(project: BoincProject) -> str:
+    """Where BOINC's tools run when not here (``$BDL_BOINC_TOOL_RUNNER`` or the settings'
+    ``command_prefix``, e.g. the BOINC container of the docker stack); '' when here."""
+    runner = os.environ.get(ENV_TOOL_RUNNER)
+    if runner:
+        return f"${ENV_TOOL_RUNNER} ({runner})"
+    prefix = project.settings.command_prefix
+    return f"command_prefix {' '.join(prefix)}" if prefix else ""
+
+
 def diagnose(project: BoincProject, web_user_name: str | None = None) -> list[Finding]:
-    """Every check, in the order an admin meets them."""
-    return [check_php(), check_db_password(project), check_python_for_start(), check_host(project),
+    """Every check, in the order an admin meets them. PHP and bin/start's Python are
+    checked only where BOINC's tools run (not through a runner into another container)."""
+    elsewhere = tools_elsewhere(project)
+    if elsewhere:
+        skipped = f"BOINC's tools run through {elsewhere}: check there"
+        tools = [Finding("php for bin/xadd", True, skipped), Finding("python for bin/start", True, skipped)]
+    else:
+        tools = [check_php(), check_python_for_start()]
+    return [tools[0], check_db_password(project), tools[1], check_host(project),
             check_web_access(project, web_user_name), check_app_version(project), check_admin_page(project),
             check_project_name(project)]
 

@@ -322,7 +322,7 @@ class BdlRedisCluster {
     const MAX_REDIRECTS = 5;
     const MAX_NODES = 1000;
     /** Commands whose first argument is their (only) key. */
-    private static $keyed = array('GET' => true, 'HGETALL' => true, 'HKEYS' => true, 'HGET' => true,
+    private static $keyed = array('GET' => true, 'HGETALL' => true, 'HKEYS' => true, 'HGET' => true, 'HLEN' => true,
                                   'SMEMBERS' => true, 'XREVRANGE' => true, 'EXISTS' => true, 'TYPE' => true);
     private $password;
     private $timeout;
