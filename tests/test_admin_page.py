@@ -219,7 +219,7 @@ def test_page_shows_jobs_epochs_units_and_rejections(page: PhpServer, redis_tcp)
     status, html = page.get("/boincdl.php?job=digits-vcasgd")
     t = parse(html)
     # queued  in flight  done  failed  re-issued  rejected  cancelled
-    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "0", "0", "0", "2", "0"]
+    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "0", "0", "0", "0", "2", "0"]
     epochs = {row[0]: row for row in t.tables["bdl-epochs"][1:]}
     assert list(epochs) == ["4", "3", "2", "1"]  # newest first
     # epoch  created  assimilated  failed  in flight  val acc  val loss  clients
@@ -228,7 +228,8 @@ def test_page_shows_jobs_epochs_units_and_rejections(page: PhpServer, redis_tcp)
     assert epochs["3"][1:5] == ["4", "3", "0", "1"]
     assert epochs["4"][1:7] == ["1", "0", "0", "1", "–", "–"]
     meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
-    assert meta["weights version, model 0"] == str(redis_tcp[2]["version"]) == "10"
+    assert meta["weights of model 0"] == f"version {redis_tcp[2]['version']}, stored as 1 Redis shard"
+    assert redis_tcp[2]["version"] == 10
     assert meta["n_subsets"] == "4"
     rej = t.tables["bdl-rejections"][1:]
     assert [row[2] for row in rej] == ["res_e1s2_r0", "res_e2s3_r1"]  # newest first
@@ -246,6 +247,63 @@ def test_page_shows_jobs_epochs_units_and_rejections(page: PhpServer, redis_tcp)
     assert 'class="band"' in svg
     for external in ("<script", "src=\"http", "href=\"http", "cdn", "@import"):
         assert external not in html.lower()
+
+
+def test_page_names_data_subsets_and_weight_shards_apart(page: PhpServer, redis_tcp) -> None:
+    _srv, r, _facts = redis_tcp
+    JobStore(r, "digits-vcasgd").set_meta(n_shards=8)
+    JobStore(r, "cifar-mop").set_meta(n_shards=4)
+    t = parse(page.get("/boincdl.php?job=digits-vcasgd")[1])
+    meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
+    assert meta["data subsets (n_shards)"] == "8" and meta["weights of model 0"].endswith("1 Redis shard")
+    t = parse(page.get("/boincdl.php?job=cifar-mop")[1])
+    assert dict(row for row in t.tables["bdl-meta"] if len(row) == 2)["data partitions (n_shards)"] == "4"
+
+
+def test_page_shows_late_results_and_replication(page: PhpServer, redis_tcp) -> None:
+    from boinc_dl.server.backends.boinc.registry import BoincRegistry
+
+    _srv, r, _facts = redis_tcp
+    reg = BoincRegistry(JobStore(r, "digits-vcasgd"))
+    reg.record_late_result("digits-vcasgd__m0_e0001_s0000", "digits-vcasgd__m0_e0001_s0000_0", "superseded")
+    for i, (same_host, same_user) in enumerate([(False, False)] * 6 + [(False, True), (True, True), (None, None)]):
+        reg.record_comparison(f"u{i}", (f"u{i}_0", f"u{i}_1"), True, same_host, same_user)
+    reg.record_comparison("u0", ("u0_1", "u0_0"), True, False, False)  # the same pair again: counted once
+    t = parse(page.get("/boincdl.php?job=digits-vcasgd")[1])
+    head, row = t.tables["bdl-units"]
+    assert dict(zip(head, row, strict=True))["late results not checked"] == "1"
+    head, row = t.tables["bdl-quorum"]
+    q = dict(zip(head, row, strict=True))
+    assert q["replica comparisons"] == "9" and q["across hosts"] == "7 (77.8%)"
+    assert q["across users"] == "6 (66.7%)" and q["same host"] == "1 (11.1%)" and q["hosts unknown"] == "1 (11.1%)"
+
+
+def test_page_shows_mop_models_with_hyper_parameters(page: PhpServer, redis_tcp) -> None:
+    from boinc_dl.server.work_generator.mop.state import MopState
+
+    _srv, r, _facts = redis_tcp
+    state = MopState(JobStore(r, "cifar-mop"))
+    state.put_config("0", {"params": {"lr": 0.1, "units": 32}, "status": "running"})
+    state.put_config("1", {"params": {"lr": 0.01, "units": 64}, "status": "stopped", "reason": "successive halving"})
+    for e, (a0, a1) in enumerate([(0.5, 0.6), (0.7, 0.65)], start=1):
+        state.put_model_result(e, "0", {"val_acc": a0, "val_loss": 1.0})
+        if e == 1:
+            state.put_model_result(e, "1", {"val_acc": a1, "val_loss": 1.0})
+    state.put_results(1, {"0": {"val_acc": 0.5}, "1": {"val_acc": 0.6}})
+    status, html = page.get("/boincdl.php?job=cifar-mop")
+    assert status == 200 and "<b>Fatal" not in html and "Warning</b>" not in html
+    t = parse(html)
+    models = t.tables["bdl-models"][1:]
+    # rank  hyper-parameters  model  status  epochs done  last  best  weights version  note
+    assert models[0][:7] == ["1", "lr=0.1, units=32", "0", "running", "2", "0.7", "0.7"]
+    assert models[1][:7] == ["2", "lr=0.01, units=64", "1", "stopped", "1", "0.6", "0.6"]
+    assert models[1][8] == "successive halving"
+    meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
+    assert meta["weights of model lr=0.1, units=32"].startswith("version 0")
+    svg = html[html.index('<svg id="bdl-model-curves"'):]
+    svg = svg[: svg.index("</svg>")]
+    assert svg.count('<g class="model">') == 2 and svg.count("<polyline") == 1  # model 0: 2 epochs
+    assert svg.count("<circle") == 3
 
 
 def test_page_shows_the_cloud_cost(page: PhpServer, redis_tcp) -> None:
@@ -312,8 +370,8 @@ def test_page_over_unix_socket_with_ini_file(redis_tcp, tmp_path: Path) -> None:
     t = parse(html)
     assert {row[0] for row in t.tables["bdl-jobs"][1:]} == {"digits-vcasgd", "cifar-mop", EVIL_JOB}
     meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
-    assert meta["mode"] == "mop" and meta["weights version, model 1"] == "0"
-    assert "No finished epoch yet" in html
+    assert meta["mode"] == "mop" and meta["weights of model 1"] == "version 0, stored as 1 Redis shard"
+    assert "No model has finished an epoch yet" in html
 
 
 def test_page_uses_boinc_admin_head_and_tail(redis_tcp, tmp_path: Path) -> None:
@@ -391,6 +449,7 @@ def test_page_reads_the_settings_install_writes(redis_tcp, tmp_path: Path) -> No
     units = dict(zip(head, row, strict=True))
     assert units["re-issued (same inputs)"] == "2" and units["regenerated (fresh weights)"] == "3"
     assert units["workunits cancelled"] == "4" and units["late calls of superseded workunits"] == "5"
+    assert units["late results not checked"] == "0"
     meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
     assert meta["finished_at"] == "2023-11-14 22:13:20 UTC"  # not raw epoch seconds
 

@@ -160,19 +160,19 @@ def test_cluster_page_shows_what_a_single_redis_shows(cluster, single, ops_dir: 
     assert jobs["digits-vcasgd"][1:10] == ["vcasgd", "running", "3 / 5", "2", "10", "1", "2 / 0", "2", "0.86"]
     assert jobs["cifar-mop"][1:7] == ["mop", "running", "0 / 10", "2", "0", "0"]
     t = parse(on_cluster[1])
-    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "0", "0", "0", "2", "0"]
+    assert t.tables["bdl-units"][1] == ["1", "1", "10", "1", "2", "0", "0", "0", "0", "2", "0"]
     epochs = {row[0]: row for row in t.tables["bdl-epochs"][1:]}
     assert list(epochs) == ["4", "3", "2", "1"]
     assert epochs["1"][1:8] == ["4", "4", "0", "0", "0.61", "1.2", "0.55 ± 0.06"]
     assert epochs["2"][1:5] == ["4", "3", "1", "0"]
     meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
-    assert meta["weights version, model 0"] == str(facts["version"]) == "10"
+    assert meta["weights of model 0"] == f"version {facts['version']}, stored as 1 Redis shard"
     rej = t.tables["bdl-rejections"][1:]
     assert [row[2] for row in rej] == ["res_e1s2_r0", "res_e2s3_r1"]
     assert rej[1][3] == EVIL_REASON and "<img src=x" not in on_cluster[1]
     assert t.tables["bdl-cost"][1] == list(COST.values())
     meta = dict(row for row in parse(on_cluster[2]).tables["bdl-meta"] if len(row) == 2)
-    assert meta["mode"] == "mop" and meta["weights version, model 1"] == "0"
+    assert meta["mode"] == "mop" and meta["weights of model 1"] == "version 0, stored as 1 Redis shard"
     assert "<script>alert" not in on_cluster[3]
 
 

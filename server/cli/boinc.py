@@ -56,7 +56,8 @@ def install(
              "scheduler RPC, despite a work-fetch backoff (0 removes it)")] = 60.0,
     maintenance_delay: Annotated[float, typer.Option(
         help="config.xml <maintenance_delay>: how long a host that asks during a restart stays "
-             "away (0 removes it: BOINC's 3600 s)")] = 120.0,
+             "away (0 removes it: BOINC's 3600 s); every deadline is timeout_s plus the longer of this and "
+             "the client's own 120 s backoff")] = 30.0,
     min_sendwork_interval: Annotated[int, typer.Option(
         min=0, help="config.xml <min_sendwork_interval>: every scheduler reply defers the host's next "
                     "request, a finished task's report included, by max(1.01 x N, N + 1) s (0: none)")] = 0,
@@ -72,6 +73,13 @@ def install(
     docker_wheel: Annotated[Path | None, typer.Option(
         help="boinc-dl's wheel for the image (default: built with pip wheel --no-deps from the installed "
              "source tree)")] = None,
+    quorum_across: Annotated[str, typer.Option(
+        help="with --min-quorum 2+: replicas of a unit go to different 'users' (volunteers) or only "
+             "different 'hosts' (a fleet attached with one account)")] = "users",
+    jobs_per_slot: Annotated[int, typer.Option(
+        min=0, help="config_aux.xml: at most this many boincdl tasks in progress per CPU (and GPU) of "
+                    "a host, so that every host gets work (0 removes the cap)")] = 1,
+    checks: Annotated[bool, typer.Option(help="check the prerequisites (as 'boinc-dl boinc doctor')")] = True,
 ) -> None:
     """Set a BOINC project up for boinc-dl (idempotent: prints what it changed)."""
     import shlex
@@ -91,7 +99,8 @@ def install(
                           wrapper=wrapper, gpu=gpu, min_quorum=min_quorum, gzip_outputs=gzip_outputs,
                           command=shlex.split(command) if command else None, run_db_tools=db, force_db=force_db,
                           next_rpc_delay_s=next_rpc_delay, maintenance_delay_s=maintenance_delay,
-                          min_sendwork_interval_s=min_sendwork_interval, docker=docker)
+                          min_sendwork_interval_s=min_sendwork_interval, docker=docker,
+                          quorum_across=quorum_across, jobs_per_slot=jobs_per_slot, checks=checks)
     try:
         report = do_install(project, opts)
     except BoincDLError as e:
@@ -103,6 +112,26 @@ def install(
         typer.echo(f"{project}: already up to date, nothing changed")
     for n in report.notes:
         typer.echo(f"  note: {n}")
+
+
+@boinc_app.command()
+def doctor(
+    project: ProjectOpt = None,
+    web_user: Annotated[str | None, typer.Option(
+        help="the web server's user (default: Apache's APACHE_RUN_USER, else www-data/apache)")] = None,
+) -> None:
+    """Check what a BOINC project needs for boinc-dl and say how to fix each gap (exit 1 if any)."""
+    from boinc_dl.server.backends.boinc.doctor import diagnose
+
+    try:
+        proj = _project(project)
+        findings = diagnose(proj, web_user)
+    except BoincDLError as e:
+        _fail(e)
+        return
+    for f in findings:
+        typer.echo(f.line())
+    raise typer.Exit(0 if all(f.ok for f in findings) else 1)
 
 
 @boinc_app.command("work-generator")

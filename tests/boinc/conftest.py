@@ -263,7 +263,7 @@ def use_mariadb(project: BoincProject, db_name: str) -> None:
     (project.root / "fake_mariadb").write_text("")
     conn = _fakemysql.connect(project.root)
     with conn.cursor() as c:
-        for table in ("workunit", "result", "host"):
+        for table in _fakemysql.TABLES:
             c.execute(f"DROP TABLE IF EXISTS {table}")
         for ddl in _fakemysql.SCHEMA:
             c.execute(ddl)

@@ -4,7 +4,19 @@ Test doubles, not BOINC code, following what BOINC's daemons do to the columns
 boinc-dl reads (``db/boinc_db_types.h`` for the values):
 
 * :func:`send`: the scheduler hands an UNSENT result to a host (``sched/sched_send.cpp``:
-  ``sent_time = now``, ``report_deadline = sent_time + delay_bound``), in any order.
+  ``sent_time = now``, ``report_deadline = sent_time + delay_bound``), in any order,
+  never a second result of a workunit to the same user or host when config.xml's
+  ``<one_result_per_user_per_wu>`` / ``<one_result_per_host_per_wu>`` say so
+  (``slow_check``, ``sched/sched_check.cpp``: the user rule first, then the host rule).
+* :func:`request_work`: a host's work request: UNSENT results in the job cache's order,
+  at most ``max_wus_to_send`` x CPUs per reply (``WORK_REQ::get_job_limits``), and at
+  most the per-app cap of ``config_aux.xml``'s ``<max_jobs_in_progress>`` (``jobs`` x
+  CPUs with ``<per_proc/>``), counting the host's tasks in progress
+  (``sched/sched_limit.h``).
+* :func:`scheduler_reply_delay`: while ``stop_sched`` exists (``bin/stop`` writes it,
+  ``bin/start`` removes it), every request is answered "project down" with a
+  ``request_delay`` of config.xml's ``<maintenance_delay>`` (3600 when unset,
+  ``sched/sched_main.cpp``); otherwise the ``request_delay`` of ``min_sendwork_interval``.
 * :func:`report`: the host reports; success waits for the validator, an error is over.
 * :func:`validate`: the validator marks the result valid, the workunit gets its
   canonical result and becomes ready to assimilate; :func:`assimilated` marks it done.
@@ -51,22 +63,122 @@ def _exec(project: BoincProject, sql: str, params: tuple = ()) -> int:
     return n
 
 
+def _config_flag(project: BoincProject, tag: str) -> bool:
+    """A config.xml flag as BOINC's parse_bool reads it (``<tag/>`` or a non-zero number)."""
+    import xml.etree.ElementTree as ET
+
+    el = ET.parse(project.config_xml).getroot().find(f"config/{tag}")
+    if el is None:
+        return False
+    text = (el.text or "").strip()
+    return True if not text else text.isdigit() and int(text) != 0
+
+
+def _config_number(project: BoincProject, tag: str, default: float) -> float:
+    import xml.etree.ElementTree as ET
+
+    el = ET.parse(project.config_xml).getroot().find(f"config/{tag}")
+    try:
+        return float((el.text or "").strip()) if el is not None else default
+    except ValueError:
+        return default
+
+
+def _already_has(project: BoincProject, wu_id: int, hostid: int, userid: int) -> bool:
+    """slow_check: the user rule, else the host rule, when config.xml asks for one."""
+    if _config_flag(project, "one_result_per_user_per_wu"):
+        col, val = "userid", userid
+    elif _config_flag(project, "one_result_per_host_per_wu"):
+        col, val = "hostid", hostid
+    else:
+        return False
+    n = rows(project, f"SELECT COUNT(*) AS n FROM result WHERE workunitid = %s AND server_state >= 4 AND {col} = %s",
+             (wu_id, val))[0]["n"]
+    return n > 0
+
+
 def send(project: BoincProject, wu_names: list[str], hostid: int = 1, now: float | None = None,
-         flops: float = 4e9) -> list[str]:
+         flops: float = 4e9, userid: int | None = None) -> list[str]:
     """Send one UNSENT result of each named workunit (in the order given), to a host the
-    scheduler believes does ``flops`` per second; the results' names."""
+    scheduler believes does ``flops`` per second, of user ``userid`` (default: a user of
+    its own, ``hostid``); the results' names. A workunit of which config.xml forbids this
+    host or user a second result is skipped."""
     now = int(now if now is not None else time.time())
+    userid = hostid if userid is None else userid
     sent = []
     for wu in wu_names:
-        r = rows(project, "SELECT r.id, r.name, w.delay_bound FROM result r JOIN workunit w ON w.id = r.workunitid "
-                          "WHERE w.name = %s AND r.server_state = 2 AND w.error_mask = 0 ORDER BY r.id LIMIT 1", (wu,))
-        if not r:
+        r = rows(project, "SELECT r.id, r.name, r.workunitid, w.delay_bound FROM result r JOIN workunit w "
+                          "ON w.id = r.workunitid WHERE w.name = %s AND r.server_state = 2 AND w.error_mask = 0 "
+                          "ORDER BY r.id LIMIT 1", (wu,))
+        if not r or _already_has(project, int(r[0]["workunitid"]), hostid, userid):
             continue
         _exec(project, "UPDATE result SET server_state = 4, sent_time = %s, report_deadline = %s, hostid = %s, "
-                       "flops_estimate = %s WHERE id = %s",
-              (now, now + int(r[0]["delay_bound"]), hostid, flops, r[0]["id"]))
+                       "userid = %s, flops_estimate = %s WHERE id = %s",
+              (now, now + int(r[0]["delay_bound"]), hostid, userid, flops, r[0]["id"]))
         sent.append(r[0]["name"])
     return sent
+
+
+def jobs_cap(project: BoincProject, ncpus: int, app: str = "boincdl") -> int | None:
+    """The per-host cap on ``app``'s CPU tasks in progress from config_aux.xml (None: none)."""
+    import xml.etree.ElementTree as ET
+
+    path = project.root / "config_aux.xml"
+    if not path.exists():
+        return None
+    for a in ET.parse(path).getroot().findall("max_jobs_in_progress/app"):
+        if (a.findtext("app_name") or "").strip() != app:
+            continue
+        lim = a.find("cpu_limit")
+        if lim is None:
+            continue
+        jobs = int((lim.findtext("jobs") or "0").strip() or 0)
+        if jobs:
+            return jobs * ncpus if lim.find("per_proc") is not None else jobs
+    return None
+
+
+def request_work(project: BoincProject, hostid: int, ncpus: int, n_wanted: int, in_progress: int = 0,
+                 now: float | None = None, userid: int | None = None) -> list[str]:
+    """A host with ``ncpus`` CPUs and ``in_progress`` boincdl tasks asks for ``n_wanted``
+    more: the scheduler sends UNSENT results in creation order within its limits; the
+    names sent."""
+    per_rpc = int(_config_number(project, "max_wus_to_send", 10)) * ncpus
+    cap = jobs_cap(project, ncpus)
+    room = min(n_wanted, per_rpc, (cap - in_progress) if cap is not None else n_wanted)
+    sent: list[str] = []
+    if room <= 0:
+        return sent
+    for w in rows(project, "SELECT DISTINCT w.name, w.id FROM result r JOIN workunit w ON w.id = r.workunitid "
+                           "WHERE r.server_state = 2 AND w.error_mask = 0 ORDER BY w.id"):
+        sent += send(project, [w["name"]], hostid, now, userid=userid)
+        if len(sent) >= room:
+            break
+    return sent
+
+
+#: A client's longest wait after one failed scheduler RPC: ``project_rpc_backoff``
+#: (``client/scheduler_op.cpp``) defers it SCHED_RETRY_DELAY_MIN (60 s) x 2^1 x U[0.5, 1).
+CLIENT_FIRST_BACKOFF_MAX_S = 120.0
+
+
+def client_wait_after_reply(project: BoincProject) -> float:
+    """How long a client that asks now may wait before its next RPC: a "project down"
+    reply is an RPC failure for the client (``ERR_PROJECT_DOWN``), so it waits the
+    longer of the reply's ``request_delay`` and its own first-failure backoff."""
+    delay = scheduler_reply_delay(project)
+    if (project.root / "stop_sched").exists():
+        return max(delay, CLIENT_FIRST_BACKOFF_MAX_S)
+    return delay
+
+
+def scheduler_reply_delay(project: BoincProject) -> float:
+    """The ``request_delay`` of the reply a host gets now: ``maintenance_delay`` while the
+    project is down (``stop_sched``), else that of ``min_sendwork_interval``."""
+    if (project.root / "stop_sched").exists():
+        return _config_number(project, "maintenance_delay", 3600.0)
+    msi = _config_number(project, "min_sendwork_interval", 0.0)
+    return max(1.01 * msi, msi + 1) if msi > 0 else 0.0
 
 
 def report(project: BoincProject, result: str, success: bool = True, now: float | None = None,
@@ -128,3 +240,26 @@ def file_deleter(project: BoincProject, wu_infiles: dict[str, list[str]]) -> lis
                 removed.append(f)
         _exec(project, "UPDATE workunit SET file_delete_state = 2 WHERE id = %s", (wu["id"],))
     return removed
+
+
+def judge(project: BoincProject, result: str, init_exit: int) -> tuple[int, int]:
+    """A reported result through BOINC's transitioner and ``script_validator`` when its init
+    script exits ``init_exit``; the result's (outcome, validate_state) afterwards.
+
+    * the transitioner's pass (``sched/transitioner.cpp``): a successful result still
+      INIT of a workunit with an error mask (a cancelled one) becomes NO_CHECK (3);
+    * the validator (``init_result`` in ``sched/script_validator.cpp``, ``check_set`` in
+      ``sched/validate_util2.cpp``): 0 is valid (1); 3, VAL_RESULT_TRANSIENT_ERROR,
+      leaves the result as it is; anything else is outcome VALIDATE_ERROR (6),
+      validate_state INVALID (2), a mark against the host.
+    """
+    r = rows(project, "SELECT r.id, r.validate_state, w.error_mask FROM result r JOIN workunit w "
+                      "ON w.id = r.workunitid WHERE r.name = %s", (result,))[0]
+    if r["error_mask"] and r["validate_state"] == 0:
+        _exec(project, "UPDATE result SET validate_state = 3 WHERE id = %s", (r["id"],))
+    if init_exit == 0:
+        _exec(project, "UPDATE result SET validate_state = 1 WHERE id = %s", (r["id"],))
+    elif init_exit != 3:
+        _exec(project, "UPDATE result SET outcome = 6, validate_state = 2 WHERE id = %s", (r["id"],))
+    out = rows(project, "SELECT outcome, validate_state FROM result WHERE id = %s", (r["id"],))[0]
+    return int(out["outcome"]), int(out["validate_state"])

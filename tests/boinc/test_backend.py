@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shlex
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import RetryLimits
+from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.jobsystem import (
     BoincJobSystem,
     BoincToolError,
@@ -89,7 +91,10 @@ def test_batched_create_work_command_line(setup) -> None:
     assert cw[0]["cwd"] == str(project.root)
     opts = dict(zip(argv[0::2], argv[1::2], strict=False))
     assert opts["--appname"] == "boincdl"
-    assert opts["--delay_bound"] == "90"
+    # timeout_s plus what a restart makes a host wait (install's maintenance_delay)
+    deadline = be.deadline_s(LIMITS)
+    assert opts["--delay_bound"] == str(deadline) == str(math.ceil(90 + host_wait_s(project.config)))
+    assert deadline > 90
     assert opts["--min_quorum"] == "1" and opts["--target_nresults"] == "1"
     assert opts["--max_error_results"] == "3" and opts["--max_total_results"] == "6"
     assert opts["--max_success_results"] == "6"
@@ -112,7 +117,7 @@ def test_batched_create_work_command_line(setup) -> None:
     db = fake_db(project.root)
     assert sorted(db["workunits"]) == sorted(wu.unit for wu in wus)
     w = db["workunits"][wus[0].unit]
-    assert (w["delay_bound"], w["max_error_results"], w["max_total_results"], w["min_quorum"]) == (90, 3, 6, 1)
+    assert (w["delay_bound"], w["max_error_results"], w["max_total_results"], w["min_quorum"]) == (deadline, 3, 6, 1)
     assert be.pending() == []
     assert r.smembers(BoincRegistry(store).created_key) == {wu.unit.encode() for wu in wus}
     assert (project.root / opts["--result_template"]).is_file()
@@ -300,8 +305,9 @@ def test_fresh_regeneration_requests_and_resubmit(setup, mariadb_name) -> None:
     assert be.regeneration_requests(spec.name) == []  # never sent: not late
     key = BoincRegistry(store).issued_key
     rec = json.loads(r.hget(key, wu.unit))
-    assert rec["name"] == wu.unit and rec["attempt"] == 0 and rec["delay"] == 90.0
-    fake_server.send(project, [wu.unit], now=time.time() - 91)  # sent 91 s ago: past its deadline
+    deadline = be.deadline_s(LIMITS)
+    assert rec["name"] == wu.unit and rec["attempt"] == 0 and rec["delay"] == deadline
+    fake_server.send(project, [wu.unit], now=time.time() - deadline - 1)  # sent just past its deadline
     assert be.regeneration_requests(spec.name) == [(wu.unit, 0)]
     assert be.regeneration_requests() == []  # no job, nothing (BOINC runs many jobs)
 
@@ -321,7 +327,7 @@ def test_fresh_regeneration_requests_and_resubmit(setup, mariadb_name) -> None:
     wu_4.unit = wu.unit
     be.resubmit_regenerated(wu.unit, wu_4, f"{wu.unit}_r4")
     be.flush()
-    fake_server.send(project, [f"{wu.unit}_r4"], now=time.time() - 91)
+    fake_server.send(project, [f"{wu.unit}_r4"], now=time.time() - deadline - 1)
     assert be.regeneration_requests(spec.name) == [(wu.unit, 4)]
     r.hset(key, wu.unit, json.dumps({**json.loads(r.hget(key, wu.unit)), "attempt": 5}))
     assert be.regeneration_requests(spec.name) == []

@@ -11,6 +11,7 @@ assimilator shims as script_validator/script_assimilator would.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -25,8 +26,9 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc import artifacts
 from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
+from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
-from boinc_dl.server.backends.boinc.project import dir_hier_path
+from boinc_dl.server.backends.boinc.project import BoincProject, dir_hier_path
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.spec import parse_spec
 from tests.boinc.conftest import REPO, calls, fake_db, run_script, script_env
@@ -140,7 +142,9 @@ def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     for c in calls(project.root, "create_work"):
         argv = c["argv"]
         opts = dict(zip(argv[0::2], argv[1::2], strict=False))
-        assert (opts["--delay_bound"], opts["--max_error_results"], opts["--max_total_results"]) == ("120", "2", "4")
+        # timeout_s 120 plus the longest wait a restart imposes on a host (host_wait_s)
+        deadline = str(math.ceil(120 + host_wait_s(BoincProject(project.root).config)))
+        assert (opts["--delay_bound"], opts["--max_error_results"], opts["--max_total_results"]) == (deadline, "2", "4")
     wus = fake_db(project.root)["workunits"]
     assert len(wus) == 8
     # shared files staged once and reused: one model, one validation split, 4 subsets
@@ -218,7 +222,8 @@ def test_fresh_reissue_through_fake_boinc(db_project, redis_server, tmp_path) ->
     wus = fake_db(project.root)["workunits"]
     lost, other = sorted(wus)  # the first is lost with its host; the other one runs
     fake_server.send(project, [other])
-    fake_server.send(project, [lost], now=time.time() - 2)  # sent 2 s ago: past its 1 s deadline
+    # sent just past its deadline (timeout_s 1 plus what a restart may make a host wait)
+    fake_server.send(project, [lost], now=time.time() - wus[lost]["delay_bound"] - 1)
     run_unit(project, wus[other])
     assert store.version("0") == 1
     daemon.one_pass()

@@ -31,7 +31,7 @@ def test_install_sets_next_rpc_delay_once(project) -> None:
     rep = install(root, InstallOptions(run_db_tools=False))
     after = _config(root)
     assert after["next_rpc_delay"] == "60" == f"{DEFAULT_NEXT_RPC_DELAY_S:g}"
-    assert after["maintenance_delay"] == "120"
+    assert after["maintenance_delay"] == "30"
     assert after["min_sendwork_interval"] == "0" and before["min_sendwork_interval"] == "6"
     changed = ("next_rpc_delay", "maintenance_delay", "min_sendwork_interval")
     assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
@@ -76,14 +76,29 @@ def test_maintenance_delay_short_by_default_and_settable(project) -> None:
     ``<maintenance_delay>`` (BOINC's default: an hour): install shortens it."""
     root = project.root
     install(root, InstallOptions(run_db_tools=False))
-    assert _config(root)["maintenance_delay"] == "120"
+    assert _config(root)["maintenance_delay"] == "30"
     rep = install(root, InstallOptions(run_db_tools=False, maintenance_delay_s=300))
-    assert rep.changes == ["config.xml: changed <maintenance_delay> from 120 to 300 s"]
+    assert rep.changes == ["config.xml: changed <maintenance_delay> from 30 to 300 s"]
     rep = install(root, InstallOptions(run_db_tools=False, maintenance_delay_s=0))
     assert rep.changes == ["config.xml: removed <maintenance_delay>"]
     assert "maintenance_delay" not in _config(root)
     with pytest.raises(BoincProjectError, match="--maintenance-delay"):
         set_maintenance_delay(project.config_xml, float("nan"))
+
+
+def test_host_wait_covers_a_restart() -> None:
+    """Every deadline is extended by what boinc-dl's settings make a host wait: the
+    restart's "project down" deferral (maintenance_delay, BOINC's 3600 s when unset, or
+    the client's own backoff after a failed RPC, whichever is longer) and the request delay."""
+    from boinc_dl.server.backends.boinc.host_contact import host_wait_s
+
+    # a "project down" reply is an RPC failure for the client: it backs off 60-120 s itself
+    assert host_wait_s({"maintenance_delay": "30", "min_sendwork_interval": "0"}) == 120
+    assert host_wait_s({"maintenance_delay": "30", "min_sendwork_interval": "6"}) == 120 + 7  # max(6.06, 7)
+    assert host_wait_s({"maintenance_delay": "300"}) == 300
+    assert host_wait_s({}) == 3600
+    assert host_wait_s({"maintenance_delay": "0"}) == 3600  # 0 is BOINC's default again
+    assert host_wait_s({"maintenance_delay": "garbage"}) == 3600
 
 
 def test_request_delay_is_the_schedulers() -> None:

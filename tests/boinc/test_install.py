@@ -68,7 +68,7 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     # the lines of <next_rpc_delay>, <maintenance_delay> and <min_sendwork_interval>
     # (test_host_contact.py)
     head = (text.split("<daemons>")[0].replace("    <next_rpc_delay>60</next_rpc_delay>\n", "")
-            .replace("    <maintenance_delay>120</maintenance_delay>\n", "")
+            .replace("    <maintenance_delay>30</maintenance_delay>\n", "")
             .replace("<min_sendwork_interval>0<", "<min_sendwork_interval>6<"))
     assert head == original_config.split("<daemons>")[0]
     # new entries indented like their siblings

@@ -71,7 +71,7 @@ def test_queued_workunit_is_never_overdue(job) -> None:
     be, (u,) = create_units(project, r, spec, 1)
     age_ledger(r, store, 10 * LIMITS.delay_bound_s)  # created long ago, never sent
     assert be.regeneration_requests(spec.name) == []
-    fake_server.send(project, [u], now=time.time() - 30)  # sent 30 s ago: 60 s left
+    fake_server.send(project, [u], now=time.time() - 30)  # sent 30 s ago: well within its deadline
     assert be.regeneration_requests(spec.name) == []
     fake_server.send(project, [u])  # (nothing left to send)
     r_id = fake_server.rows(project, "SELECT id FROM result")[0]["id"]
@@ -84,7 +84,7 @@ def test_out_of_order_sending(job) -> None:
     project, store, spec, r = job
     be, units = create_units(project, r, spec, 3)
     # BOINC sends the last-created unit first; it is lost; the other two wait in the queue
-    fake_server.send(project, [units[2]], now=time.time() - LIMITS.delay_bound_s - 5)
+    fake_server.send(project, [units[2]], now=time.time() - be.deadline_s(LIMITS) - 5)
     assert be.regeneration_requests(spec.name) == [(units[2], 0)]
 
 
@@ -103,7 +103,7 @@ def test_result_back_is_never_regenerated(job) -> None:
 def test_timed_out_by_boinc_is_regenerated(job) -> None:
     project, store, spec, r = job
     be, (u,) = create_units(project, r, spec, 1)
-    fake_server.send(project, [u], now=time.time() - LIMITS.delay_bound_s - 2)
+    fake_server.send(project, [u], now=time.time() - be.deadline_s(LIMITS) - 2)
     assert fake_server.time_out(project) == [f"{u}_0"]  # NO_REPLY, a new unsent instance
     assert be.regeneration_requests(spec.name) == [(u, 0)]
 
@@ -137,7 +137,7 @@ def assimilate(project, argv: str):  # noqa: ANN201
 def test_late_calls_of_superseded_workunit_change_nothing(job) -> None:
     project, store, spec, r = job
     be, (u,) = create_units(project, r, spec, 1)
-    (r0,) = fake_server.send(project, [u], now=time.time() - 200)
+    (r0,) = fake_server.send(project, [u], now=time.time() - be.deadline_s(LIMITS) - 5)
     assert be.regeneration_requests(spec.name) == [(u, 0)]
     new = regenerate(be, project, spec, u, 1)
     assert fake_server.live_workunits(project) == [new]  # the old one was cancelled

@@ -109,6 +109,15 @@ class InProgressRow:
     sent_time: int
 
 
+@dataclass(frozen=True)
+class ResultHost:
+    """Who computed a result, by BOINC's account: the host and the user it belongs to
+    (``result.hostid``, ``result.userid``, set by the scheduler when it sent the result)."""
+
+    hostid: int
+    userid: int
+
+
 @dataclass
 class WorkunitState:
     """A workunit and its results, as BOINC sees them."""
@@ -247,6 +256,35 @@ class BoincDB:
                     int(row["validate_state"]), int(row["sent_time"]), int(row["report_deadline"]),
                     int(row["received_time"]), int(row["hostid"])))
         return out
+
+    def result_hosts(self, names: Iterable[str]) -> dict[str, ResultHost]:
+        """The host and user of each named result (names BOINC does not know are absent)."""
+        names = list(dict.fromkeys(names))
+        out: dict[str, ResultHost] = {}
+        for i in range(0, len(names), CHUNK):
+            chunk = names[i : i + CHUNK]
+            marks = ",".join(["%s"] * len(chunk))
+            # Only "%s" placeholders are formatted in; the values go as query parameters.
+            for row in self.query(f"SELECT name, hostid, userid FROM result WHERE name IN ({marks})",  # nosec B608
+                                  chunk):
+                out[str(row["name"])] = ResultHost(int(row["hostid"]), int(row["userid"]))
+        return out
+
+    def app_exists(self, name: str) -> bool:
+        """Whether ``bin/xadd`` put app ``name`` into the ``app`` table."""
+        return bool(self.query("SELECT id FROM app WHERE name = %s", (name,), limit=1))
+
+    def platform_names(self) -> set[str]:
+        """Names of the platforms in the ``platform`` table."""
+        return {str(r["name"]) for r in self.query("SELECT name FROM platform", limit=10_000)}
+
+    def app_versions(self, app: str) -> set[tuple[int, str, str]]:
+        """(version_num, platform name, plan class) of app ``app``'s versions, as
+        ``bin/update_versions`` registered them (``app_version`` joined with ``platform``)."""
+        rows = self.query("SELECT av.version_num, p.name AS platform, av.plan_class FROM app_version av "
+                          "JOIN app a ON a.id = av.appid JOIN platform p ON p.id = av.platformid "
+                          "WHERE a.name = %s AND av.deprecated = 0", (app,), limit=10_000)
+        return {(int(r["version_num"]), str(r["platform"]), str(r["plan_class"] or "")) for r in rows}
 
     def workunit_name(self, wu_id: int) -> str | None:
         """A workunit's name by id (release 1.2's ``--error`` calls pass only the id)."""

@@ -38,7 +38,12 @@ running, every scheduler request is answered "project down" with a ``request_del
 ``sched/sched_config.cpp``). The client then defers *every* RPC to that project, the
 ``next_rpc_delay`` ones included (they honour ``min_rpc_time``), so a restart window of W
 seconds sends about W / next_rpc_delay of all hosts away for an hour. boinc-dl sets it to
-two minutes: a host that hits a restart comes back soon after the daemons are up.
+half a minute. The client itself backs off 60-120 s after such a reply (an RPC failure,
+:data:`CLIENT_DOWN_BACKOFF_MAX_S`), so a host that hits a restart comes back one to two
+minutes later, when the daemons are long up. A host with a finished task that a restart
+catches reports it only after that deferral, so every workunit's deadline is the unit's
+``timeout_s`` plus the longest deferral (:func:`host_wait_s`): a restart never makes a
+host late.
 
 ``<min_sendwork_interval>``: every scheduler reply then carries a ``request_delay`` of at
 least ``max(1.01 x msi, msi + 1)`` seconds (``SCHEDULER_REPLY::write``,
@@ -67,8 +72,18 @@ from boinc_dl.server.backends.boinc.xmlmerge import XmlDoc, append_child, child_
 DEFAULT_NEXT_RPC_DELAY_S = 60.0
 TAG = "next_rpc_delay"
 #: Default ``<maintenance_delay>`` set by ``boinc-dl boinc install`` (seconds; BOINC's is 3600).
-DEFAULT_MAINTENANCE_DELAY_S = 120.0
+#: ``boinc-dl boinc restart`` keeps the project down for 5-15 s; a host it catches comes
+#: back half a minute later, and every deadline is extended by this much (:func:`host_wait_s`).
+DEFAULT_MAINTENANCE_DELAY_S = 30.0
 MAINTENANCE_TAG = "maintenance_delay"
+#: BOINC's ``maintenance_delay`` when config.xml sets none (``sched/sched_config.cpp``).
+BOINC_MAINTENANCE_DELAY_S = 3600.0
+#: The client's own wait after a "project down" reply: the reply is an RPC failure
+#: (``ERR_PROJECT_DOWN``, ``client/cs_scheduler.cpp``), and ``project_rpc_backoff``
+#: (``client/scheduler_op.cpp``) defers the next RPC by ``SCHED_RETRY_DELAY_MIN`` (60 s)
+#: x 2^failures x U[0.5, 1): 60-120 s after the first one, whatever ``request_delay``
+#: says. Measured on a 7.20.5 client: a 30 s ``maintenance_delay`` deferred it 71 s.
+CLIENT_DOWN_BACKOFF_MAX_S = 120.0
 #: Default ``<min_sendwork_interval>`` set by ``boinc-dl boinc install`` (seconds).
 DEFAULT_MIN_SENDWORK_INTERVAL_S = 0
 MIN_SENDWORK_TAG = "min_sendwork_interval"
@@ -80,6 +95,30 @@ def request_delay_s(min_sendwork_interval_s: float) -> float:
     if msi <= 0:
         return 0.0
     return max(1.01 * msi, msi + 1)
+
+
+def host_wait_s(config: dict[str, str | None] | object) -> float:
+    """The longest wait boinc-dl's own settings can impose on a host that has a finished
+    task to report: a "project down" reply during a restart defers the host by
+    ``maintenance_delay`` (BOINC's 3600 s when unset) or by the client's own backoff after
+    a failed RPC (at most :data:`CLIENT_DOWN_BACKOFF_MAX_S`), whichever is longer; plus
+    the ``request_delay`` every reply carries (``min_sendwork_interval``). Every workunit's ``delay_bound`` is the
+    unit's ``timeout_s`` plus this, so a host sent away by ``boinc-dl boinc restart``
+    still reports before its deadline (a task finishing as the restart begins waits the
+    whole deferral). ``config`` is anything with ``get(tag)`` (config.xml's ``<config>``)."""
+    get = config.get  # type: ignore[attr-defined]
+
+    def seconds(tag: str, default: float) -> float:
+        raw = get(tag)
+        try:
+            return float(raw) if raw not in (None, "") else default
+        except (TypeError, ValueError):
+            return default
+
+    maintenance = seconds(MAINTENANCE_TAG, BOINC_MAINTENANCE_DELAY_S)
+    if maintenance <= 0:
+        maintenance = BOINC_MAINTENANCE_DELAY_S
+    return max(maintenance, CLIENT_DOWN_BACKOFF_MAX_S) + request_delay_s(seconds(MIN_SENDWORK_TAG, 0.0))
 
 
 def requests_per_host_hour(next_rpc_delay_s: float) -> float:
@@ -147,6 +186,7 @@ __all__ = [
     "DEFAULT_MAINTENANCE_DELAY_S",
     "DEFAULT_MIN_SENDWORK_INTERVAL_S",
     "DEFAULT_NEXT_RPC_DELAY_S",
+    "host_wait_s",
     "request_delay_s",
     "requests_per_host_hour",
     "set_config_seconds",

@@ -24,8 +24,16 @@ What it does (each step reports what it changed; a second run changes nothing):
    ``<min_sendwork_interval>`` (0: no ``request_delay`` between a host's scheduler
    requests, so finished tasks are reported promptly); see
    :mod:`boinc_dl.server.backends.boinc.host_contact`;
-10. ``bin/xadd`` and ``bin/update_versions`` when project.xml or the app versions
-   changed (they need the database; ``--no-db`` skips them).
+10. with ``min_quorum`` >= 2, ``config.xml``'s ``<one_result_per_user_per_wu>`` (or
+   ``<one_result_per_host_per_wu>``): replicas go to different users or hosts
+   (:mod:`.quorum`);
+11. ``config_aux.xml``: at most ``jobs_per_slot`` boincdl tasks in progress per CPU/GPU
+   of a host, so one host cannot take every unit in flight (:mod:`.host_limits`);
+12. ``bin/xadd`` and ``bin/update_versions`` when BOINC's database lacks the app, a
+   platform or an app version (read from the database; when it cannot be read, when
+   project.xml or the app versions changed; ``--no-db`` skips them);
+13. the prerequisite checks of ``boinc-dl boinc doctor`` (:mod:`.doctor`): each failure
+   becomes a note saying what to fix.
 
 App version files are immutable for BOINC (``tools/update_versions`` refuses a file
 whose name is staged with other content): changing them needs a new ``--app-version``.
@@ -33,6 +41,7 @@ whose name is staged with other content): changing them needs a new ``--app-vers
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -54,7 +63,13 @@ from boinc_dl.server.backends.boinc.host_contact import (
     set_min_sendwork_interval,
     set_next_rpc_delay,
 )
+from boinc_dl.server.backends.boinc.host_limits import (
+    CONFIG_AUX,
+    DEFAULT_JOBS_PER_SLOT,
+    set_jobs_per_slot,
+)
 from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincProjectError
+from boinc_dl.server.backends.boinc.quorum import replicas_across, set_quorum_flags
 from boinc_dl.server.backends.boinc.xmlmerge import (
     XmlDoc,
     append_child,
@@ -101,6 +116,14 @@ class InstallOptions:
     min_sendwork_interval_s: int = DEFAULT_MIN_SENDWORK_INTERVAL_S
     #: app versions for BOINC's docker_wrapper (none unless it names a docker_wrapper)
     docker: docker_app.DockerOptions = field(default_factory=docker_app.DockerOptions)
+    #: With ``min_quorum`` >= 2: the replicas of a unit go to different ``users``
+    #: (volunteers) or only to different ``hosts`` (a fleet attached with one account).
+    quorum_across: str = "users"
+    #: Tasks of app boincdl in progress per CPU (and per GPU) of a host (config_aux.xml;
+    #: 0 removes the cap).
+    jobs_per_slot: int = DEFAULT_JOBS_PER_SLOT
+    #: Run the prerequisite checks of ``boinc-dl boinc doctor`` and report what fails.
+    checks: bool = True
 
 
 @dataclass
@@ -182,6 +205,18 @@ def is_our_daemon(el: ET.Element) -> bool:
     return words[0] in ("script_validator", "script_assimilator") and apps == [APP_NAME]
 
 
+def _keep_group(tmp: Path, like: Path) -> None:
+    """Give a file install writes the group of the file it replaces (else of the project
+    directory): the web server reads ``boinc-dl.yaml`` (0640) through the project's group,
+    and a rewrite by root must not take that away."""
+    try:
+        gid = like.stat().st_gid
+        if tmp.stat().st_gid != gid:
+            os.chown(tmp, -1, gid)
+    except OSError:
+        pass  # not ours to change: the admin's umask and groups decide
+
+
 class Installer:
     """Runs the install steps against one project (see module docstring)."""
 
@@ -215,6 +250,7 @@ class Installer:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(data)
+        _keep_group(tmp, path if existed else self.p.root)
         if mode is not None:
             tmp.chmod(mode)
         tmp.replace(path)
@@ -414,6 +450,35 @@ class Installer:
         if changes and costly:
             self.note(cost)
 
+    def quorum(self) -> None:
+        """With ``min_quorum`` >= 2, BOINC must send a unit's replicas to different users
+        (or hosts): otherwise one host compares itself with itself (:mod:`.quorum`)."""
+        q = self.p.settings.min_quorum
+        for c in set_quorum_flags(self.p.config_xml, q, self.o.quorum_across):  # type: ignore[arg-type]
+            self.change(f"config.xml: {c}")
+        if q >= 2:
+            across = replicas_across(self._config())
+            self.note(f"min_quorum {q}: BOINC sends the replicas of a workunit to different {across} "
+                      "(config.xml, every app of the project); the admin page counts the comparisons "
+                      "made across hosts and users")
+
+    def _config(self) -> dict[str, str]:
+        self.p.__dict__.pop("config", None)
+        return self.p.config.values
+
+    def host_limits(self) -> None:
+        """A per-host cap on boincdl tasks in progress, per CPU/GPU (:mod:`.host_limits`)."""
+        for c in set_jobs_per_slot(self.p.root, self.o.jobs_per_slot):
+            self.change(f"{CONFIG_AUX}: {c}")
+
+    def prerequisites(self) -> None:
+        """The checks of ``boinc-dl boinc doctor``: each one that fails becomes a note."""
+        from boinc_dl.server.backends.boinc.doctor import diagnose
+
+        for f in diagnose(self.p):
+            if not f.ok and f.name != "app version":
+                self.note(f"{f.name}: {f.detail}; fix: {f.fix}")
+
     def admin_page(self) -> None:
         try:
             html = resources.files("boinc_dl.server.backends.boinc").joinpath("html")
@@ -426,18 +491,71 @@ class Installer:
                 self.write_file(ops / page.name, page.read_bytes(), 0o644)
 
     def db_tools(self, project_changed: bool, versions_changed: bool) -> None:
+        """Run ``bin/xadd`` / ``bin/update_versions`` when BOINC's database lacks the app, its
+        platform or an app version found under ``apps/boincdl/`` (judged against the
+        database, so a run that failed at ``xadd`` is repaired by the next one); when the
+        database cannot be read from here, when the files changed."""
         if not self.o.run_db_tools:
             if project_changed or versions_changed:
                 self.note("database not updated (--no-db): run bin/xadd and bin/update_versions "
                           "in the project directory")
             return
-        if project_changed or self.o.force_db:
+        missing = self._db_missing()
+        for_xadd, for_versions = missing if missing is not None else ([], [])
+        need_xadd = project_changed or bool(for_xadd)
+        need_versions = versions_changed or bool(for_versions)
+
+        def why(items: list[str]) -> str:
+            return f" (BOINC's database lacked {', '.join(items)})" if items else ""
+
+        if need_xadd or self.o.force_db:
             self._tool(self.p.tool_command("xadd", []), None)
-            self.change("ran bin/xadd")
-        if versions_changed or self.o.force_db:
+            self.change(f"ran bin/xadd{why(for_xadd)}")
+        if need_xadd or need_versions or self.o.force_db:
             # --noconfirm on current servers; release 1.2 ignores arguments and asks on stdin
             self._tool(self.p.tool_command("update_versions", ["--noconfirm"]), "y\n" * 50)
-            self.change("ran bin/update_versions")
+            self.change(f"ran bin/update_versions{why(for_versions)}")
+        if missing is not None and (need_xadd or need_versions):
+            after = self._db_missing()
+            if after and (after[0] or after[1]):
+                raise BoincProjectError("bin/xadd and bin/update_versions ran, but BOINC's database still lacks "
+                                        f"{', '.join(after[0] + after[1])}: run them in {self.p.root} to see why")
+
+    def expected_app_versions(self) -> list[tuple[int, str, str]]:
+        """(version_num, platform, plan class) of every app version directory of app
+        boincdl, as ``bin/update_versions`` registers them (``parse_version``: "1.0" is 100)."""
+        out = []
+        for vx in sorted((self.p.apps_dir / APP_NAME).glob("*/*/version.xml")):
+            plat, ver = vx.parent.name, vx.parent.parent.name
+            major, _, minor = ver.partition(".")
+            if not major.isdigit() or (minor and not minor.isdigit()):
+                continue  # update_versions skips what it cannot parse (version -1)
+            num = int(major) * 100 + int(minor) if minor else int(major)
+            platform, _, plan = plat.partition("__")
+            out.append((num, platform, plan))
+        return out
+
+    def _db_missing(self) -> tuple[list[str], list[str]] | None:
+        """What BOINC's database lacks: (app and platforms for xadd, app versions for
+        update_versions); None when the database cannot be read from here (noted)."""
+        from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
+
+        want = self.expected_app_versions()
+        try:
+            with BoincDB.connect(self.p) as db:
+                have_app = db.app_exists(APP_NAME)
+                platforms = db.platform_names()
+                versions = db.app_versions(APP_NAME) if have_app else set()
+        except BoincDBError as e:
+            self.note(f"BOINC's database not readable from here ({e}): bin/xadd and bin/update_versions "
+                      "run only when install changes their files; if an earlier run failed in them, "
+                      "repeat it with --force-db")
+            return None
+        for_xadd = [] if have_app else [f"app {APP_NAME}"]
+        for_xadd += [f"platform {p}" for p in sorted({p for _, p, _ in want} - platforms)]
+        for_versions = [f"app version {n / 100:.2f} {p}{'__' + c if c else ''}" for n, p, c in want
+                        if (n, p, c) not in versions]
+        return for_xadd, for_versions
 
     def _tool(self, cmd: list[str], stdin: str | None) -> None:
         try:
@@ -464,8 +582,12 @@ class Installer:
         self.plan_class()
         self.daemons()
         self.host_contact()
+        self.quorum()
+        self.host_limits()
         self.admin_page()
         self.db_tools(project_changed, versions_changed)
+        if self.o.checks:
+            self.prerequisites()
         if self.report.changes:
             self.note(f"restart the daemons: boinc-dl boinc restart --project {self.p.root} "
                       "(a plain 'bin/stop && bin/start' can leave a daemon stopped)")

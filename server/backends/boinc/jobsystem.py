@@ -70,6 +70,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.backends.boinc import artifacts
 from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
+from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.hosts import HostCensus
 from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
@@ -411,7 +412,7 @@ class BoincJobSystem(JobSystem):
 
     def _mark_created(self, job: str, items: list[_Pending]) -> None:
         self._registry(job).mark_created(
-            (i.name, i.wu.unit, i.limits.delay_bound_s, (parse_unit_name(i.name) or {}).get("attempt", 0))
+            (i.name, i.wu.unit, self.deadline_s(i.limits), (parse_unit_name(i.name) or {}).get("attempt", 0))
             for i in items)
 
     def _spec(self, job: str) -> JobSpec:
@@ -439,6 +440,13 @@ class BoincJobSystem(JobSystem):
                 created += len(chunk)
         return created
 
+    def deadline_s(self, limits: RetryLimits) -> int:
+        """``--delay_bound`` of a unit: its ``timeout_s`` plus the longest wait boinc-dl's
+        settings impose on a host with a finished task (a restart's "project down"
+        deferral, :func:`~boinc_dl.server.backends.boinc.host_contact.host_wait_s`), so a
+        restart never makes a host miss a deadline."""
+        return max(1, math.ceil(limits.delay_bound_s + host_wait_s(self.project.config)))
+
     def create_work_args(self, job: str, limits: RetryLimits, result_template: str,
                          disk_bound: float) -> list[str]:
         """The command line (without stdin lines) for one batch of ``job``'s units."""
@@ -456,7 +464,7 @@ class BoincJobSystem(JobSystem):
             "--appname", APP_NAME,
             "--wu_template", artifacts.INPUT_TEMPLATE,
             "--result_template", result_template,
-            "--delay_bound", str(max(1, math.ceil(limits.delay_bound_s))),
+            "--delay_bound", str(self.deadline_s(limits)),
             "--min_quorum", str(q),
             "--target_nresults", str(q),
             "--max_error_results", str(errors),

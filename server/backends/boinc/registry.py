@@ -11,6 +11,14 @@ in the job's slot), plus one project-wide key:
                                  run (forgotten once the assimilator settled them)
 ``bdl:J:boinc:reissue_now``      set: workunit names to regenerate now (host reclaimed)
 ``bdl:J:boinc:staged``           set: physical names the job staged into download/
+``bdl:J:boinc:late_results``     hash result name -> ``{"wu", "reason", "t"}``: results of
+                                 superseded or cancelled workunits the validator left
+                                 unchecked (not the host's fault, never judged invalid)
+``bdl:J:boinc:comparisons``      hash "<result> <result>" -> ``{"unit", "match", "same_host",
+                                 "same_user", "t"}``: replicas the compare script judged
+``bdl:J:boinc:quorum``           hash of counts over ``comparisons`` (each pair once):
+                                 ``comparisons``, ``across_hosts``, ``across_users``,
+                                 ``same_host``, ``hosts_unknown``, ``matched``
 ``bdl:boinc:unresolved_errors``  hash workunit id -> ``{"mask", "t"}``: give-ups whose
                                  workunit name could not be looked up (release 1.2)
 ===============================  ======================================================
@@ -27,6 +35,13 @@ from boinc_dl.server.common.workunit import parse_unit_name, unit_name
 
 UNRESOLVED_KEY = f"{PREFIX}:boinc:unresolved_errors"
 
+# Record a pair once and count it: HSETNX the entry, then add 1 to each named count.
+_RECORD_ONCE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+for i = 3, #ARGV do redis.call('HINCRBY', KEYS[2], ARGV[i], 1) end
+return 1
+"""
+
 
 class BoincRegistry:
     """The BOINC workunit records of one job (a :class:`~boinc_dl.server.assimilator.framework.Records`)."""
@@ -38,6 +53,9 @@ class BoincRegistry:
         self.live_key = store.k("boinc", "live")
         self.reissue_key = store.k("boinc", "reissue_now")
         self.staged_key = store.k("boinc", "staged")
+        self.late_key = store.k("boinc", "late_results")
+        self.comparisons_key = store.k("boinc", "comparisons")
+        self.quorum_key = store.k("boinc", "quorum")
 
     @property
     def _r(self):  # type: ignore[no-untyped-def]
@@ -137,6 +155,44 @@ class BoincRegistry:
     def done_reissue_requests(self, names: set[str]) -> None:
         if names:
             self.store.call(lambda: self._r.srem(self.reissue_key, *names))
+
+    # ---- late results and replica comparisons (the validator's records) -----------------------
+    def record_late_result(self, wu: str, result: str, reason: str) -> bool:
+        """A result of a superseded or cancelled workunit reached the validator: it is left
+        unchecked (not the host's fault). Recorded once per result; True if new."""
+        entry = json.dumps({"wu": wu, "reason": reason, "t": time.time()})
+        return bool(self.store.call(lambda: self._r.hsetnx(self.late_key, result, entry)))
+
+    def late_results(self) -> dict[str, dict]:
+        return {k.decode(): json.loads(v) for k, v in self.store.call(lambda: self._r.hgetall(self.late_key)).items()}
+
+    def record_comparison(self, unit: str, results: tuple[str, str], match: bool,
+                          same_host: bool | None, same_user: bool | None) -> bool:
+        """The compare script judged two replicas of ``unit``; ``same_host`` / ``same_user``
+        are BOINC's facts about who computed them (None: not known). Each pair counts once
+        (BOINC's validator may compare a pair twice, in both orders); True if new."""
+        pair = " ".join(sorted(results))
+        entry = json.dumps({"unit": unit, "match": bool(match), "same_host": same_host,
+                            "same_user": same_user, "t": time.time()})
+        fields = ["comparisons"]
+        if match:
+            fields.append("matched")
+        if same_host is None:
+            fields.append("hosts_unknown")
+        elif same_host:
+            fields.append("same_host")
+        else:
+            fields.append("across_hosts")
+        if same_user is False:
+            fields.append("across_users")
+        script = self._r.register_script(_RECORD_ONCE)
+        keys = [self.comparisons_key, self.quorum_key]
+        return bool(self.store.call(lambda: script(keys=keys, args=[pair, entry, *fields])))
+
+    def quorum_counts(self) -> dict[str, int]:
+        """How many replica pairs were compared, and how many across hosts and users."""
+        raw = self.store.call(lambda: self._r.hgetall(self.quorum_key))
+        return {k.decode(): int(v) for k, v in raw.items()}
 
     # ---- staged files -----------------------------------------------------------------------------
     def add_staged(self, name: str) -> None:

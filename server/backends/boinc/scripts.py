@@ -23,6 +23,12 @@ How the daemons call them (``sched/script_assimilator.cpp``, ``sched/script_vali
   else = invalid (the transitioner then issues another instance). Release 1.2 knows no
   transient code (any non-zero is invalid), so the validator first waits a while for
   Redis before giving up.
+  A late result of a workunit boinc-dl superseded or cancelled is answered 3 as well,
+  before its files are looked at: BOINC then leaves it "not checked" (see
+  :data:`EXIT_NOT_CHECKED`), never invalid.
+* compare: each judged pair of replicas is recorded with whether BOINC sent them to the
+  same host or user (``result.hostid``/``userid``), so the admin page shows how many
+  comparisons were across hosts.
 * output files are ``upload/<hash>/<result>_r<random>_<i>``; the file deleter removes
   them right after assimilation, so the assimilator copies what it keeps first.
 
@@ -68,7 +74,11 @@ from boinc_dl.server.backends.boinc.intake import (
     sweep_intake,
 )
 from boinc_dl.server.backends.boinc.project import BoincProject
-from boinc_dl.server.backends.boinc.registry import UNRESOLVED_KEY, record_unresolved_error
+from boinc_dl.server.backends.boinc.registry import (
+    UNRESOLVED_KEY,
+    BoincRegistry,
+    record_unresolved_error,
+)
 from boinc_dl.server.common.diskfaults import ServerResourceError
 from boinc_dl.server.common.errors import (
     ResultRejected,
@@ -87,6 +97,14 @@ EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_CONFIG = 2
 EXIT_TRANSIENT = 3  # VAL_RESULT_TRANSIENT_ERROR (sched/validate_util2.h)
+#: A late result of a superseded or cancelled workunit: neither valid nor invalid.
+#: ``script_validator`` knows only 0 (valid), 3 (transient) and "anything else: invalid"
+#: (``init_result``, ``sched/script_validator.cpp``); on 3 the validator leaves the result
+#: untouched (``check_set``, ``sched/validate_util2.cpp``), and for a workunit with an
+#: error mask (boinc-dl cancels every superseded workunit, ``bin/cancel_jobs``) the
+#: transitioner has already set it to ``VALIDATE_STATE_NO_CHECK`` (``sched/transitioner.cpp``):
+#: "not checked", no credit, no penalty for the host, and its files are deleted.
+EXIT_NOT_CHECKED = EXIT_TRANSIENT
 
 
 TOKENS = ("files", "files2", "wu_id", "wu_name", "result_id", "runtime", "batch_id",
@@ -333,19 +351,30 @@ def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[s
 
 def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: ScriptCall) -> int:
     result = result_name_of(paths[0])
-    missing = check_files(paths)
-    if missing:
-        log.warning("result %s invalid: files missing: %s", result, missing)
-        return EXIT_INVALID
     job, wu = _identity(call, paths)
     if not job:
-        log.warning("result %s invalid: BOINC names no boinc-dl workunit for it", result)
+        missing = check_files(paths)
+        log.warning("result %s invalid: BOINC names no boinc-dl workunit for it%s", result,
+                    f" (files missing: {missing})" if missing else "")
         return EXIT_INVALID
     store = store_for(project, job, project.settings.validator_redis_wait_s)
     try:
         spec_json = store.spec_json()
     except UnknownJob:
         log.warning("result %s invalid: job %r is not in Redis", result, job)
+        return EXIT_INVALID
+    # Before anything about the files: a late result of a workunit boinc-dl superseded or
+    # cancelled is not the host's fault, and BOINC's file deleter may already have removed
+    # its upload (it deletes a cancelled workunit's outputs).
+    late = late_reason(store, wu)
+    if late:
+        BoincRegistry(store).record_late_result(wu, result, late)
+        log.info("result %s of %s not checked: a late result, %s (BOINC keeps it 'not checked', "
+                 "no credit, no penalty)", result, wu, late)
+        return EXIT_NOT_CHECKED
+    missing = check_files(paths)
+    if missing:
+        log.warning("result %s invalid: files missing: %s", result, missing)
         return EXIT_INVALID
     spec = spec_from_json(spec_json)
     unit = unit_for_workunit(store, wu) or ""
@@ -368,6 +397,19 @@ def _validate_one(project: BoincProject, paths: Sequence[str], tmp: Path, call: 
         return EXIT_INVALID
     log.info("result %s of %s valid", result, unit)
     return EXIT_OK
+
+
+def late_reason(store: JobStore, wu: str) -> str | None:
+    """Why a result of workunit ``wu`` is late and must not be judged: boinc-dl superseded
+    the workunit (a regenerated unit now runs under another name) or cancelled its unit;
+    None for a current workunit."""
+    current = BoincRegistry(store).superseded_by(wu)
+    if current is not None:
+        return f"workunit superseded by {current}"
+    unit = unit_for_workunit(store, wu)
+    if unit and store.unit_states_of([unit])[0] == "cancelled":
+        return "the unit was cancelled"
+    return None
 
 
 def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequence[str] | None = None) -> int:
@@ -447,8 +489,30 @@ def _compare(project: BoincProject, groups: list[list[str]], tmp: Path, call: Sc
         scale = max(float(np.linalg.norm(w1)), float(np.linalg.norm(w2)))
     rel = diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
     tol = project.settings.compare_tolerance
-    log.info("compare %s: relative difference %.4g (tolerance %.4g)", unit, rel, tol)
-    return EXIT_OK if rel <= tol else EXIT_INVALID
+    matched = rel <= tol
+    results = (result_name_of(groups[0][0]), result_name_of(groups[1][0]))
+    same_host, same_user = replica_origin(project, results)
+    BoincRegistry(store).record_comparison(unit, results, matched, same_host, same_user)
+    log.info("compare %s: relative difference %.4g (tolerance %.4g); %s", unit, rel, tol,
+             "same host" if same_host else "across hosts" if same_host is False else "hosts unknown")
+    return EXIT_OK if matched else EXIT_INVALID
+
+
+def replica_origin(project: BoincProject, results: tuple[str, str]) -> tuple[bool | None, bool | None]:
+    """(same host, same user) of two results, from BOINC's database (None when unknown:
+    no database access, or a result BOINC does not know)."""
+    from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
+
+    try:
+        with BoincDB.connect(project) as db:
+            who = db.result_hosts(results)
+    except BoincDBError as e:
+        log.warning("compare: who computed %s is unknown: %s", " and ".join(results), e)
+        return None, None
+    if len(who) != 2 or results[0] == results[1]:
+        return None, None
+    a, b = who[results[0]], who[results[1]]
+    return a.hostid == b.hostid, a.userid == b.userid
 
 
 def _input_weights(store: JobStore, unit: str, fp: Any) -> np.ndarray | None:

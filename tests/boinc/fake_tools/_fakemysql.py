@@ -1,7 +1,7 @@
 """The fake project's BOINC database in a real MariaDB (test double, not BOINC code).
 
-Only the columns of BOINC's ``workunit``, ``result`` and ``host`` tables that boinc-dl
-reads, with BOINC's names and meanings (``db/schema.sql``, ``db/boinc_db_types.h``).
+Only the columns of BOINC's ``workunit``, ``result``, ``host``, ``platform``, ``app`` and
+``app_version`` tables that boinc-dl reads, with BOINC's names and meanings (``db/schema.sql``, ``db/boinc_db_types.h``).
 The fake tools write here when ``<project>/fake_mariadb`` exists; the database and its
 credentials are those of the project's ``config.xml``, as for BOINC's own tools.
 """
@@ -40,6 +40,7 @@ SCHEMA = (
         validate_state INTEGER NOT NULL DEFAULT 0,
         file_delete_state INTEGER NOT NULL DEFAULT 0,
         hostid INTEGER NOT NULL DEFAULT 0,
+        userid INTEGER NOT NULL DEFAULT 0,
         report_deadline INTEGER NOT NULL DEFAULT 0,
         sent_time INTEGER NOT NULL DEFAULT 0,
         received_time INTEGER NOT NULL DEFAULT 0,
@@ -53,10 +54,35 @@ SCHEMA = (
         create_time INTEGER NOT NULL,
         rpc_time INTEGER NOT NULL DEFAULT 0,
         domain_name VARCHAR(254) NOT NULL DEFAULT '',
+        userid INTEGER NOT NULL DEFAULT 0,
         p_ncpus INTEGER NOT NULL DEFAULT 1,
         p_fpops DOUBLE NOT NULL DEFAULT 0
     )""",
+    """CREATE TABLE platform (
+        id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        create_time INTEGER NOT NULL,
+        name VARCHAR(191) NOT NULL,
+        user_friendly_name VARCHAR(254) NOT NULL,
+        deprecated TINYINT NOT NULL DEFAULT 0
+    )""",
+    """CREATE TABLE app (
+        id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        create_time INTEGER NOT NULL,
+        name VARCHAR(191) NOT NULL,
+        deprecated SMALLINT NOT NULL DEFAULT 0,
+        user_friendly_name VARCHAR(254) NOT NULL
+    )""",
+    """CREATE TABLE app_version (
+        id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
+        create_time INTEGER NOT NULL,
+        appid INTEGER NOT NULL,
+        version_num INTEGER NOT NULL,
+        platformid INTEGER NOT NULL,
+        deprecated TINYINT NOT NULL DEFAULT 0,
+        plan_class VARCHAR(128) NOT NULL DEFAULT ''
+    )""",
 )
+TABLES = ("workunit", "result", "host", "platform", "app", "app_version")
 
 
 def enabled(project: Path) -> bool:

@@ -9,7 +9,8 @@ What the real script does and this one reproduces (test double, not BOINC code):
   writes ``pid_<host>/<pid_file>`` and execs the command from ``tmp_<host>`` with
   ``bin/`` first on PATH. Daemons whose program is not in ``bin/`` (BOINC's own
   binaries, absent here) are skipped.
-* stop: writes ``stop_daemons``, sends SIGHUP to every pid in ``pid_<host>/*.pid`` and
+* stop: writes ``stop_sched`` (the scheduler then answers "project down" with
+  ``maintenance_delay``; start removes it last) and ``stop_daemons``, sends SIGHUP to every pid in ``pid_<host>/*.pid`` and
   returns *without waiting* (under Python 3, ``stop_daemons()`` iterates a ``map``
   object twice, so its wait loop sees nothing) and without removing the pid files.
 """
@@ -72,9 +73,12 @@ def start():
     for cmd, out, pid in daemons():
         if (PROJECT / "bin" / shlex.split(cmd)[0]).is_file():
             run_daemon(cmd, out, pid)
+    # the scheduler answers "project down" until the daemons are started
+    (PROJECT / "stop_sched").unlink(missing_ok=True)
 
 
 def stop():
+    (PROJECT / "stop_sched").write_text("<stop/>\n")  # before the daemons are stopped
     (PROJECT / "stop_daemons").write_text("")
     for p in PID_DIR.glob("*.pid"):
         try:

@@ -322,7 +322,7 @@ class BdlRedisCluster {
     const MAX_REDIRECTS = 5;
     const MAX_NODES = 1000;
     /** Commands whose first argument is their (only) key. */
-    private static $keyed = array('GET' => true, 'HGETALL' => true, 'HKEYS' => true, 'HGET' => true,
+    private static $keyed = array('GET' => true, 'HGETALL' => true, 'HKEYS' => true, 'HGET' => true, 'HLEN' => true,
                                   'SMEMBERS' => true, 'XREVRANGE' => true, 'EXISTS' => true, 'TYPE' => true);
     private $password;
     private $timeout;
@@ -653,8 +653,37 @@ function bdl_load_job($r, $job) {
         $versions[$model] = (int)$r->cmd('GET', "$ns:v:$model");
     }
     ksort($versions);
+    // how each model's weights are cut into shards (JobStore.layout): {"n": params, "shards": S}
+    $layout = array();
+    foreach ($r->hgetall("$ns:layout") as $model => $json) $layout[$model] = bdl_json($json);
+    // BOINC's records (server/backends/boinc/registry.py): late results the validator left
+    // unchecked, and the replica comparisons of min_quorum >= 2 (each pair once)
+    $late = (int)$r->cmd('HLEN', "$ns:boinc:late_results");
+    $quorum = array();
+    foreach ($r->hgetall("$ns:boinc:quorum") as $k => $v) $quorum[$k] = (int)$v;
+    // MOP (server/work_generator/mop/state.py): each model's configuration and its
+    // end-of-epoch results, also those of epochs not yet closed for every model
+    $configs = array();
+    $model_results = array();
+    if (isset($meta['mode']) && $meta['mode'] === 'mop') {
+        foreach ($r->hgetall("$ns:configs") as $model => $json) $configs[$model] = bdl_json($json);
+        foreach ($r->hgetall("$ns:mop_model_results") as $key => $json) {
+            $parts = explode(':', $key, 2);
+            if (count($parts) !== 2 || !ctype_digit($parts[0])) continue;
+            $model_results[$parts[1]][(int)$parts[0]] = bdl_json($json);
+        }
+        foreach ($r->hgetall("$ns:mop_results") as $e => $json) {
+            if (!ctype_digit((string)$e)) continue;
+            foreach (bdl_json($json) as $model => $res) {
+                if (is_array($res)) $model_results[$model][(int)$e] = $res;
+            }
+        }
+        foreach ($model_results as $m => $rows) ksort($model_results[$m]);
+    }
     return array('name' => $job, 'meta' => $meta, 'epochs' => $epochs, 'states' => $states,
                  'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions,
+                 'layout' => $layout, 'late' => $late, 'quorum' => $quorum,
+                 'configs' => $configs, 'model_results' => $model_results,
                  // the fleet controller writes bdl:J:cost_summary under that name on
                  // a cluster too (server/fleet/cost.py): a key of its own slot there
                  'cost' => $r->hgetall('bdl:' . $job . ':cost_summary'));
@@ -818,14 +847,18 @@ function bdl_job_detail($j) {
     $o = "<h3 id=\"bdl-job\">Job <code>$name</code></h3>\n";
     $meta = $j['meta'];
     ksort($meta);
+    $mop = isset($meta['mode']) && $meta['mode'] === 'mop';
     $o .= "<table id=\"bdl-meta\">";
     foreach ($meta as $k => $v) {
         // every time stamp (created_at, finished_at, ...) in UTC, not raw epoch seconds
         if (substr($k, -3) === '_at' && is_numeric($v)) $v = gmdate('Y-m-d H:i:s', (int)$v) . ' UTC';
-        $o .= '<tr><th class=l>' . bdl_h($k) . '</th><td class=l>' . bdl_h($v) . "</td></tr>";
+        $o .= '<tr><th class=l>' . bdl_meta_label($k, $mop) . '</th><td class=l>' . bdl_h($v) . "</td></tr>";
     }
     foreach ($j['versions'] as $m => $v) {
-        $o .= '<tr><th class=l>weights version, model ' . bdl_h($m) . "</th><td class=l>$v</td></tr>";
+        $name = bdl_model_label($j, $m);
+        $shards = isset($j['layout'][$m]['shards']) ? (int)$j['layout'][$m]['shards'] : null;
+        $o .= '<tr><th class=l>weights of model ' . $name . "</th><td class=l>version $v"
+            . ($shards !== null ? ", stored as $shards Redis shard" . ($shards === 1 ? '' : 's') : '') . "</td></tr>";
     }
     $o .= "</table>\n";
 
@@ -833,13 +866,15 @@ function bdl_job_detail($j) {
     $c = $j['counters'];
     $o .= "<h4>Workunits</h4>\n<table id=\"bdl-units\"><tr><th>queued</th><th>in flight</th><th>done</th><th>failed</th>"
         . "<th>re-issued (same inputs)</th><th>regenerated (fresh weights)</th><th>workunits cancelled</th>"
-        . "<th>late calls of superseded workunits</th><th>rejected results</th><th>units cancelled</th></tr><tr>"
+        . "<th>late calls of superseded workunits</th><th>late results not checked</th><th>rejected results</th>"
+        . "<th>units cancelled</th></tr><tr>"
         . '<td>' . $st['created'] . '</td><td>' . $st['in_progress'] . '</td><td class=ok>' . $st['assimilated'] . '</td>'
         . '<td class="' . ($st['failed'] ? 'bad' : '') . '">' . $st['failed'] . '</td>'
         . '<td>' . bdl_counter($c, 'reissued') . '</td>'
         . '<td>' . bdl_counter($c, 'regenerated') . '</td>'
         . '<td>' . bdl_counter($c, 'boinc_cancelled') . '</td>'
         . '<td>' . bdl_counter($c, 'superseded_calls') . '</td>'
+        . '<td>' . (int)$j['late'] . '</td>'
         . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . bdl_counter($c, 'rejected') . '</td>'
         . '<td>' . $st['cancelled'] . "</td></tr></table>\n";
     $extra = array_diff_key($c, array('reissued' => 1, 'regenerated' => 1, 'rejected' => 1,
@@ -852,8 +887,14 @@ function bdl_job_detail($j) {
         $o .= implode(', ', $parts) . "</p>\n";
     }
 
+    $o .= bdl_quorum_table($j['quorum']);
     $o .= bdl_cost_table($j['cost']);
-    $o .= "<h4>Learning curve</h4>\n" . bdl_learning_curve_svg($j['epochs']);
+    if ($mop) {
+        $o .= "<h4>Models</h4>\n" . bdl_models_table($j);
+        $o .= "<h4>Learning curves</h4>\n" . bdl_model_curves_svg($j);
+    } else {
+        $o .= "<h4>Learning curve</h4>\n" . bdl_learning_curve_svg($j['epochs']);
+    }
 
     $o .= "<h4>Epochs</h4>\n<table id=\"bdl-epochs\"><tr><th>epoch</th><th>units created</th><th>assimilated</th>"
         . "<th>failed</th><th>in flight</th><th>val acc</th><th>val loss</th><th>clients' val acc</th><th class=l>started</th></tr>\n";
@@ -887,6 +928,142 @@ function bdl_job_detail($j) {
             . '<td class=l>' . bdl_h(isset($rj['reason']) ? $rj['reason'] : '') . "</td></tr>\n";
     }
     return $o . "</table>\n";
+}
+
+/** The label of a job metadata key: one word for one thing (data subsets are not weight shards). */
+function bdl_meta_label($k, $mop) {
+    if ($k === 'n_shards') {
+        return ($mop ? 'data partitions' : 'data subsets') . ' <span class=muted>(n_shards)</span>';
+    }
+    return bdl_h($k);
+}
+
+/** A model's name for people: its MOP hyper-parameters, with the id as a tooltip. */
+function bdl_model_label($j, $m) {
+    $cfg = isset($j['configs'][$m]) ? $j['configs'][$m] : null;
+    if (!$cfg || empty($cfg['params']) || !is_array($cfg['params'])) return '<code>' . bdl_h($m) . '</code>';
+    return '<span title="' . bdl_h($m) . '">' . bdl_h(bdl_params_text($cfg['params'])) . '</span>';
+}
+
+function bdl_params_text($params) {
+    $parts = array();
+    foreach ($params as $k => $v) {
+        if (is_array($v)) $v = json_encode($v);
+        elseif (is_bool($v)) $v = $v ? 'true' : 'false';
+        $parts[] = "$k=$v";
+    }
+    return implode(', ', $parts);
+}
+
+/** min_quorum >= 2: how many replica comparisons were made across hosts and users. */
+function bdl_quorum_table($q) {
+    if (empty($q['comparisons'])) return '';
+    $n = (int)$q['comparisons'];
+    $pct = function ($k) use ($q, $n) {
+        $v = isset($q[$k]) ? (int)$q[$k] : 0;
+        return $v . ' <span class=muted>(' . number_format(100.0 * $v / $n, 1) . '%)</span>';
+    };
+    $same = isset($q['same_host']) ? (int)$q['same_host'] : 0;
+    return "<h4>Replication</h4>\n<table id=\"bdl-quorum\"><tr><th>replica comparisons</th><th>across hosts</th>"
+        . "<th>across users</th><th>same host</th><th>hosts unknown</th><th>matched</th></tr><tr>"
+        . "<td>$n</td><td>" . $pct('across_hosts') . '</td><td>' . $pct('across_users') . '</td>'
+        . '<td class="' . ($same ? 'bad' : '') . '">' . $pct('same_host') . '</td><td>' . $pct('hosts_unknown')
+        . '</td><td>' . $pct('matched') . "</td></tr></table>\n"
+        . ($same ? "<p class=warn>Some units were compared with a replica from the same host: set "
+                   . "&lt;one_result_per_user_per_wu&gt; (boinc-dl boinc install --min-quorum 2 does).</p>\n" : '');
+}
+
+/** MOP: every model with its hyper-parameters, state and accuracy, best first. */
+function bdl_models_table($j) {
+    $rows = array();
+    $models = array_unique(array_merge(array_keys($j['configs']), array_keys($j['model_results'])));
+    foreach ($models as $m) {
+        $cfg = isset($j['configs'][$m]) ? $j['configs'][$m] : array();
+        $res = isset($j['model_results'][$m]) ? $j['model_results'][$m] : array();
+        $best = null; $last = null; $last_e = null;
+        foreach ($res as $e => $x) {
+            if (!isset($x['val_acc']) || !is_numeric($x['val_acc'])) continue;
+            $a = (float)$x['val_acc'];
+            if ($best === null || $a > $best) $best = $a;
+            $last = $a; $last_e = $e;
+        }
+        $rows[] = array('m' => $m, 'cfg' => $cfg, 'best' => $best, 'last' => $last, 'last_e' => $last_e);
+    }
+    usort($rows, function ($a, $b) {
+        $x = $a['best'] === null ? -1.0 : $a['best'];
+        $y = $b['best'] === null ? -1.0 : $b['best'];
+        return $x == $y ? strcmp($a['m'], $b['m']) : ($x < $y ? 1 : -1);
+    });
+    $o = "<table id=\"bdl-models\"><tr><th>#</th><th class=l>hyper-parameters</th><th class=l>model</th>"
+       . "<th class=l>status</th><th>epochs done</th><th>val acc (last)</th><th>val acc (best)</th>"
+       . "<th>weights version</th><th class=l>note</th></tr>\n";
+    $rank = 0;
+    foreach ($rows as $row) {
+        $rank++;
+        $cfg = $row['cfg'];
+        $params = isset($cfg['params']) && is_array($cfg['params']) ? bdl_params_text($cfg['params']) : '';
+        $note = isset($cfg['reason']) ? $cfg['reason'] : '';
+        if (!empty($cfg['parent'])) $note = trim('from ' . $cfg['parent'] . ' ' . $note);
+        $ver = isset($j['versions'][$row['m']]) ? (int)$j['versions'][$row['m']] : '&ndash;';
+        $o .= '<tr' . ($rank === 1 && $row['best'] !== null ? ' class=ok' : '') . "><td>$rank</td>"
+            . '<td class=l>' . bdl_h($params) . '</td><td class=l><code>' . bdl_h($row['m']) . '</code></td>'
+            . '<td class=l>' . bdl_h(isset($cfg['status']) ? $cfg['status'] : '?') . '</td>'
+            . '<td>' . ($row['last_e'] === null ? 0 : (int)$row['last_e']) . '</td>'
+            . '<td>' . bdl_num($row['last']) . '</td><td>' . bdl_num($row['best']) . "</td><td>$ver</td>"
+            . '<td class=l>' . bdl_h($note) . "</td></tr>\n";
+    }
+    if (!$rows) $o .= "<tr><td colspan=9 class=l>no model yet</td></tr>\n";
+    return $o . "</table>\n";
+}
+
+/** MOP: one validation-accuracy curve per model, from each model's finished epochs. */
+function bdl_model_curves_svg($j, $width = 640, $height = 280) {
+    $series = array();
+    foreach ($j['model_results'] as $m => $res) {
+        $pts = array();
+        foreach ($res as $e => $x) {
+            if (isset($x['val_acc']) && is_numeric($x['val_acc'])) $pts[(int)$e] = (float)$x['val_acc'];
+        }
+        if ($pts) $series[$m] = $pts;
+    }
+    if (!$series) return '<p class=muted>No model has finished an epoch yet: no learning curve.</p>';
+    $emax = 1;
+    foreach ($series as $pts) $emax = max($emax, max(array_keys($pts)));
+    $ml = 46; $mr = 16; $mt = 14; $mb = 36;
+    $pw = $width - $ml - $mr; $ph = $height - $mt - $mb;
+    // epoch 0 is the left edge, so a model with one finished epoch is a point, not the whole plot
+    $x = function ($e) use ($emax, $ml, $pw) { return round($ml + $e / $emax * $pw, 1); };
+    $y = function ($a) use ($mt, $ph) { return round($mt + (1 - max(0.0, min(1.0, $a))) * $ph, 1); };
+    $palette = array('#1f5fbf', '#c0392b', '#27884a', '#8e44ad', '#d68910', '#138d90', '#7f8c8d', '#b03a78');
+    $o = "<svg id=\"bdl-model-curves\" xmlns=\"http://www.w3.org/2000/svg\" width=\"$width\" height=\"$height\" "
+       . "viewBox=\"0 0 $width $height\" role=\"img\" aria-label=\"learning curves per model\">\n"
+       . "<rect x=\"$ml\" y=\"$mt\" width=\"$pw\" height=\"$ph\" fill=\"#fbfcfe\" stroke=\"#9aa3ad\"/>\n";
+    for ($i = 0; $i <= 5; $i++) {
+        $yy = $y($i / 5);
+        $o .= "<line x1=\"$ml\" x2=\"" . ($ml + $pw) . "\" y1=\"$yy\" y2=\"$yy\" stroke=\"#e3e7ec\"/>"
+            . "<text x=\"" . ($ml - 5) . "\" y=\"" . ($yy + 4) . "\" text-anchor=\"end\">" . number_format($i / 5, 1) . "</text>\n";
+    }
+    for ($e = 0; $e <= $emax; $e++) {
+        $o .= "<text x=\"" . $x($e) . "\" y=\"" . ($mt + $ph + 15) . "\" text-anchor=\"middle\">$e</text>";
+    }
+    $o .= "<text x=\"" . ($ml + $pw / 2) . "\" y=\"" . ($mt + $ph + 30) . "\" text-anchor=\"middle\">epoch (validation accuracy)</text>\n";
+    $k = 0;
+    foreach ($series as $m => $pts) {
+        ksort($pts);
+        $color = $palette[$k++ % count($palette)];
+        $label = isset($j['configs'][$m]['params']) && is_array($j['configs'][$m]['params'])
+            ? bdl_params_text($j['configs'][$m]['params']) : $m;
+        $p = array(); $dots = '';
+        foreach ($pts as $e => $a) {
+            $p[] = $x($e) . ',' . $y($a);
+            $dots .= '<circle cx="' . $x($e) . '" cy="' . $y($a) . "\" r=\"3\" fill=\"$color\"><title>"
+                   . bdl_h("$label, epoch $e: $a") . '</title></circle>';
+        }
+        $o .= '<g class="model"><title>' . bdl_h($label) . '</title>'
+            . (count($p) > 1 ? '<polyline points="' . implode(' ', $p) . "\" fill=\"none\" stroke=\"$color\" stroke-width=\"2\"/>" : '')
+            . "$dots</g>\n";
+    }
+    return $o . "</svg>\n";
 }
 
 /** Cloud cost of the job (written by the fleet controller, server/fleet/cost.py). */
