@@ -37,7 +37,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from bench._common import emit, machine  # noqa: E402
 from boinc_dl.server.assimilator import rules as R  # noqa: E402
 from boinc_dl.server.common.datasets import load_dataset, split_shards  # noqa: E402
 from boinc_dl.server.common.spec import DatasetSpec  # noqa: E402
+from boinc_dl.server.common.spec_defaults import local_epochs_for  # noqa: E402
 from boinc_dl.server.work_generator.vcasgd import unit_seed  # noqa: E402
 from tests.support import baselines as norms  # noqa: E402  (0.2's bound, the baseline)
 
@@ -606,6 +607,9 @@ class Bench:
     epochs: int
     rules: dict[str, R.MergeRule]
     d_list: list[int]
+    #: "task": the task's own local epochs; "derived": the project's default for D units in
+    #: flight (boinc_dl.server.common.spec_defaults.local_epochs_for), D = 1 alike
+    local_epochs: str = "task"
     rows: list[dict[str, Any]] = field(default_factory=list)
 
     def log(self, **row: Any) -> None:
@@ -629,15 +633,18 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
             " ".join(f"{n:>13s}" for n in names) + f" | {REC + '+def':>17s} refused clipped"
         print(head)
         for d, ns in pairs:
-            base = {n: simulate(task, tr, b.rules[n], 1, ns, b.epochs) for n in ("paper", REC)}
-            res = {n: simulate(task, tr, r, d, ns, b.epochs) for n, r in b.rules.items()}
-            dfd = simulate(task, tr, b.rules[REC], d, ns, b.epochs, defence=defended)
+            if b.local_epochs == "derived":  # the unit length a job with D in flight gets by default
+                tr.task = replace(task, local_epochs=local_epochs_for(d)[0])
+            base = {n: simulate(tr.task, tr, b.rules[n], 1, ns, b.epochs) for n in ("paper", REC)}
+            res = {n: simulate(tr.task, tr, r, d, ns, b.epochs) for n, r in b.rules.items()}
+            dfd = simulate(tr.task, tr, b.rules[REC], d, ns, b.epochs, defence=defended)
+            tr.task = task
             refused = dfd.honest_rejected / max(1, dfd.honest)
             clipped = dfd.honest_clipped / max(1, dfd.honest)
             print(f"{d:5d} {ns:5d} | {cell(base['paper']):>13s} {cell(base[REC]):>17s} | " +
                   " ".join(f"{cell(res[n]):>13s}" for n in names) +
                   f" | {cell(dfd):>17s} {refused:6.1%} {clipped:6.1%}", flush=True)
-            key = f"{task.name}|{regime}|D={d}|subsets={ns}"
+            key = f"{task.name}|{regime}|D={d}|subsets={ns}|local_epochs={'derived' if b.local_epochs == 'derived' else task.local_epochs}"
             out[key] = {"d1_paper": [base["paper"].final, base["paper"].first],
                         "d1_rec": [base[REC].final, base[REC].first],
                         **{n: [r.final, r.first] for n, r in res.items()},
@@ -805,6 +812,9 @@ def main() -> None:
     ap.add_argument("--rules", default=None, help="comma list of rule names (default: all candidates)")
     ap.add_argument("--D", default=None, help="units in flight (default 8,32,128,1000; quick: 8,32,128)")
     ap.add_argument("--epochs", type=int, default=10)
+    ap.add_argument("--local-epochs", choices=("task", "derived"), default="task",
+                    help="task: the task's own (digits 2, MNIST 1, the issue's setting); derived: what a job "
+                         "with D units in flight gets by default (4 to 16)")
     ap.add_argument("--mnist-train", type=int, default=12000, help="MNIST training images used")
     ap.add_argument("--sections", default="staleness,poison,single,cost")
     ap.add_argument("--single-cap", type=int, default=None,
@@ -826,7 +836,8 @@ def main() -> None:
     sections = set(args.sections.split(","))
     d_list = args.D or ("8,32,128" if args.quick else "8,32,128,1000")
     cap = args.single_cap or (100 if args.quick else 300)
-    b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")])
+    b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")],
+              local_epochs=args.local_epochs)
     print(f"merge rules bench, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
           f"{machine()}, TF threads {THREADS}")
     print("rules: " + "; ".join(f"{n} = {r.describe()}" for n, r in b.rules.items()))

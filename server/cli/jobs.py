@@ -234,8 +234,11 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     t.add_row("training", f"{tr.epochs} epochs, batch {tr.batch_size}, {tr.optimizer} lr {tr.learning_rate:g}, "
                           f"{tr.local_epochs} local epoch(s) per unit")
     if spec.mode == "vcasgd":
-        t.add_row("vcasgd", f"{spec.vcasgd.n_subsets} subsets per epoch, alpha {spec.vcasgd.alpha}, "
-                            f"merge {spec.vcasgd.merge}")
+        v = spec.vcasgd
+        rule = {"delta": f"delta (server lr {v.server_lr:g}, staleness power {v.staleness_power:g})",
+                "fedasync": f"fedasync (alpha {v.alpha}, staleness power {v.staleness_power:g})",
+                "paper": f"the paper's (alpha {v.alpha})"}[v.merge_rule]
+        t.add_row("vcasgd", f"{v.n_subsets} subsets per epoch, merge rule {rule}, {v.merge}")
     elif spec.mop is not None:
         t.add_row("mop", f"{spec.mop.search} search, {spec.mop.partitions} partitions")
     if spec.backend.kind == "local":

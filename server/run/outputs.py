@@ -19,7 +19,8 @@ def collect_history(store: JobStore) -> dict[str, Any]:
     for m in store.metrics():
         if m["kind"] == "merge":
             units.append({k: m.get(k) for k in (
-                "unit", "epoch", "shard", "version", "base_version", "alpha", "val_acc", "val_loss",
+                "unit", "epoch", "shard", "version", "base_version", "staleness", "merge_rule", "clip_scale",
+                "trusted", "val_acc", "val_loss",
                 "train_loss", "train_acc", "examples_seen", "train_s", "wall_s", "host", "t")})
         elif m["kind"] == "failed":
             units.append({"unit": m.get("unit"), "failed": m.get("reason")})

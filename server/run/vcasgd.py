@@ -192,7 +192,8 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         result.planner = earlier["planner"] if "planner" in earlier else predict_epoch(
             spec, hist["units"], int(flat.size), result.elapsed_s, len(result.epochs))
     settings = {"n_subsets": spec.vcasgd.n_subsets, "local_epochs": spec.training.local_epochs,
-                "alpha": spec.vcasgd.alpha, "learning_rate": spec.training.learning_rate,
+                "merge_rule": spec.vcasgd.merge_rule, "alpha": spec.vcasgd.alpha,
+                "learning_rate": spec.training.learning_rate,
                 "batch_size": spec.training.batch_size, "derived": [c.field for c in derived_settings(store)]}
     (run_dir / "summary.json").write_text(json.dumps(
         {"status": status, "elapsed_s": result.elapsed_s, "backend": result.backend, "reason": result.reason,

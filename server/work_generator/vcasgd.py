@@ -333,7 +333,8 @@ class VCASGDWorkGenerator:
             "ended_at": now,
             "elapsed_s": now - self.started,
             "eval_s": eval_s,
-            "alpha": self.spec.vcasgd.alpha_for(epoch),
+            "merge_rule": self.spec.vcasgd.merge_rule,
+            "alpha": self.spec.vcasgd.alpha_for(epoch) if self.spec.vcasgd.merge_rule != "delta" else None,
         }
 
     def close_epochs(self) -> list[int]:
