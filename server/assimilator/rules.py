@@ -377,7 +377,7 @@ class TrustedStatistic:
     replication (its replica from another host, of another user, agreed: BOINC's quorum)
     — not "its host has a good reputation" (a patient attacker earns that) and not "it
     was accepted" (the attacker's own accepted results would feed the statistic, as the
-    adaptive bound of ``server/validator/norms.py`` does). :meth:`observe` ignores every
+    adaptive bound of ``tests/support/baselines.py (0.2's bound)`` does). :meth:`observe` ignores every
     other result.
 
     *Frozen per epoch*: :meth:`value` for epoch ``e`` is computed once, from the trusted

@@ -202,7 +202,7 @@ class BdlRedis {
 
 // ---- Redis Cluster -----------------------------------------------------------------------
 //
-// The daemons' store (server/common/store.py, server/common/cluster.py) also runs on a
+// The daemons' store (server/assimilator/store.py, server/assimilator/connection.py) also runs on a
 // Redis Cluster. Its URL is redis+cluster://[[user]:password@]host1:port1,host2:port2[/]
 // or a comma-separated list of redis://[:password@]host:port URLs; there every key of
 // job J is named bdl:{J}:... (the hash tag {J}: one slot) instead of bdl:J:...
@@ -239,7 +239,7 @@ function bdl_cluster_addr($host, $port) {
 
 /**
  * The startup nodes (array of array(host, port)) and password of a cluster URL, read
- * as server/common/cluster.py's cluster_nodes() reads it. Messages never quote the URL
+ * as server/assimilator/connection.py's cluster_nodes() reads it. Messages never quote the URL
  * (it may hold the password).
  */
 function bdl_cluster_nodes($url) {
@@ -630,7 +630,7 @@ function bdl_load_job($r, $job) {
         $epochs[(int)$e]['counts'] = $r->hgetall($key);
     }
     ksort($epochs);
-    // unit states (server/common/store.py): created (not yet handed to the job
+    // unit states (server/assimilator/store.py): created (not yet handed to the job
     // system), in_progress, assimilated, failed, cancelled
     $states = array('created' => 0, 'in_progress' => 0, 'assimilated' => 0, 'failed' => 0, 'cancelled' => 0);
     foreach ($r->hgetall("$ns:unit_state") as $unit => $state) {
