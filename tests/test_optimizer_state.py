@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.common.weights import OptimizerState, WeightsFile, read_weights, write_weights
-from tests.support.results import validate
+from tests.support.results import assimilate_files, validate
 
-from .conftest import tiny_fingerprint
+from .conftest import tiny_fingerprint, tiny_spec
 
 
 def _opt(n: int = 15) -> OptimizerState:
@@ -40,3 +41,36 @@ def test_bad_optimizer_state_rejected(tiny_job, tmp_path: Path, arrays, reason: 
     (tmp_path / "m.json").write_text(json.dumps({"unit": "u0"}))
     with pytest.raises(ResultRejected, match=reason):
         validate([tmp_path / "w.h5", tmp_path / "m.json"], store, 10**9, "u0")
+
+
+def test_mop_state_is_in_place_before_the_merge_lands(redis_client, tmp_path: Path) -> None:
+    """The generator issues a model's next unit the moment its merge lands: the optimizer
+    state that unit must start from is already there, tagged with the merged version."""
+    spec = tiny_spec("tinymop", mode="mop", mop={"partitions": 2, "param_grid": {"hidden": [8]}})
+    fp = tiny_fingerprint()
+    at_merge: list[tuple[int, int] | None] = []
+
+    def during_merge(_n: int) -> None:
+        blob = store.optimizer_state("0")
+        at_merge.append(None if blob is None else (OptimizerState.from_bytes(blob)[1], store.version("0")))
+
+    store = JobStore(redis_client, spec.name, on_shard_applied=during_merge)
+    store.create(spec.model_dump_json(), "mop", {"0": fp}, {})
+    store.init_weights("0", np.zeros(fp.n_params, np.float32))
+    base = tmp_path / "base.h5"
+    write_weights(base, WeightsFile(np.zeros(fp.n_params, np.float32), fp, job=spec.name, model="0"))
+    for i in range(2):
+        unit = f"m{i}"
+        store.register_unit(unit, {"epoch": 1, "shard": i, "model": "0", "weights_version": i,
+                                   "files": {"weights_in.h5": str(base)}}, 1)
+        write_weights(tmp_path / f"{unit}.h5", WeightsFile(np.full(fp.n_params, i + 1, np.float32), fp,
+                                                           job=spec.name, unit=unit, model="0",
+                                                           optimizer=_opt(fp.n_params)))
+        (tmp_path / f"{unit}.json").write_text(json.dumps({"unit": unit}))
+        out = assimilate_files(store, [tmp_path / f"{unit}.h5", tmp_path / f"{unit}.json"], spec, unit=unit)
+        assert out.status == "merged", out
+        state, version = OptimizerState.from_bytes(store.optimizer_state("0") or b"")
+        assert version == store.version("0") == i + 1 and state.kind == "adam"
+    # Seen from inside each merge, before it committed (version still the old one): the
+    # state already there, tagged with the version the merge makes.
+    assert at_merge == [(1, 0), (2, 1)]

@@ -109,16 +109,23 @@ def assimilate_valid(
     # The rule by name with its parameters (rules.py): a durable merge logs them, and a
     # replay after a Redis crash recomputes the same bytes with the same function.
     record.update(rule=policy.REPLAYABLE, rule_params=plan.params())
+    # MOP hops the optimizer state with the model. It is written before the merge, tagged
+    # with the version this merge will make: the generator issues the model's next unit as
+    # soon as the merge lands and must find the state already there (written after, a busy
+    # server let the next unit start a fresh optimizer). One unit per model is in flight, so
+    # the next version is this one plus one; a blob of any other version is ignored, so a
+    # crash or a duplicate only ever means a fresh optimizer, never a wrong one.
+    carry = res.weights.optimizer if spec.mode == "mop" and not store.is_assimilated(unit) else None
+    predicted = store.version(model) + 1
+    if carry is not None:
+        store.set_optimizer_state(model, carry.to_bytes(predicted))
     out = store.merge(model, unit, plan.combine(wc), record, epoch, strict=use_strict, source=res.files.weights)
     if out.given_up:
         reason = "the unit was already given up; a late result is not merged"
         return AssimilationOutcome("duplicate", unit, out.version, reason, out.retries)
     if out.applied:
         policy.observe(store, model, epoch, plan, trusted)
-    if out.applied and spec.mode == "mop" and res.weights.optimizer is not None:
-        # MOP hops the optimizer state with the model. Tagged with the weights version it
-        # belongs to: a crash before this write only means the next unit starts a fresh
-        # optimizer (the generator ignores a blob of another version), never a wrong one.
-        store.set_optimizer_state(model, res.weights.optimizer.to_bytes(out.version))
+    if out.applied and carry is not None and out.version != predicted:
+        store.set_optimizer_state(model, carry.to_bytes(out.version))
     status = "merged" if out.applied else "duplicate"
     return AssimilationOutcome(status, unit, out.version, retries=out.retries)
