@@ -211,9 +211,17 @@ def _bound(planner, s) -> str:
 
 def _plan_local(spec, cal, params: int, n_train: int, top: int) -> None:
     """The local backend on this machine: every workers x slots x P x unit size, simulated."""
-    from boinc_dl.server.planner.local import EXPECTED_ERROR_LOCAL, fmt_s, plan_local, this_machine
+    from dataclasses import replace
 
-    machine = this_machine()
+    from boinc_dl.server.planner.local import (
+        EXPECTED_ERROR_LOCAL,
+        background_load,
+        fmt_s,
+        plan_local,
+        this_machine,
+    )
+
+    machine = replace(this_machine(), background=round(background_load(), 2))
     mem = f"{machine.memory_bytes / 2**30:.1f} GiB" if machine.memory_bytes else "unknown memory"
     plans = plan_local(cal, machine, epochs=spec.training.epochs, params=params, n_train=n_train,
                        local_epochs=spec.training.local_epochs or 1, units_per_epoch=spec.vcasgd.n_subsets,
@@ -221,7 +229,8 @@ def _plan_local(spec, cal, params: int, n_train: int, top: int) -> None:
     loc = spec.backend.local
     mine = next((p for p in plans if (p.cand.workers, p.cand.slots, p.cand.assimilators, p.cand.units_per_epoch)
                  == (loc.workers, loc.slots, loc.assimilators, spec.vcasgd.n_subsets)), None)
-    t = Table(title=f"boinc-dl plan · {spec.name} · local backend on this machine ({machine.cores} cores, {mem}) · "
+    t = Table(title=f"boinc-dl plan · {spec.name} · local backend on this machine ({machine.cores} cores, {mem}, "
+                    f"{machine.background:.1f} busy with other work) · "
                     f"{spec.training.epochs} epochs, {params:,} parameters")
     for col in ("", "configuration", "epoch", "total", "bound"):
         t.add_column(col)

@@ -8,7 +8,9 @@ model with all of a unit's client time as shared CPU work: a unit is
 past run's units.csv: :mod:`.calibrate`), each slot runs one unit at a time on one
 thread, a merge is the assimilator's measured CPU seconds and Redis' commit its
 measured wait; processor sharing over the machine's cores (exactly, in the simulation)
-does the rest. The dispatch latency is the run loop's: the generator steps every 50 ms.
+does the rest, with the other work this machine is doing when it plans (its busy
+cores over one second of ``/proc/stat``) sharing the cores too. The dispatch latency is
+the run loop's: the generator steps every 50 ms.
 Added to the simulated time: each slot's first unit tracing the model, and the
 generator's evaluation at each epoch's close (both from the calibration run's records).
 
@@ -53,12 +55,35 @@ class Machine:
 
     cores: int
     memory_bytes: int | None
+    background: float = 0.0  # cores' worth of other work measured when planning
 
     def max_slots(self) -> int:
         by_cores = max(2, 2 * self.cores)
         if self.memory_bytes is None:
             return by_cores
         return max(1, min(by_cores, int(0.8 * self.memory_bytes // SLOT_MEMORY_BYTES)))
+
+
+def background_load(sample_s: float = 1.0) -> float:
+    """Cores' worth of CPU this machine spends on other work now: its busy share over
+    ``sample_s`` seconds of ``/proc/stat`` (Linux; 0 elsewhere), times its cores."""
+    def snap() -> tuple[float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                parts = [float(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = parts[3] + (parts[4] if len(parts) > 4 else 0.0)  # idle + iowait
+        return idle, sum(parts)
+    import time
+
+    a = snap()
+    time.sleep(sample_s)
+    b = snap()
+    if a is None or b is None or b[1] <= a[1]:
+        return 0.0
+    busy = 1.0 - (b[0] - a[0]) / (b[1] - a[1])
+    return max(0.0, busy) * (os.cpu_count() or 1)
 
 
 def this_machine() -> Machine:
@@ -102,7 +127,7 @@ def local_model(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epo
     merge = cal.merge_s if cal.merge_s is not None else merge_estimate_s(4 * params)
     costs = ServerCosts(merge_s=merge, stage_s=unit_cpu, dispatch_s=DISPATCH_S, server_cores=machine.cores,
                         cpu_cores=machine.cores, merge_shared_s=merge * SHARED_MERGE_RATIO, colocated=True,
-                        commit_s=cal.commit_s or 0.0)
+                        commit_s=cal.commit_s or 0.0, background=machine.background)
     # The whole unit is CPU work on the shared cores (stage_s, colocated): nothing of it a delay.
     host = HostType("this machine", unit_s=0.0, cores=1 << 20, bandwidth_mbps=1e15)
     cfg = Config(((host, cand.workers),), cand.slots, cand.assimilators, window=window, timeout_s=timeout_s)
@@ -114,7 +139,7 @@ def bound_of(cfg: Config, costs: ServerCosts) -> str:
     parameter servers (P merges, Redis' one commit at a time)."""
     slots = cfg.total_slots / (costs.stage_s + costs.dispatch_s)
     m = costs.merge_cpu_s(cfg.assimilators)
-    cores = (costs.cpu_cores or 1) / (costs.stage_s + m + costs.commit_s)
+    cores = max(0.1, (costs.cpu_cores or 1) - costs.background) / (costs.stage_s + m + costs.commit_s)
     servers = min(cfg.assimilators / (m + costs.commit_s), 1 / costs.commit_s if costs.commit_s > 0 else math.inf)
     if servers < min(slots, cores):
         return "servers"
@@ -153,7 +178,9 @@ def predict(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epochs:
     # What the simulation leaves out: each slot's first unit traces the model (all slots
     # at once, sharing the cores), and the generator evaluates the server weights when it
     # closes an epoch (the first time also loading the model), creating no unit meanwhile.
-    once = cal.first_unit_extra_s * max(1.0, cfg.total_slots / machine.cores) + cal.first_eval_extra_s
+    # The start is when every slot and the evaluator are busy at once: shared like the rest.
+    crowd = max(1.0, (cfg.total_slots + machine.background) / machine.cores)
+    once = (cal.first_unit_extra_s + cal.first_eval_extra_s) * crowd
     job = pred.job_s + once + epochs * cal.eval_s
     pred = replace(pred, job_s=job, epoch_s=job / epochs)
     return LocalPlan(cand, pred, bound_of(cfg, costs))
