@@ -192,7 +192,8 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
                   f"staging {costs.stage_s:.3f} s per unit "
                   f"(median unit {statistics.median(h.unit_s for h in hosts):.3f} s)")
     console.print(f"expected error: about ±{EXPECTED_ERROR_FLEET:.0%} of the epoch time (the planner bench's "
-                  "MAPE on the local backend, bench/README.md; a real fleet adds its own spread)")
+                  "MAPE with separate hosts, bench/README.md; a real fleet adds its own spread; for this "
+                  "machine alone plan without --fleet)")
     if plot is not None:
         if res.best is not None:
             scored = [*scored, replace(res.best)]
@@ -246,5 +247,6 @@ def _plan_local(spec, cal, params: int, n_train: int, top: int) -> None:
         console.print(f"the spec's own ({mine.cand.describe()}): epoch {fmt_s(mine.pred.epoch_s)} "
                       f"(bound by {mine.bound})")
     console.print(f"expected error: about ±{EXPECTED_ERROR_LOCAL:.0%} of the pipeline's epoch time (the planner "
-                  "bench's MAPE on generated configurations, bench/README.md); start-up (slots loading "
-                  "TensorFlow) is not in it")
+                  "bench's MAPE on generated configurations on 2 busy shared cores, bench/README.md; other "
+                  "work that changes during the run moves it most); start-up (slots loading TensorFlow) "
+                  "is not in it")

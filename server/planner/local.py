@@ -42,11 +42,13 @@ from boinc_dl.server.planner.sim import simulate
 SLOT_MEMORY_BYTES = 500 << 20
 #: The run loop steps the work generator every 50 ms: a unit waits half of that on average.
 DISPATCH_S = 0.05
-#: MAPE of the local-backend plan on generated configurations it was not calibrated on
-#: (bench/bench_planner.py --generated, bench/README.md, 2026-11-26).
-EXPECTED_ERROR_LOCAL = 0.0
-#: The same bench's MAPE for the fleet model (synthetic unit times, real merges).
-EXPECTED_ERROR_FLEET = 0.08
+#: MAPE of the local-backend plan on 12 generated configurations it was not calibrated
+#: on (bench/bench_planner.py --generated 12, bench/README.md, 2026-11-26: 2 cores
+#: shared with another test run; the goal, 12%, is not met).
+EXPECTED_ERROR_LOCAL = 0.34
+#: MAPE of the fleet model on the planner bench's 14 configurations (synthetic unit
+#: times, real merges; bench/README.md): a fleet of separate hosts, not one machine.
+EXPECTED_ERROR_FLEET = 0.07
 
 
 @dataclass(frozen=True)
