@@ -23,6 +23,18 @@ configuration meeting a deadline (the median predicted time, fixed before measur
 priced as simulated instance types — against the cheapest measured one that met it.
 
     python bench/bench_planner.py [--epochs 2] [--units 8] [--repeats 3] [--only fig3]
+
+``--generated N`` is the other validation, the user's path end to end: real TensorFlow
+units of the digits MLP (no synthetic times) run by the installed ``boinc-dl run``. Per
+model size, one 1-slot run calibrates (``read_calibration`` on its run directory, exactly
+what ``boinc-dl plan SPEC --calibrate RUN_DIR`` does); N configurations drawn by a
+seeded generator over model size, C (workers), T (slots), P and unit size, none of them
+a calibration run, are then predicted and measured (the run's pipeline epoch time,
+``summary.json``'s ``actual_epoch_s``). Two predictions per configuration: the
+local-backend plan (``boinc-dl plan SPEC``, :mod:`boinc_dl.server.planner.local`) and
+the fleet model with a planner-only fleet file for this machine (``--fleet``).
+
+    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3]
 """
 
 from __future__ import annotations
@@ -241,6 +253,145 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(spearmanr(a, b).statistic)
 
 
+GEN_SIZES = (128, 512)  # MLP hidden units of the generated configurations
+GEN_NOISE = 0.10  # one run per configuration: measured gaps under 10% count as ties
+
+
+def generate(n: int, seed: int) -> list[dict]:
+    """``n`` distinct configurations (hidden, C, T, P, units per epoch), seeded; never the
+    calibration's shape (C = T = P = 1)."""
+    import random
+
+    rng = random.Random(seed)
+    out: list[dict] = []
+    while len(out) < n:
+        c = {"hidden": rng.choice(GEN_SIZES), "workers": rng.randint(1, 3), "slots": rng.randint(1, 2),
+             "units": rng.choice((4, 6, 8, 12))}
+        c["assimilators"] = rng.randint(1, min(2, c["workers"] * c["slots"]))
+        if c["workers"] * c["slots"] == 1 or c in out:
+            continue
+        out.append(c)
+    return out
+
+
+def _gen_spec(work: Path, label: str, c: dict, epochs: int) -> Path:
+    import yaml
+
+    p = work / f"{label}.yaml"
+    p.write_text(yaml.safe_dump({
+        "name": label, "mode": "vcasgd", "model": "models:mlp",
+        "model_args": {"input_dim": 64, "hidden": c["hidden"], "n_classes": 10},
+        "dataset": {"name": "digits", "val_fraction": 0.2},
+        "training": {"epochs": epochs, "batch_size": 16, "learning_rate": 0.002, "local_epochs": 4},
+        "vcasgd": {"n_subsets": c["units"]}, "units": {"timeout_s": 60},
+        "backend": {"kind": "local", "local": {"workers": c["workers"], "slots": c["slots"],
+                                               "assimilators": c["assimilators"], "threads_per_slot": 1}},
+        "seed": 7}))
+    return p
+
+
+def _gen_run(work: Path, label: str, c: dict, epochs: int) -> dict:
+    """``boinc-dl run`` as a user runs it; its summary's pipeline epoch time."""
+    import json
+    import shutil
+    import subprocess
+
+    shutil.copy(ROOT / "examples" / "models.py", work / "models.py")
+    spec = _gen_spec(work, label, c, epochs)
+    run_dir = work / label
+    exe = Path(sys.executable).parent / "boinc-dl"
+    t0 = time.time()
+    out = subprocess.run(["nice", str(exe), "run", str(spec), "--run-dir", str(run_dir), "-q"], cwd=work,
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    if out.returncode != 0:
+        raise RuntimeError(f"{label}: boinc-dl run failed: {out.stderr[-2000:]}")
+    summ = json.loads((run_dir / "summary.json").read_text())
+    return {"run_dir": run_dir, "epoch_s": float(summ["planner"]["actual_epoch_s"]),
+            "after_the_fact_s": float(summ["planner"]["predicted_epoch_s"]), "wall_s": time.time() - t0}
+
+
+def main_generated(args: argparse.Namespace) -> None:
+    from boinc_dl.server.planner.calibrate import read_calibration
+    from boinc_dl.server.planner.fleetfile import parse_fleet
+    from boinc_dl.server.planner.local import LocalCandidate, background_load, predict, this_machine
+    from boinc_dl.server.planner.prices import TablePriceBook
+    from boinc_dl.server.planner.search import Candidate, Planner, Space
+
+    t_bench = time.time()
+    machine_ = this_machine()
+    n_train, local_epochs = 1437, 4  # digits with val_fraction 0.2
+    configs = generate(args.generated, args.seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bdl-plan-gen-") as tmp:
+        work = Path(tmp)
+        cals = {}
+        for h in sorted({c["hidden"] for c in configs}):
+            cal_cfg = {"hidden": h, "workers": 1, "slots": 1, "assimilators": 1, "units": 4}
+            m = _gen_run(work, f"cal-h{h}", cal_cfg, 2)
+            cals[h] = read_calibration(m["run_dir"])  # what `boinc-dl plan --calibrate RUN_DIR` reads
+            emit("planner_gen_calibration", hidden=h, units=cals[h].units,
+                 compute_us_per_example=round(cals[h].compute_per_example_s * 1e6, 2),
+                 overhead_s=round(cals[h].overhead_s, 4), merge_ms=round((cals[h].merge_s or 0) * 1e3, 2),
+                 commit_ms=round((cals[h].commit_s or 0) * 1e3, 3), eval_s=round(cals[h].eval_s, 3),
+                 median_unit_wall_s=round(cals[h].wall_s, 3), measured_epoch_s=m["epoch_s"])
+        for i, c in enumerate(configs):
+            label = f"g{i:02d}-h{c['hidden']}-C{c['workers']}T{c['slots']}P{c['assimilators']}-u{c['units']}"
+            cal = cals[c["hidden"]]
+            params = 64 * c["hidden"] + c["hidden"] + c["hidden"] * 10 + 10
+            cand = LocalCandidate(c["workers"], c["slots"], c["assimilators"], c["units"])
+            busy = background_load()  # what `boinc-dl plan` measures: other work on this machine now
+            local = predict(cal, cand, replace(machine_, background=busy), epochs=args.epochs, params=params, n_train=n_train,
+                            local_epochs=local_epochs, timeout_s=60.0)
+            # The fleet model with a planner-only fleet file for this machine (the issue's path).
+            ff = parse_fleet({"types": {"c6i.xlarge": {"speed": 1.0, "cores": machine_.cores, "max_count": 3,
+                                                 "preempt_p": 0.0, "bandwidth_mbps": 1e6}},
+                              "markets": ["on-demand"], "costs": {"server_cores": machine_.cores}}, None)
+            examples = n_train / c["units"] * local_epochs
+            hosts, _ = ff.host_types(cal.unit_compute_s(examples))
+            w = Workload(c["units"], args.epochs, params, base_units_per_epoch=c["units"])
+            costs = replace(ff.server_costs(w.model_bytes(), cal), background=busy)
+            space = Space(tuple(hosts), (3,), ("on-demand",), (c["slots"],), (c["assimilators"],), (c["units"],),
+                          None, 60.0)
+            planner = Planner(space, w, costs, TablePriceBook.load())
+            fleet = planner.score(Candidate((c["workers"],), "on-demand", c["slots"], c["assimilators"],
+                                            c["units"]), "simulation").pred
+            m = _gen_run(work, label, c, args.epochs)
+            row = {"label": label, **c, "measured_s": round(m["epoch_s"], 3),
+                   "local_s": round(local.pred.epoch_s, 3), "local_err": round(local.pred.epoch_s / m["epoch_s"] - 1, 3),
+                   "local_bound": local.bound, "fleet_s": round(fleet.epoch_s, 3),
+                   "fleet_err": round(fleet.epoch_s / m["epoch_s"] - 1, 3),
+                   "after_the_fact_err": round(m["after_the_fact_s"] / m["epoch_s"] - 1, 3),
+                   "background": round(busy, 2), "run_wall_s": round(m["wall_s"], 1),
+                   "load": round(os.getloadavg()[0], 2)}
+            rows.append(row)
+            emit("planner_gen_case", **row)
+    meas = [r["measured_s"] for r in rows]
+    summary = {}
+    for key in ("local", "fleet"):
+        pred = [r[f"{key}_s"] for r in rows]
+        mape = statistics.fmean(abs(p / m - 1) for p, m in zip(pred, meas, strict=True))
+        pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2)
+                 if abs(meas[i] - meas[j]) > GEN_NOISE * min(meas[i], meas[j])]
+        ok = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in pairs)
+        pick = min(range(len(rows)), key=lambda k: pred[k])
+        summary[key] = {"mape": round(mape, 4), "spearman": round(spearman(pred, meas), 3),
+                        "pairs_beyond_noise": len(pairs), "pairs_ordered": ok,
+                        "recommended": rows[pick]["label"], "regret": round(meas[pick] / min(meas) - 1, 4)}
+    att = statistics.fmean(abs(r["after_the_fact_err"]) for r in rows)
+    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, noise=GEN_NOISE,
+         local=summary["local"], fleet=summary["fleet"], after_the_fact_mape=round(att, 4),
+         bench_wall_s=round(time.time() - t_bench, 1), load=os.getloadavg(), **machine())
+    print(f"{'configuration':36s} {'measured':>9s} {'local plan':>11s} {'err':>6s} {'fleet model':>11s} {'err':>6s}")
+    for r in rows:
+        print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['local_s']:10.3f}s {r['local_err']:+6.0%} "
+              f"{r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}")
+    for key, v in summary.items():
+        print(f"{key}: MAPE {v['mape']:.1%}, Spearman {v['spearman']}, {v['pairs_ordered']} of "
+              f"{v['pairs_beyond_noise']} pairs beyond noise ordered, recommended {v['recommended']}, "
+              f"regret {v['regret']:.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=2)
@@ -249,7 +400,16 @@ def main() -> None:
     ap.add_argument("--only", default="", help="run only cases whose label contains this")
     ap.add_argument("--repeats", type=int, default=1, help="measured runs per validation configuration "
                     "(median; their spread is the noise the ranks are judged against)")
+    ap.add_argument("--generated", type=int, default=0, help="instead: N seeded configurations of real units, "
+                    "calibrated from 1-slot runs' units.csv (module docstring)")
     args = ap.parse_args()
+    if args.generated:
+        if "--epochs" not in sys.argv:
+            args.epochs = 3
+        if "--seed" not in sys.argv:
+            args.seed = 11
+        main_generated(args)
+        return
     t_bench = time.time()
     todo = [c for c in cases() if args.only in c.label]
     rows = []

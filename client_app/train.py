@@ -180,6 +180,7 @@ class _Run:
                  should_stop: Callable[[], bool], progress: Callable[[float], None] | None,
                  lean_import: bool = False):
         self.t0 = time.monotonic()
+        self.cpu0 = time.process_time()  # the slot's process runs one unit at a time
         self.lean_import = lean_import
         self.slot = slot
         self.cache = cache if cache is not None else ModelCache(max_models=1)
@@ -187,6 +188,7 @@ class _Run:
         self.should_stop = should_stop
         self.progress_cb = progress
         self.train_s = 0.0
+        self.train_cpu_s = 0.0  # CPU seconds of the training steps (TensorFlow's threads too)
         self.checkpoint_s = 0.0
         self.checkpoints = 0
 
@@ -348,10 +350,11 @@ class _Run:
                     return False
                 idx = order[b * bs:(b + 1) * bs]
                 xb, yb = x[idx], y[idx]
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 loss_sum, correct = step(xb, yb)
                 loss_sum, correct = float(loss_sum), float(correct)
                 self.train_s += time.perf_counter() - t
+                self.train_cpu_s += time.process_time() - c
                 pos.loss_sum += loss_sum
                 pos.correct += correct
                 pos.count += len(idx)
@@ -419,6 +422,10 @@ class _Run:
             "wall_s": time.monotonic() - self.t0,
             "train_s": self.train_s,
             "train_s_total": self.train_s_before + self.train_s,
+            # CPU seconds on this host's own clock: unlike wall times, they do not grow
+            # when other slots share the cores (the planner's calibration reads them).
+            "train_cpu_s": self.train_cpu_s,
+            "cpu_s": time.process_time() - self.cpu0,
             "load_s": self.load_s,
             "eval_s": eval_s,
             "checkpoint_s": self.checkpoint_s,

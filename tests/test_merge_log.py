@@ -125,10 +125,11 @@ def test_logged_merges_keep_the_bytes_out_of_the_aof_and_come_back_bitwise(env) 
         assert p.exitcode == 0
     before = store.snapshot("0")
     assert before.shard_versions == [40] * 4 and store.version("0") == 40
-    # The AOF grew by the log and the bookkeeping (about 2 KB per merge of 4 shards),
+    # The AOF grew by the log and the bookkeeping (about 3 KB per merge of 4 shards),
     # not by 40 x 8 KB of shard bytes.
     grown = aof_bytes(tmp / "redis") - aof_before
-    assert grown < 40 * 3000, grown
+    # (3.4 KB: the merge record carries the merge's own durations since issue #24.)
+    assert grown < 40 * 3400, grown
     entry = log_entry(store, "u7")
     assert entry["rule"] == "merge" and entry["params"]["rule"]["name"] == "paper"
     assert entry["params"]["rule"]["alpha"] == ALPHA and entry["params"]["scale"] == 1.0

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from boinc_dl.server.planner.calibrate import read_history
+from boinc_dl.server.planner.calibrate import read_calibration
 from boinc_dl.server.planner.model import (
     Config,
     HostType,
@@ -307,21 +307,27 @@ def test_goal_needs_exactly_one_limit():
 
 # ---- history --------------------------------------------------------------------------------
 
-def test_history_from_units_csv(tmp_path):
+def test_calibration_from_units_csv_takes_recorded_durations_not_gaps(tmp_path):
     p = tmp_path / "units.csv"
+    cols = ["unit", "train_s", "wall_s", "t", "examples_seen", "train_cpu_s", "cpu_s", "validate_s",
+            "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s", "failed"]
     with p.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["unit", "train_s", "wall_s", "t", "failed"])
+        w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
-        for i, t in enumerate((10.0, 10.5, 11.5, 12.0)):
-            w.writerow({"unit": f"u{i}", "train_s": 1.0 + i, "wall_s": 1.5 + i, "t": t})
+        # Merges 1 s apart (a 1-slot run: the gap is the unit time), each 10 ms of work.
+        for i, t in enumerate((10.0, 11.0, 12.0, 13.0)):
+            w.writerow({"unit": f"u{i}", "train_s": 0.8, "wall_s": 1.0, "t": t, "examples_seen": 400,
+                        "train_cpu_s": 0.6, "cpu_s": 0.75, "validate_s": 0.004, "validate_cpu_s": 0.003,
+                        "merge_s": 0.009, "merge_cpu_s": 0.005, "commit_s": 0.002})
         w.writerow({"unit": "bad", "failed": "too many errors"})
         w.writerow({"unit": "nan", "train_s": "nan", "wall_s": "x", "t": ""})
-    h = read_history(p)
-    assert h.units == 4
-    assert h.train_s == pytest.approx(2.5)
-    assert h.wall_s == pytest.approx(3.0)
-    assert h.merge_gap_s == pytest.approx(0.5)
-    assert h.span_s == pytest.approx(2.0)
+    c = read_calibration(p)
+    assert c.units == 4 and c.cpu_clock
+    assert c.compute_per_example_s == pytest.approx(0.6 / 400)  # CPU seconds: not stretched by sharing
+    assert c.overhead_s == pytest.approx(0.15)
+    assert c.merge_s == pytest.approx(0.008)  # validate + merge CPU, never the 1 s gap
+    assert c.commit_s == pytest.approx(0.002)
+    assert read_calibration(tmp_path).units == 4  # a run directory works too
 
 
 # ---- CLI ------------------------------------------------------------------------------------

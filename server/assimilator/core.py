@@ -45,6 +45,10 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
     "val_acc": (0.0, 1.0), "train_acc": (0.0, 1.0),
     "val_loss": (0.0, 1e6), "train_loss": (0.0, 1e6),
     "train_s": (0.0, 30 * 86400.0), "wall_s": (0.0, 30 * 86400.0),
+    # The client's own clocks: reading inputs and building the model, the final
+    # evaluation, checkpoints, and CPU seconds of the training and of the whole unit.
+    "load_s": (0.0, 30 * 86400.0), "eval_s": (0.0, 30 * 86400.0), "checkpoint_s": (0.0, 30 * 86400.0),
+    "train_cpu_s": (0.0, 30 * 86400.0), "cpu_s": (0.0, 30 * 86400.0),
 }
 
 
@@ -61,7 +65,7 @@ def _number(v: Any, lo: float = -math.inf, hi: float = math.inf) -> float | None
 
 def assimilate_valid(
     store: JobStore, spec: JobSpec, res: ValidResult, strict: bool | None = None, trusted: bool = False,
-    attempt: int | None = None,
+    attempt: int | None = None, timing: dict[str, float] | None = None,
 ) -> AssimilationOutcome:
     """Merge an already validated result (idempotent; atomic with its mark).
 
@@ -100,6 +104,7 @@ def assimilate_valid(
         # from the merge record is a finite number or None, the host a short string.
         **{k: _number(m.get(k), *METRIC_RANGES[k]) for k in METRIC_RANGES},
         "host": str(m["host"])[:64] if isinstance(m.get("host"), str | int) else None,
+        **{k: _number(v, 0.0, 30 * 86400.0) for k, v in (timing or {}).items()},
     }
     if rejected or plan is None:
         store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])

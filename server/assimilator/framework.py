@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,8 +217,13 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         paths = delivery.files() if callable(delivery.files) else delivery.files
         expected = expected_of(store, unit)
         _prefetch(store, unit, expected.model, paths, spec.units.max_upload_bytes)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         res = validate_result(paths, expected, spec.units.max_upload_bytes)
-        out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery))
+        # The validation's own duration, on this assimilator's clock, for the merge record.
+        timing = {"validate_s": round(time.perf_counter() - t0, 6),
+                  "validate_cpu_s": round(time.thread_time() - cpu0, 6)}
+        out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery),
+                               timing=timing)
     except ResultRejected as e:
         return reject(store, delivery, unit, e.reason)
     finally:

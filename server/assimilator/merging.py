@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,6 +100,9 @@ class ShardMerging(LoggedMerging):
         """
         # Names this call's merge: a retry after a lost reply finds its own marks.
         token = os.urandom(8).hex()
+        # This merge's own durations, on the assimilator's clock, go into its record:
+        # the whole call (``merge_s``) and its waits for Redis' commits (``commit_s``).
+        _COMMIT.s, _COMMIT.t0, _COMMIT.cpu0 = 0.0, time.perf_counter(), time.thread_time()
         def marks() -> list[Any]:
             # One round trip: both hashes are job bookkeeping keys (one slot in a cluster).
             p = self.r.pipeline(transaction=False)
@@ -430,7 +434,10 @@ class ShardMerging(LoggedMerging):
                   retries: int) -> MergeOutcome:
         """Set the unit's global mark once every shard carries it (idempotent)."""
         script = self._script("finalize", sh.FINALIZE)
-        rec = json.dumps({**record, "t": time.time(), "token": token})[:-1]
+        timing = {"merge_s": round(time.perf_counter() - getattr(_COMMIT, "t0", time.perf_counter()), 6),
+                  "merge_cpu_s": round(time.thread_time() - getattr(_COMMIT, "cpu0", time.thread_time()), 6),
+                  "commit_s": round(_commit_wait(), 6)}
+        rec = json.dumps({**record, **timing, "t": time.time(), "token": token})[:-1]
         keys = [self.k("assimilated"), self.k("unit_state"),
                 self.k("epoch", epoch if epoch is not None else "none"), self.k("metrics"), self.k("v", model),
                 self.k("failed")]
@@ -454,6 +461,17 @@ def _writable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
 
+#: Seconds this thread's current merge waited on Redis for its commits (MULTI/EXEC
+#: and logged-commit scripts), measured on the assimilator's clock around each round
+#: trip: the per-merge ``commit_s`` of the merge record (units.csv; the planner's
+#: calibration reads it).
+_COMMIT = threading.local()
+
+
+def _commit_wait() -> float:
+    return float(getattr(_COMMIT, "s", 0.0))
+
+
 class _Held:
     """One connection taken from a client's pool for a run of commands that must share
     it (WATCH state lives on a connection). Replies come back in order; error replies
@@ -464,6 +482,15 @@ class _Held:
         self.conn = self.pool.get_connection()
 
     def run(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
+        commit = any(cmd and cmd[0] in ("EXEC", "EVALSHA") for cmd in cmds)
+        t0 = time.perf_counter() if commit else 0.0
+        try:
+            return self._run(cmds)
+        finally:
+            if commit:
+                _COMMIT.s = _commit_wait() + time.perf_counter() - t0
+
+    def _run(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
         c = self.conn
         c.send_packed_command(_pack(cmds), check_health=False)
         out: list[Any] = []

@@ -32,19 +32,28 @@ def _model_params(spec, spec_file: Path) -> int:
     return int(model.count_params())
 
 
-def calibrate_on_host(spec, spec_file: Path) -> tuple[float, float | None]:
-    """Run the spec's units for one epoch on this host (1 slot, 1 assimilator, the real
-    client app) and return (median unit wall time, median merge gap)."""
+def _dataset_size(spec) -> int:
+    from boinc_dl.server.common.datasets import load_dataset
+
+    return len(load_dataset(spec.dataset, spec.seed).x_train)  # nosec B615 - boinc-dl's own loader
+
+
+def calibration_run(spec, spec_file: Path):
+    """Run two epochs of the spec's real units on this host (1 worker, 1 slot, 1
+    assimilator, the real client app) and calibrate from its units.csv: the run's
+    recorded durations calibrate the plan, as a past run's would."""
     import io
+    from dataclasses import replace
 
     from rich.console import Console
 
     from boinc_dl.server.common.spec import parse_spec
-    from boinc_dl.server.planner.calibrate import read_history
+    from boinc_dl.server.planner.calibrate import read_calibration
     from boinc_dl.server.run.job import run_job
 
     data = spec.model_dump()
-    data["training"]["epochs"] = 1
+    data["training"]["epochs"] = 2  # the second epoch's close is a steady evaluation
+    data["backend"]["kind"] = "local"
     data["backend"]["local"].update(workers=1, slots=1, assimilators=1, preempt_prob=0.0)
     data["name"] = f"{spec.name}-calibration"
     cal = parse_spec(data, base_dir=spec_file.parent)
@@ -52,29 +61,34 @@ def calibrate_on_host(spec, spec_file: Path) -> tuple[float, float | None]:
         # The real run path (private Redis, the local backend, the report files), quiet.
         run_job(cal, Path(tmp) / "run", console=Console(file=io.StringIO()), live=False,
                 search_path=spec_file.parent)
-        h = read_history(Path(tmp) / "run" / "units.csv")
-    if h.wall_s is None:
-        raise BoincDLError("calibration: no unit was merged")
-    return h.wall_s, h.merge_gap_s
+        out = read_calibration(Path(tmp) / "run")
+    return replace(out, source="a calibration run here")
 
 
 def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
-         fleet: Annotated[Path, typer.Option("--fleet", help="fleet.yaml: the fleet controller's (its planner: "
-                                                             "section) or a planner-only one")],
+         fleet: Annotated[Path | None, typer.Option(
+             "--fleet", help="fleet.yaml: the fleet controller's (its planner: section) or a planner-only one; "
+                             "without it, plan the local backend on this machine")] = None,
          deadline: Annotated[str | None, typer.Option(help="finish within, e.g. 8h")] = None,
          budget: Annotated[float | None, typer.Option(help="spend at most, USD")] = None,
-         calibrate: Annotated[bool, typer.Option("--calibrate", help="time real units of the spec here")] = False,
-         history: Annotated[Path | None, typer.Option(help="a run's units.csv to calibrate from")] = None,
+         calibrate: Annotated[Path | None, typer.Option(
+             "--calibrate", help="a past run's directory or units.csv to calibrate from (default: run one "
+                                 "short calibration here when the plan needs a unit time)")] = None,
+         history: Annotated[Path | None, typer.Option(hidden=True, help="old name of --calibrate")] = None,
          prices: Annotated[Path | None, typer.Option(help="price table YAML (default: the shipped one)")] = None,
          plot: Annotated[Path | None, typer.Option("--plot", help="write the time-vs-cost plot here")] = None,
          top: Annotated[int, typer.Option(help="rows to print")] = 15) -> None:
-    """Candidates (types x counts x market, T, P, unit size): time, dollars, saving; the pick."""
+    """Predicted epoch time of configurations for a job, and the pick: the local backend on
+    this machine (workers x slots, P, unit size), or with --fleet a cloud fleet (types x
+    counts x market, T, P, unit size) with dollars and the saving."""
     from dataclasses import replace
 
     from boinc_dl.server.common.spec import load_spec
+    from boinc_dl.server.common.spec_defaults import derive
     from boinc_dl.server.fleet.config import load_planner_fleet
-    from boinc_dl.server.planner.calibrate import read_history
+    from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
     from boinc_dl.server.planner.fleetfile import FleetFileError
+    from boinc_dl.server.planner.local import EXPECTED_ERROR_FLEET, fmt_s
     from boinc_dl.server.planner.model import Workload
     from boinc_dl.server.planner.plot import plot_plan
     from boinc_dl.server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
@@ -90,28 +104,41 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         regret,
     )
 
-    if (deadline is None) == (budget is None):
+    if fleet is not None and (deadline is None) == (budget is None):
         raise typer.BadParameter("give exactly one of --deadline and --budget")
-    goal = Goal(deadline_s=parse_duration(deadline) if deadline else None, budget=budget)
+    source = calibrate or history
     try:
         spec = load_spec(spec_file)
-        ff = load_planner_fleet(fleet)
-    except (BoincDLError, FleetFileError) as e:
+        ff = load_planner_fleet(fleet) if fleet is not None else None
+        if spec.mode != "vcasgd":
+            err_console.print("[red]error:[/] the planner models VC-ASGD jobs (MOP: not yet)")
+            raise typer.Exit(2)
+        n_train = _dataset_size(spec)
+        slots = None if ff is not None else spec.backend.local.workers * spec.backend.local.slots
+        spec, _ = derive(spec, n_train, slots)  # n_subsets, local_epochs: never the raw None
+        cal = None
+        needs_unit = ff is None or any("unit_s" not in row for row in ff.types.values())
+        if source is None and needs_unit:
+            console.print("calibrating: two epochs of the spec's real units on this host (1 slot); "
+                          "--calibrate RUN_DIR reuses a past run instead")
+            cal = calibration_run(spec, spec_file)
+        elif source is not None:
+            cal = read_calibration(source)
+        if cal is not None:
+            console.print(f"calibration: {cal.describe()}")
+    except (BoincDLError, FleetFileError, CalibrationError) as e:
         if isinstance(e, BoincDLError):
             fail(e)
         err_console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    if spec.mode != "vcasgd":
-        err_console.print("[red]error:[/] the planner models VC-ASGD jobs (MOP: not yet)")
-        raise typer.Exit(2)
-    unit_s = merge_gap = None
-    if history is not None:
-        h = read_history(history)
-        unit_s, merge_gap = h.wall_s, h.merge_gap_s
-        console.print(f"history: {h.units} merged units, unit wall {unit_s} s, merge gap {merge_gap} s")
-    if calibrate:
-        unit_s, merge_gap = calibrate_on_host(spec, spec_file)
-        console.print(f"calibrated on this host: unit {unit_s:.3f} s, merge gap {merge_gap} s")
+    params = (ff.params if ff is not None else None) or _model_params(spec, spec_file)
+    if ff is None:
+        assert cal is not None
+        _plan_local(spec, cal, params, n_train, top)
+        return
+    goal = Goal(deadline_s=parse_duration(deadline) if deadline else None, budget=budget)
+    examples = n_train / spec.vcasgd.n_subsets * (spec.training.local_epochs or 1)
+    unit_s = cal.unit_compute_s(examples) if cal is not None else None
     book = TablePriceBook.load(prices or DEFAULT_TABLE)
     if ff.on_demand_prices or ff.spot_prices:
         try:
@@ -123,10 +150,9 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         book = book.with_spot_history(ff.spot_history, now=max(float(p.time) for p in ff.spot_history))
     try:
         hosts, counts = ff.host_types(unit_s)
-        params = ff.params or _model_params(spec, spec_file)
         w = Workload(spec.vcasgd.n_subsets, spec.training.epochs, params,
                      base_units_per_epoch=spec.vcasgd.n_subsets)
-        costs = ff.server_costs(w.model_bytes(), merge_gap)
+        costs = ff.server_costs(w.model_bytes(), cal)
         space = Space(tuple(hosts), tuple(counts), tuple(ff.markets), ff.slots, ff.assimilators,
                       ff.units_per_epoch or (spec.vcasgd.n_subsets,), ff.server_type, spec.units.timeout_s)
         planner = Planner(space, w, costs, book)
@@ -145,15 +171,16 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         rows[res.best.cand] = res.best
     for s in sorted(rows.values(), key=lambda s: s.pred.job_s)[:top]:
         mark = "*" if res.best is not None and s.cand == res.best.cand else ""
-        t.add_row(mark, describe(planner, s.cand), f"{s.pred.epoch_s:,.0f} s", f"{s.hours:.2f} h",
-                  f"${s.dollars:,.2f}", f"-{s.saving:.0%}", s.pred.bound)
+        t.add_row(mark, describe(planner, s.cand), fmt_s(s.pred.epoch_s), f"{s.hours:.2f} h",
+                  f"${s.dollars:,.2f}", f"-{s.saving:.0%}", _bound(planner, s))
     console.print(t)
     if res.best is None:
         console.print(f"[yellow]no candidate meets the goal[/] ({goal.why()}); closest on the front above")
     else:
         b = res.best
         console.print(f"[bold]recommended[/] (*): {describe(planner, b.cand)} — {goal.why()}: "
-                      f"{b.hours:.2f} h, ${b.dollars:,.2f} ({b.pred.method}; bound by {b.pred.bound})")
+                      f"epoch {fmt_s(b.pred.epoch_s)}, {b.hours:.2f} h, ${b.dollars:,.2f} "
+                      f"({b.pred.method}; bound by {_bound(planner, b)})")
     for r in (g, ga):
         rg = regret(r.best, res.best, goal)
         console.print(f"{r.method}: {describe(planner, r.best.cand) if r.best else 'nothing feasible'}, "
@@ -161,10 +188,65 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
                       f"{'n/a' if rg is None else f'{rg:.1%}'} vs exact ({res.evaluated} candidates)")
     console.print(f"prices: {book.source()}")
     console.print(f"model: closed form for all {len(scored)} candidates; simulation for the best ones; "
-                  f"merge {costs.merge_s:.3f} s, staging {costs.stage_s:.3f} s per unit "
-                  f"(median unit {statistics.median(h.unit_s for h in hosts):.2f} s)")
+                  f"merge {costs.merge_s * 1e3:.1f} ms ({'calibrated' if cal and cal.merge_s is not None else 'estimated from the model size' if 'merge_s' not in ff.costs else 'fleet file'}), "
+                  f"staging {costs.stage_s:.3f} s per unit "
+                  f"(median unit {statistics.median(h.unit_s for h in hosts):.3f} s)")
+    console.print(f"expected error: about ±{EXPECTED_ERROR_FLEET:.0%} of the epoch time (the planner bench's "
+                  "MAPE with separate hosts, bench/README.md; a real fleet adds its own spread; for this "
+                  "machine alone plan without --fleet)")
     if plot is not None:
         if res.best is not None:
             scored = [*scored, replace(res.best)]
         out = plot_plan(plot, scored, res.best, f"{spec.name}: predicted time vs cost", goal.deadline_s, goal.budget)
         console.print(f"plot: {out}")
+
+
+def _bound(planner, s) -> str:
+    """clients, servers, or network (clients whose unit time is mostly transfer)."""
+    from boinc_dl.server.planner.local import transfer_share
+
+    if s.pred.bound == "clients" and transfer_share(planner.config(s.cand), planner.workload, planner.costs) > 0.5:
+        return "network"
+    return s.pred.bound
+
+
+def _plan_local(spec, cal, params: int, n_train: int, top: int) -> None:
+    """The local backend on this machine: every workers x slots x P x unit size, simulated."""
+    from dataclasses import replace
+
+    from boinc_dl.server.planner.local import (
+        EXPECTED_ERROR_LOCAL,
+        background_load,
+        fmt_s,
+        plan_local,
+        this_machine,
+    )
+
+    machine = replace(this_machine(), background=round(background_load(), 2))
+    mem = f"{machine.memory_bytes / 2**30:.1f} GiB" if machine.memory_bytes else "unknown memory"
+    plans = plan_local(cal, machine, epochs=spec.training.epochs, params=params, n_train=n_train,
+                       local_epochs=spec.training.local_epochs or 1, units_per_epoch=spec.vcasgd.n_subsets,
+                       window=spec.vcasgd.window, timeout_s=spec.units.timeout_s)
+    loc = spec.backend.local
+    mine = next((p for p in plans if (p.cand.workers, p.cand.slots, p.cand.assimilators, p.cand.units_per_epoch)
+                 == (loc.workers, loc.slots, loc.assimilators, spec.vcasgd.n_subsets)), None)
+    t = Table(title=f"boinc-dl plan · {spec.name} · local backend on this machine ({machine.cores} cores, {mem}, "
+                    f"{machine.background:.1f} busy with other work) · "
+                    f"{spec.training.epochs} epochs, {params:,} parameters")
+    for col in ("", "configuration", "epoch", "total", "bound"):
+        t.add_column(col)
+    shown = plans[:top] + ([mine] if mine is not None and mine not in plans[:top] else [])
+    for p in shown:
+        mark = "*" if p is plans[0] else "spec" if p is mine else ""
+        t.add_row(mark, p.cand.describe(), fmt_s(p.pred.epoch_s), fmt_s(p.pred.job_s), p.bound)
+    console.print(t)
+    b = plans[0]
+    console.print(f"[bold]recommended[/] (*): {b.cand.describe()} — the fastest: epoch {fmt_s(b.pred.epoch_s)}, "
+                  f"{fmt_s(b.pred.job_s)} for {spec.training.epochs} epochs (bound by {b.bound})")
+    if mine is not None:
+        console.print(f"the spec's own ({mine.cand.describe()}): epoch {fmt_s(mine.pred.epoch_s)} "
+                      f"(bound by {mine.bound})")
+    console.print(f"expected error: about ±{EXPECTED_ERROR_LOCAL:.0%} of the pipeline's epoch time (the planner "
+                  "bench's MAPE on generated configurations on 2 busy shared cores, bench/README.md; other "
+                  "work that changes during the run moves it most); start-up (slots loading TensorFlow) "
+                  "is not in it")

@@ -1,55 +1,207 @@
 """Calibration from a job's own history: the ``units.csv`` a run writes.
 
-Each merged unit's row carries the client's training time (``train_s``), the slot's
-wall time (``wall_s``) and when it was merged (``t``). From them: the unit time a slot
-of that run's host type needs, and the parameter servers' merge rate when they were the
-bottleneck (the median gap between consecutive merges is an upper bound of one merge's
-service time over P).
+Every merged unit's row carries the durations measured where they happened, each on its
+own clock (``server/run/outputs.py``, ``UNIT_TIMINGS``):
+
+* the client's: ``train_s`` (the training steps, wall), ``train_cpu_s`` (their CPU
+  seconds, TensorFlow's threads included), ``wall_s`` and ``cpu_s`` (the whole unit:
+  reading inputs, building the model, training, the final evaluation, checkpoints,
+  writing the result), ``load_s``, ``eval_s``, ``checkpoint_s``, ``examples_seen``;
+* the assimilator's: ``validate_s`` / ``validate_cpu_s`` (reading and checking the
+  result), ``merge_s`` / ``merge_cpu_s`` (the whole ``JobStore.merge`` call and its CPU
+  in the assimilator's thread) and ``commit_s`` (its waits for Redis' commits).
+
+The calibration takes medians of those, never gaps between events: the time between two
+merges is the merge cost only when the servers are the bottleneck, and in a run whose
+clients are (a 1-slot calibration run, say) it is just the unit time.
+
+* client compute **per example** (``compute_per_example_s``): CPU seconds of the training
+  steps over the examples the unit trained on (``train_cpu_s / examples_seen``), at most
+  its wall time. CPU seconds do not grow when other slots share the cores, so a run of any
+  shape calibrates; per example, so any unit size and ``local_epochs`` follow from it;
+* client **overhead** per unit (``overhead_s``): the unit's CPU (else wall) seconds
+  outside its training steps;
+* **merge** (``merge_s``): the assimilator's CPU seconds for validating and merging one
+  result (else their wall time); **commit** (``commit_s``): the median wait for Redis;
+* one-time and per-epoch costs of the pipeline: the first unit's extra wall time (a
+  slot's first unit traces the model), and from ``epochs.csv`` beside it, the work
+  generator's evaluation when it closes an epoch (``eval_s``) and the first one's extra.
+
+A ``units.csv`` written before these columns existed still gives the client side from
+``train_s`` and ``wall_s``; its server side is then unknown (the model's estimate is used,
+and the plan says so). Bad input — no file, not a CSV, no merged unit with durations —
+raises :class:`CalibrationError` with what is wrong.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 MAX_ROWS = 1_000_000  # a units.csv is ours, but bound what we read all the same
+MAX_BYTES = 256 << 20
+MAX_FIELD = 4096  # no field of units.csv is longer; a longer one is not our file
+
+
+class CalibrationError(ValueError):
+    """A units.csv (or run directory) that cannot calibrate the planner, and why."""
 
 
 @dataclass(frozen=True)
-class History:
-    """What a finished run says about unit and merge times."""
+class Calibration:
+    """What a finished run's units say about one unit's client time and one merge."""
 
-    units: int
-    train_s: float | None  # median client training time of one unit
-    wall_s: float | None  # median client wall time (training plus reading and writing files)
-    merge_gap_s: float | None  # median time between consecutive merges
-    span_s: float | None  # first to last merge
+    source: str
+    units: int  # merged units with client durations
+    compute_per_example_s: float  # CPU seconds of training per example trained on
+    overhead_s: float  # per unit, outside the training steps (load, evaluate, checkpoint, write)
+    train_s: float  # median training wall time of a unit (as run, shared cores and all)
+    wall_s: float  # median unit wall time on its slot (as run)
+    examples_per_unit: float  # median examples a unit trained on (subset x local epochs)
+    merge_s: float | None  # one result's validation + merge in its assimilator (CPU s; else wall)
+    commit_s: float | None  # one merge's wait for Redis' commit
+    validate_s: float | None  # one result's validation alone (included in merge_s)
+    cpu_clock: bool  # True when CPU columns were recorded (False: wall times, an older units.csv)
+    first_unit_extra_s: float = 0.0  # the first unit's extra wall time (a slot's first unit traces the model)
+    eval_s: float = 0.0  # the generator's evaluation of the server weights when it closes an epoch
+    first_eval_extra_s: float = 0.0  # ... and the extra of the first one (it loads the model)
+
+    def unit_compute_s(self, examples: float) -> float:
+        """Training seconds of a unit of ``examples`` examples alone on one slot."""
+        return self.compute_per_example_s * examples
+
+    def describe(self) -> str:
+        srv = (f"merge {self.merge_s * 1e3:.1f} ms (validate {self.validate_s * 1e3:.1f} ms), "
+               f"Redis commit {self.commit_s * 1e3:.1f} ms" if self.merge_s is not None and
+               self.validate_s is not None and self.commit_s is not None
+               else "no server durations recorded (older units.csv): merge cost estimated from the model size")
+        ev = (f"; epoch close: evaluation {self.eval_s:.3f} s (first +{self.first_eval_extra_s:.3f} s), "
+              f"first unit +{self.first_unit_extra_s:.3f} s")
+        return (f"{self.units} merged units of {self.source}: unit compute "
+                f"{self.compute_per_example_s * 1e6:.1f} us/example x {self.examples_per_unit:,.0f} examples = "
+                f"{self.unit_compute_s(self.examples_per_unit):.3f} s + {self.overhead_s:.3f} s overhead per unit "
+                f"({'CPU' if self.cpu_clock else 'wall'} time; median unit wall {self.wall_s:.3f} s as run); {srv}{ev}")
 
 
-def _float(v: str | None) -> float | None:
+def _float(v: str | None, hi: float = 1e7) -> float | None:
+    """A finite number in [0, hi) from a CSV field, else None."""
     try:
         x = float(v) if v not in (None, "") else None
-    except ValueError:
+    except (TypeError, ValueError):
         return None
-    return x if x is not None and x == x and x >= 0 else None
+    return x if x is not None and x == x and 0 <= x < hi else None
 
 
-def read_history(path: Path | str) -> History:
-    """Summarise a run's ``units.csv`` (rows of failed units are skipped)."""
-    train, wall, ts = [], [], []
-    with Path(path).open(newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            if i >= MAX_ROWS:
-                break
-            if row.get("failed"):
-                continue
-            for key, out in (("train_s", train), ("wall_s", wall), ("t", ts)):
-                x = _float(row.get(key))
-                if x is not None:
-                    out.append(x)
-    ts.sort()
-    gaps = [b - a for a, b in zip(ts, ts[1:], strict=False)]
-    return History(len(ts), statistics.median(train) if train else None, statistics.median(wall) if wall else None,
-                   statistics.median(gaps) if gaps else None, ts[-1] - ts[0] if len(ts) > 1 else None)
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def units_csv_path(path: Path | str) -> Path:
+    """``path`` itself, or ``path/units.csv`` for a run directory."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "units.csv"
+        if not p.is_file():
+            raise CalibrationError(f"{path}: a run directory without units.csv (did the run merge any unit?)")
+    elif not p.is_file():
+        raise CalibrationError(f"{path}: no such file or run directory")
+    return p
+
+
+def _rows(p: Path) -> Iterable[dict[str, str]]:
+    try:
+        if p.stat().st_size > MAX_BYTES:
+            raise CalibrationError(f"{p}: larger than {MAX_BYTES >> 20} MiB: not a units.csv")
+        with p.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            if "unit" not in header or not {"train_s", "wall_s"} <= set(header):
+                raise CalibrationError(
+                    f"{p}: not a run's units.csv (its header needs unit, train_s and wall_s; "
+                    f"found {', '.join(h[:20] for h in header[:8]) or 'nothing'})")
+            for i, row in enumerate(reader):
+                if i >= MAX_ROWS:
+                    break
+                if any(len(v) > MAX_FIELD for v in row.values() if isinstance(v, str)):
+                    raise CalibrationError(f"{p}: row {i + 2} has a field over {MAX_FIELD} characters")
+                yield row
+    except UnicodeDecodeError:
+        raise CalibrationError(f"{p}: not text (a units.csv is UTF-8 CSV)") from None
+    except csv.Error as e:
+        raise CalibrationError(f"{p}: not a CSV file ({e})") from None
+    except OSError as e:
+        raise CalibrationError(f"{p}: {e.strerror or e}") from None
+
+
+def read_calibration(path: Path | str) -> Calibration:
+    """Calibrate from a run directory or its ``units.csv`` (rows of failed units skipped)."""
+    p = units_csv_path(path)
+    per_ex, over, train, wall, examples = [], [], [], [], []
+    merge, commit, validate = [], [], []
+    timed: list[tuple[float, float]] = []  # (merge time, unit wall) to find the first unit
+    cpu_rows = 0
+    for row in _rows(p):
+        if row.get("failed"):
+            continue
+        g = {k: _float(row.get(k)) for k in ("train_s", "wall_s", "train_cpu_s", "cpu_s", "examples_seen",
+                                             "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s")}
+        if g["train_s"] is None or g["wall_s"] is None or g["wall_s"] < g["train_s"]:
+            continue
+        train.append(g["train_s"])
+        wall.append(g["wall_s"])
+        t_merge = _float(row.get("t"), 1e12)  # a Unix time
+        if t_merge is not None:
+            timed.append((t_merge, g["wall_s"]))
+        ex = g["examples_seen"]
+        # CPU seconds where recorded (they do not stretch when cores are shared), never
+        # more than the wall time they were measured in (a multi-threaded slot).
+        if g["train_cpu_s"] is not None and g["cpu_s"] is not None:
+            cpu_rows += 1
+            t = min(g["train_cpu_s"], g["train_s"]) if g["train_cpu_s"] > 0 else g["train_s"]
+            over.append(max(0.0, min(g["cpu_s"], g["wall_s"]) - min(g["train_cpu_s"], g["cpu_s"])))
+        else:
+            t = g["train_s"]
+            over.append(g["wall_s"] - g["train_s"])
+        if ex:
+            per_ex.append(t / ex)
+            examples.append(ex)
+        v = g["validate_cpu_s"] if g["validate_cpu_s"] is not None else g["validate_s"]
+        m = g["merge_cpu_s"]
+        if m is None and g["merge_s"] is not None:  # wall time: its Redis waits are commit_s's
+            m = max(0.0, g["merge_s"] - (g["commit_s"] or 0.0))
+        if v is not None and m is not None:
+            validate.append(v)
+            merge.append(v + m)
+        if g["commit_s"] is not None:
+            commit.append(g["commit_s"])
+    if not train:
+        raise CalibrationError(f"{p}: no merged unit with recorded train_s and wall_s: nothing to calibrate from")
+    if not per_ex:
+        raise CalibrationError(f"{p}: no merged unit says how many examples it trained on (examples_seen)")
+    first_extra = max(0.0, min(timed)[1] - statistics.median(wall)) if len(timed) > 1 else 0.0
+    ev, ev_first = _epoch_evals(p.parent / "epochs.csv")
+    return Calibration(str(p), len(train), statistics.median(per_ex), statistics.median(over),
+                       statistics.median(train), statistics.median(wall), statistics.median(examples),
+                       _median(merge), _median(commit), _median(validate), cpu_rows * 2 > len(train),
+                       first_extra, ev, ev_first)
+
+
+def _epoch_evals(p: Path) -> tuple[float, float]:
+    """(median evaluation at an epoch's close, the first one's extra) from the run's
+    ``epochs.csv`` beside its units.csv (the generator's own clock); (0, 0) without it."""
+    if not p.is_file() or p.stat().st_size > MAX_BYTES:
+        return 0.0, 0.0
+    try:
+        with p.open(newline="", encoding="utf-8") as f:
+            evals = [x for x in (_float(r.get("eval_s")) for r in itertools.islice(csv.DictReader(f), MAX_ROWS))
+                     if x is not None]
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return 0.0, 0.0
+    if not evals:
+        return 0.0, 0.0
+    rest = statistics.median(evals[1:]) if len(evals) > 1 else evals[0]
+    return rest, max(0.0, evals[0] - rest)

@@ -71,35 +71,41 @@ class FleetFile:
             elif calibrated_unit_s is not None:
                 unit_s = calibrated_unit_s / float(row.get("speed", 1.0))
             else:
-                raise FleetFileError(f"types.{name}: give unit_s, or calibrate (--calibrate or --history)")
+                raise FleetFileError(f"types.{name}: give unit_s, or calibrate (--calibrate RUN_DIR, or a calibration run here)")
             hosts.append(HostType(name, unit_s, int(row.get("cores", 4)), float(row.get("bandwidth_mbps", 1000.0)),
                                   float(row.get("preempt_p", 0.05))))
             counts.append(int(row.get("max_count", 4)))
         return hosts, counts
 
-    def server_costs(self, model_bytes: int, merge_s: float | None = None) -> ServerCosts:
-        """Server-side costs: the file's, else a calibrated merge time, else an estimate
-        from the model size (:func:`~boinc_dl.server.planner.model.merge_estimate_s`).
+    def server_costs(self, model_bytes: int, cal: Any = None) -> ServerCosts:
+        """Server-side costs: the file's, else a calibration's (a past run's recorded
+        per-merge durations: :class:`~boinc_dl.server.planner.calibrate.Calibration`),
+        else an estimate from the model size
+        (:func:`~boinc_dl.server.planner.model.merge_estimate_s`).
 
         With a ``speedup`` table the plain model is used (P merges ``speedup[P]`` times
         as fast); without one, the resource-sharing model: P merges share the server's
         ``server_cores`` cores (default 2), each of ``merge_shared_s`` CPU seconds when
         P > 1 (default: ``merge_s`` times the ratio measured by the planner bench), and
         the generator's ``create_s`` per unit (default 0) and Redis' ``commit_s`` per merge,
-        served one at a time (default 0: not modelled). The clients are other
-        machines, so their staging is theirs, not the server's."""
+        served one at a time (default: the calibration's, else 0: not modelled). The
+        clients are other machines, so their staging is theirs, not the server's: the
+        calibration's per-unit overhead outside training, else an estimate."""
         c = self.costs
-        m = float(c["merge_s"]) if "merge_s" in c else merge_s if merge_s is not None else \
+        cal_merge = getattr(cal, "merge_s", None)
+        m = float(c["merge_s"]) if "merge_s" in c else cal_merge if cal_merge is not None else \
             merge_estimate_s(model_bytes)
-        stage = float(c.get("stage_s", 0.02 + 2 * model_bytes / 500e6))
+        cal_stage = getattr(cal, "overhead_s", None)
+        stage = float(c.get("stage_s", cal_stage if cal_stage is not None else 0.02 + 2 * model_bytes / 500e6))
         dispatch, cores = float(c.get("dispatch_s", 0.05)), int(c.get("server_cores", 2))
         if c.get("speedup"):
             speed = {int(k): float(v) for k, v in c["speedup"].items()}
             speed.setdefault(1, 1.0)
             return ServerCosts(m, speed, stage, dispatch, cores)
         shared = float(c.get("merge_shared_s", m * SHARED_MERGE_RATIO))
+        commit = float(c.get("commit_s", getattr(cal, "commit_s", None) or 0.0))
         return ServerCosts(m, {}, stage, dispatch, cores, cpu_cores=cores, merge_shared_s=shared,
-                           create_s=float(c.get("create_s", 0.0)), commit_s=float(c.get("commit_s", 0.0)))
+                           create_s=float(c.get("create_s", 0.0)), commit_s=commit)
 
 
 def _ints(raw: Any, key: str) -> tuple[int, ...]:

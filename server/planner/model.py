@@ -121,6 +121,10 @@ class ServerCosts:
     work generator creates units one at a time, ``create_s`` CPU seconds each (it reads
     the current weights from Redis and writes them to the unit's input file).
 
+    ``background`` (resource-sharing model): other work keeping that many of the host's
+    threads busy meanwhile (another job, a test run); it shares the cores like one of
+    ours: k busy activities each progress at min(1, cores / (k + background)).
+
     ``commit_s`` (resource-sharing model) is the part of a merge that Redis serves: it
     runs one commit at a time whatever P (one Redis thread appending the model to its
     append-only file), on the same shared cores; the assimilator waits for it. 0 when
@@ -137,6 +141,7 @@ class ServerCosts:
     colocated: bool = False  # slots stage on the server host's cores (local backend)
     create_s: float = 0.0  # CPU seconds the one work generator spends creating a unit
     commit_s: float = 0.0  # seconds of Redis per merge, one commit at a time (sharing model)
+    background: float = 0.0  # cores' worth of other work on the server host (sharing model)
 
     def speedup(self, p: int) -> float:
         if self.sharing:
@@ -253,7 +258,7 @@ def closed_form(cfg: Config, w: Workload, costs: ServerCosts) -> Prediction:
         cores = costs.cpu_cores or 1.0
         demand = max(costs.server_cpu_s(cfg.assimilators), 1e-12)  # CPU seconds per unit on the server host
         for _ in range(60):  # fixed point: rate -> utilisation -> stretch -> rate (damped)
-            stretch = sharing_stretch(rate * demand / cores, cores)
+            stretch = sharing_stretch((rate * demand + costs.background) / cores, cores)
             rc, rs = client_rate(cfg, w, costs, stretch), server_rate(cfg, costs, stretch)
             gen = 1.0 / (costs.create_s * stretch) if costs.create_s > 0 else math.inf  # one generator
             rate = 0.5 * rate + 0.5 * min(rc * window / cfg.total_slots, rs, cores / demand, gen)

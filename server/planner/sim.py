@@ -65,6 +65,7 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     stage_cpu = [h.unit_time(cfg.slots, w, costs) - h.delay_time(cfg.slots, w, costs) for h in hosts]
     m = costs.merge_cpu_s(cfg.assimilators) if sharing else merge_service_s(cfg, costs)
     cores = float(costs.cpu_cores or 1.0)
+    background = costs.background if sharing else 0.0  # other work's busy threads on the cores
     window = min(cfg.window or cfg.total_slots, cfg.total_slots)
     n_s = w.units
     free = [True] * len(slot_host)
@@ -185,7 +186,7 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     create()
     dispatch(0.0)
     while events or cpu:
-        rate = min(1.0, cores / len(cpu)) if cpu else 1.0
+        rate = min(1.0, cores / (len(cpu) + background)) if cpu else 1.0
         t_cpu = now + min(j[0] for j in cpu) / rate if cpu else float("inf")
         if events and events[0][0] <= t_cpu:
             t_next, _, kind, unit, slot = heapq.heappop(events)

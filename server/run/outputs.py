@@ -11,6 +11,10 @@ import numpy as np
 
 from boinc_dl.server.assimilator.store import JobStore
 
+#: units.csv's timing columns after the original ones (docs/planner.md, "Calibration").
+UNIT_TIMINGS = ("load_s", "eval_s", "checkpoint_s", "train_cpu_s", "cpu_s",
+                "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s")
+
 
 def collect_history(store: JobStore) -> dict[str, Any]:
     """Per-epoch summaries and per-unit merge records of a job, from Redis."""
@@ -21,7 +25,11 @@ def collect_history(store: JobStore) -> dict[str, Any]:
             units.append({k: m.get(k) for k in (
                 "unit", "epoch", "shard", "version", "base_version", "staleness", "merge_rule", "clip_scale",
                 "trusted", "val_acc", "val_loss",
-                "train_loss", "train_acc", "examples_seen", "train_s", "wall_s", "host", "t")})
+                "train_loss", "train_acc", "examples_seen", "train_s", "wall_s", "host", "t",
+                # Appended (the columns above keep their order): each unit's own durations,
+                # from the client's clock (load, evaluation, checkpoints, CPU seconds) and
+                # the assimilator's (validation, the merge call, its Redis commits, CPU).
+                *UNIT_TIMINGS)})
         elif m["kind"] == "failed":
             units.append({"unit": m.get("unit"), "failed": m.get("reason")})
     return {"job": store.job, "meta": store.meta(), "epochs": epochs, "units": units,

@@ -1,0 +1,127 @@
+"""The planner calibrated the way a user does it: from a past run's units.csv.
+
+A real ``boinc-dl run`` (the installed console script, a 1-slot run of real TensorFlow
+units) writes units.csv with each unit's own durations; the calibration reads them and
+must not mistake the time between merges (in a 1-slot run, the unit time) for the merge
+cost. ``boinc-dl plan SPEC`` with no fleet file plans the local backend on this machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
+from boinc_dl.server.run.outputs import UNIT_TIMINGS
+from tests.support.cli import boinc_dl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SPEC = """\
+name: plancal
+mode: vcasgd
+model: models:mlp
+model_args: {input_dim: 64, hidden: 16, n_classes: 10}
+dataset: {name: digits, limit: 400}
+training: {epochs: 2, batch_size: 32, learning_rate: 0.01, local_epochs: 2}
+vcasgd: {n_subsets: 4}
+units: {timeout_s: 60}
+backend: {kind: local, local: {workers: 1, slots: 1, assimilators: 1}}
+seed: 3
+"""
+
+#: units.csv's columns before the timing columns were appended, in their order.
+ORIGINAL = ["unit", "epoch", "shard", "version", "base_version", "staleness", "merge_rule", "clip_scale", "trusted",
+            "val_acc", "val_loss", "train_loss", "train_acc", "examples_seen", "train_s", "wall_s", "host", "t"]
+
+
+@pytest.fixture(scope="module")
+def past_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(work dir with the spec, run dir) of one real 1-slot run by the installed CLI."""
+    work = tmp_path_factory.mktemp("plancal")
+    shutil.copy(ROOT / "examples" / "models.py", work / "models.py")
+    (work / "spec.yaml").write_text(SPEC)
+    out = boinc_dl("run", "spec.yaml", "--run-dir", "run", "-q", cwd=work, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return work, work / "run"
+
+
+def test_units_csv_keeps_its_columns_and_appends_the_timings(past_run):
+    _, run = past_run
+    with (run / "units.csv").open(newline="") as f:
+        header = next(csv.reader(f))
+    assert header == ORIGINAL + list(UNIT_TIMINGS)
+
+
+def test_one_slot_run_calibrates_a_merge_far_below_the_unit_time(past_run):
+    """The gap between merges of a 1-slot run is the unit time; the merge's own recorded
+    duration is milliseconds. The old calibration took the gap (0.9 s against 0.01 s)."""
+    _, run = past_run
+    cal = read_calibration(run / "units.csv")
+    with (run / "units.csv").open(newline="") as f:
+        ts = sorted(float(r["t"]) for r in csv.DictReader(f) if not r.get("failed"))
+    gap = statistics.median(b - a for a, b in zip(ts, ts[1:], strict=False))
+    assert cal.units == 8 and cal.cpu_clock
+    assert cal.merge_s is not None and cal.commit_s is not None
+    assert cal.merge_s < 0.1 * cal.wall_s, cal.describe()
+    assert cal.merge_s < 0.1 * gap, (cal.merge_s, gap)  # what a gap-based calibration would have taken
+    assert 0 < cal.unit_compute_s(cal.examples_per_unit) <= cal.train_s * 1.05
+    assert cal.eval_s > 0  # epochs.csv beside it: the generator's evaluation at an epoch's close
+    assert read_calibration(run).units == cal.units  # the run directory works the same
+
+
+def test_plan_with_no_fleet_plans_the_local_backend(past_run):
+    work, _ = past_run
+    out = boinc_dl("plan", "spec.yaml", "--calibrate", "run", cwd=work, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "local backend on this machine" in text and "cores" in text
+    assert "calibration: 8 merged units" in text and "merge" in text
+    assert re.search(r"recommended \(\*\): .* epoch \d+\.\d{3} s", text.replace("\n", " ")), text
+    assert re.search(r"bound by (clients|servers)", text.replace("\n", " "))
+    assert "expected error" in text
+
+
+def test_plan_with_no_fleet_and_no_past_run_calibrates_here(past_run):
+    work, _ = past_run
+    out = boinc_dl("plan", "spec.yaml", cwd=work, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "calibrating: two epochs" in out.stdout
+    assert "calibration: 8 merged units of a calibration run here" in out.stdout.replace("\n", " ")
+    assert "recommended (*)" in out.stdout
+
+
+@pytest.mark.parametrize("content, msg", [
+    (b"", "not a run's units.csv"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe garbage", "not text"),
+    (b"a,b,c\n1,2,3\n", "not a run's units.csv"),
+    (b"unit,train_s,wall_s,failed\nu1,,,lost\n", "no merged unit"),
+    (b"unit,train_s,wall_s\nu1,0.5,0.7\n", "examples_seen"),
+    (b'unit,train_s,wall_s\n"u1,0.5\n', "not a run's units.csv|no merged unit|not a CSV"),
+])
+def test_bad_units_csv_is_refused_with_a_clear_message(tmp_path, content, msg):
+    p = tmp_path / "units.csv"
+    p.write_bytes(content)
+    with pytest.raises(CalibrationError, match=msg):
+        read_calibration(p)
+
+
+def test_missing_units_csv_is_refused(tmp_path):
+    with pytest.raises(CalibrationError, match="without units.csv"):
+        read_calibration(tmp_path)
+    with pytest.raises(CalibrationError, match="no such file"):
+        read_calibration(tmp_path / "nope.csv")
+
+
+def test_plan_refuses_a_garbled_units_csv(past_run, tmp_path):
+    work, _ = past_run
+    bad = tmp_path / "units.csv"
+    bad.write_text("this is not, a units file\n1,2\n")
+    out = boinc_dl("plan", str(work / "spec.yaml"), "--calibrate", str(bad), cwd=work, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "not a run's units.csv" in out.stderr and "Traceback" not in out.stderr
