@@ -20,6 +20,19 @@ from boinc_dl.server.common.weights import Fingerprint, WeightsFile, fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: The most test workers ``-n auto`` starts: each runs TensorFlow processes of its own,
+#: and past a few they only queue for the same cores and memory.
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """One worker per core this process may use, at most :data:`MAX_WORKERS`."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
+
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:

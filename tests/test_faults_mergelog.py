@@ -23,6 +23,7 @@ from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from tests.support.audit import audit_job
+from tests.support.chaos import kill_redis_checking, merge_while_killing
 from tests.test_merge_log import ALPHA, FP, SHARD_BYTES, N, merge_file, new_job, result_file
 
 STEPS = ["retained", "intent", "shard:1", "shard:2", "shard:3", "shard:4", "finalized"]
@@ -125,29 +126,8 @@ def test_no_acknowledged_logged_merge_lost_when_redis_is_killed_twice(tmp_path: 
         acks: mp.Queue = ctx.Queue()
         procs = [ctx.Process(target=_ack_merger, args=(srv.url, [f"u{i}" for i in range(k, n, 4)], str(files), acks))
                  for k in range(4)]
-        for p in procs:
-            p.start()
-        acked: set[str] = set()
-        kills = 0
-        deadline = time.monotonic() + 180
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            while not acks.empty():
-                acked.add(acks.get())
-            if kills < 2 and len(acked) >= 35 * (kills + 1):
-                before = set(acked)
-                srv.kill()
-                time.sleep(0.2)
-                srv.restart()
-                kills += 1
-                marks = set(JobStore(connect(srv.url), "lj").assimilated())
-                assert before <= marks, f"acknowledged merges lost: {sorted(before - marks)[:5]}"
-            time.sleep(0.01)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-        while not acks.empty():
-            acked.add(acks.get())
-        assert kills == 2
+        acked = merge_while_killing(procs, acks, kill_redis_checking(srv, "lj", 0.2), every=35,
+                                    deadline_s=180, join_s=60)
         store = JobStore(connect(srv.url), "lj")
         assert acked == set(store.assimilated()) and len(acked) == n
         w = np.linspace(-1, 1, N, dtype=np.float32)

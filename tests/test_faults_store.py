@@ -26,6 +26,7 @@ from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import StoreUnavailable
 from tests.support.audit import audit_job
+from tests.support.chaos import kill_redis_checking, merge_while_killing
 from tests.support.proxy import FaultyProxy
 
 from .conftest import tiny_fingerprint, tiny_spec
@@ -188,29 +189,8 @@ def test_no_acknowledged_merge_lost_when_redis_is_killed(tmp_path: Path, fsync: 
         acks: mp.Queue = ctx.Queue()
         procs = [ctx.Process(target=_ack_merger, args=(srv.url, [f"m{i}" for i in range(k, n, 4)], acks))
                  for k in range(4)]
-        for p in procs:
-            p.start()
-        acked: set[str] = set()
-        kills = 0
-        deadline = time.monotonic() + 120
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            while not acks.empty():
-                acked.add(acks.get())
-            if kills < 2 and len(acked) >= 40 * (kills + 1):
-                before = set(acked)
-                srv.kill()
-                time.sleep(0.3)
-                srv.restart()
-                kills += 1
-                marks = set(JobStore(connect(srv.url), "tiny").assimilated())
-                assert before <= marks, f"acknowledged merges lost: {sorted(before - marks)[:5]}"
-            time.sleep(0.01)
-        for p in procs:
-            p.join(timeout=30)
-            assert p.exitcode == 0
-        while not acks.empty():
-            acked.add(acks.get())
-        assert kills == 2
+        acked = merge_while_killing(procs, acks, kill_redis_checking(srv, "tiny", 0.3), every=40,
+                                    deadline_s=120, join_s=30)
         store = JobStore(connect(srv.url), "tiny")
         marks = store.assimilated()
         assert acked == set(marks) and len(marks) == n

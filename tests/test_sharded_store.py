@@ -15,7 +15,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from boinc_dl.server.assimilator.shards import ShardLayout, shards_for
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
 from tests.support.audit import audit_job
+from tests.support.chaos import merge_while_killing
 
 N = 2000            # parameters of the test model
 SHARD_BYTES = "800"  # -> 10 shards of 200 float32
@@ -196,27 +197,7 @@ def test_cluster_master_killed_and_restarted_loses_no_acknowledged_merge(tmp_pat
         acks: mp.Queue = ctx.Queue()
         units = [f"m{i}" for i in range(n)]
         ps = [ctx.Process(target=_merger, args=(cl.url, "sharded", units[i::4], 0.99, True, acks)) for i in range(4)]
-        for p in ps:
-            p.start()
-        acked: set[str] = set()
-        kills = 0
-        deadline = time.monotonic() + 60
-        while any(p.is_alive() for p in ps) and time.monotonic() < deadline:
-            while not acks.empty():
-                acked.add(acks.get())
-            if kills < 2 and len(acked) >= 20 * (kills + 1):
-                victim = cl.nodes[kills % 3]
-                victim.kill()
-                time.sleep(0.3)
-                victim.restart()
-                kills += 1
-            time.sleep(0.01)
-        for p in ps:
-            p.join(30)
-            assert p.exitcode == 0
-        while not acks.empty():
-            acked.add(acks.get())
-        assert kills == 2
+        acked = merge_while_killing(ps, acks, _kill_master(cl), every=20, deadline_s=60, join_s=30)
         cl.wait_ok()
         store = JobStore(connect(cl.url), "sharded")
         assert set(store.assimilated()) == acked == set(units)
@@ -227,6 +208,16 @@ def test_cluster_master_killed_and_restarted_loses_no_acknowledged_merge(tmp_pat
         assert audit.ok, audit.problems
     finally:
         cl.kill()
+
+
+def _kill_master(cl: LocalRedisCluster) -> Callable[[int, set[str]], None]:
+    """SIGKILL and restart a different master each time."""
+    def kill(k: int, _acked: set[str]) -> None:
+        victim = cl.nodes[k % 3]
+        victim.kill()
+        time.sleep(0.3)
+        victim.restart()
+    return kill
 
 
 def _logged_merger(url: str, units: list[str], files: str, acks: mp.Queue) -> None:
@@ -264,27 +255,7 @@ def test_cluster_master_rebuilds_its_shards_from_its_own_log(tmp_path: Path, mon
         acks: mp.Queue = ctx.Queue()
         units = [f"u{i}" for i in range(n)]
         ps = [ctx.Process(target=_logged_merger, args=(cl.url, units[k::4], str(files), acks)) for k in range(4)]
-        for p in ps:
-            p.start()
-        acked: set[str] = set()
-        kills = 0
-        deadline = time.monotonic() + 120
-        while any(p.is_alive() for p in ps) and time.monotonic() < deadline:
-            while not acks.empty():
-                acked.add(acks.get())
-            if kills < 2 and len(acked) >= 15 * (kills + 1):
-                victim = cl.nodes[kills % 3]
-                victim.kill()
-                time.sleep(0.3)
-                victim.restart()
-                kills += 1
-            time.sleep(0.01)
-        for p in ps:
-            p.join(60)
-            assert p.exitcode == 0
-        while not acks.empty():
-            acked.add(acks.get())
-        assert kills == 2
+        acked = merge_while_killing(ps, acks, _kill_master(cl), every=15, deadline_s=120, join_s=60)
         cl.wait_ok()
         store = JobStore(connect(cl.url), "lj")
         assert set(store.assimilated()) == acked == set(units)

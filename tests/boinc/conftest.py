@@ -23,6 +23,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.project import BoincProject, short_hostname
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
+from tests.support.mariadb import point_project_at, session_database
 
 FAKES = Path(__file__).resolve().parent / "fake_tools"
 REPO = Path(__file__).resolve().parents[2]
@@ -219,47 +220,23 @@ def tiny_boinc_job(redis_server, project):
 
 # ---- BOINC's database in a real MariaDB ----------------------------------------------------
 
-MARIADB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
-
-
 @pytest.fixture(scope="session")
 def mariadb_name():
     """A uniquely named database for this test session (dropped at the end); the tests
     that need it skip, saying why, when no MariaDB answers on 127.0.0.1:3306."""
-    try:
-        import pymysql
-
-        conn = pymysql.connect(**MARIADB, connect_timeout=3, autocommit=True)
-    except Exception as e:  # noqa: BLE001 - any reason means "not available here"
-        pytest.skip(f"MariaDB is not reachable at 127.0.0.1:3306 as root without password: {e}")
-    name = f"bdl_test_{os.getpid()}_{os.urandom(4).hex()}"
-    with conn.cursor() as c:
-        c.execute(f"CREATE DATABASE `{name}`")
-    try:
-        yield name
-    finally:
-        with conn.cursor() as c:
-            c.execute(f"DROP DATABASE IF EXISTS `{name}`")
-        conn.close()
+    yield from session_database("bdl_test")
 
 
 def use_mariadb(project: BoincProject, db_name: str) -> None:
     """Point the project's config.xml at the test database, create BOINC's tables (the
     columns boinc-dl uses) afresh, and make the fake tools write there."""
-    import re
 
     sys.path.insert(0, str(FAKES))
     try:
         import _fakemysql
     finally:
         sys.path.remove(str(FAKES))
-    text = project.config_xml.read_text()
-    for tag, value in (("db_name", db_name), ("db_host", MARIADB["host"]), ("db_user", MARIADB["user"]),
-                       ("db_passwd", MARIADB["password"])):
-        text = re.sub(rf"<{tag}>.*?</{tag}>", f"<{tag}>{value}</{tag}>", text)
-    text = text.replace("</db_passwd>", f"</db_passwd>\n    <db_port>{MARIADB['port']}</db_port>", 1)
-    project.config_xml.write_text(text)
-    project.__dict__.pop("config", None)
+    point_project_at(project, db_name)
     (project.root / "fake_mariadb").write_text("")
     conn = _fakemysql.connect(project.root)
     with conn.cursor() as c:
@@ -275,3 +252,20 @@ def db_project(project, mariadb_name) -> BoincProject:
     """The fake project with its BOINC database in MariaDB."""
     use_mariadb(project, mariadb_name)
     return project
+
+
+@pytest.fixture(name="env")
+def installed_scripts(project, tiny_boinc_job, redis_server):
+    """``(project, store, spec, environment)``: boinc-dl installed in the fake project with
+    its scripts run as ``python -m boinc_dl.server.backends.boinc``, and the tiny job."""
+    from boinc_dl.server.backends.boinc.install import InstallOptions, install
+
+    install(project.root, InstallOptions(redis_url=redis_server.url, run_db_tools=False, gpu=False,
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
+    store, spec = tiny_boinc_job
+    return project, store, spec, script_env()
+
+
+def unit(spec, i: int) -> str:
+    """The workunit of the tiny job's subset ``i`` in epoch 1."""
+    return f"{spec.name}__m0_e0001_s{i:04d}"

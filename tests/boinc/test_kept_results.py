@@ -21,24 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.intake import sweep_intake
 from boinc_dl.server.common.weights import upload_bound
-from tests.boinc.conftest import make_result, run_script, script_env, tiny_fp
+from tests.boinc.conftest import make_result, run_script, tiny_fp, unit
 
 N = tiny_fp().n_params
-
-
-@pytest.fixture
-def env(project, tiny_boinc_job, redis_server):
-    install(project.root, InstallOptions(redis_url=redis_server.url, run_db_tools=False, gpu=False,
-                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
-    store, spec = tiny_boinc_job
-    return project, store, spec, script_env()
-
-
-def unit(spec, i: int) -> str:
-    return f"{spec.name}__m0_e0001_s{i:04d}"
 
 
 def settings(project, **values: object) -> None:

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket
 from datetime import datetime, timezone
 from decimal import Decimal
 
 import pytest
+
+from tests.support.mariadb import MARIADB, point_project_at, session_database
 
 REGION = "us-east-1"
 TYPES = ["g4dn.xlarge", "g5.xlarge", "c6i.xlarge"]
@@ -50,18 +51,6 @@ BOINC_SCHEMA = (
        elapsed_time DOUBLE NOT NULL DEFAULT 0, flops_estimate DOUBLE NOT NULL DEFAULT 0,
        KEY (workunitid), KEY (hostid))""",
 )
-MARIADB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
-
-
-def mariadb_or_skip():  # noqa: ANN201 - a pymysql connection
-    try:
-        import pymysql
-
-        return pymysql.connect(**MARIADB, connect_timeout=3, autocommit=True)
-    except Exception as e:  # noqa: BLE001 - any reason means "not available here"
-        pytest.skip(f"BOINC's database needs MariaDB on 127.0.0.1:3306 (root, no password): {e}")
-
-
 class FleetBoincDB:
     """BOINC's tables in a MariaDB database of their own, written as BOINC's scheduler
     writes them; :meth:`point` makes a project's config.xml name it, so the controller
@@ -86,16 +75,7 @@ class FleetBoincDB:
 
     def point(self, project) -> None:  # noqa: ANN001 - a BoincProject
         """Make ``project``'s config.xml name this database."""
-        import re
-
-        text = project.config_xml.read_text()
-        for tag, value in (("db_name", self.name), ("db_host", MARIADB["host"]), ("db_user", MARIADB["user"]),
-                           ("db_passwd", MARIADB["password"])):
-            text = re.sub(rf"<{tag}>.*?</{tag}>", f"<{tag}>{value}</{tag}>", text)
-        if "<db_port>" not in text:
-            text = text.replace("</db_passwd>", f"</db_passwd>\n    <db_port>{MARIADB['port']}</db_port>", 1)
-        project.config_xml.write_text(text)
-        project.__dict__.pop("config", None)
+        point_project_at(project, self.name)
 
     def add_host(self, domain_name: str, ip: str = "", external_ip: str = "") -> int:
         return self._exec("INSERT INTO host (domain_name, last_ip_addr, external_ip_addr) VALUES (%s, %s, %s)",
@@ -126,16 +106,7 @@ class FleetBoincDB:
 @pytest.fixture(scope="session")
 def fleet_mariadb():
     """A database of this test session (dropped at the end)."""
-    conn = mariadb_or_skip()
-    name = f"bdl_fleet_{os.getpid()}_{os.urandom(3).hex()}"
-    with conn.cursor() as c:
-        c.execute(f"CREATE DATABASE `{name}`")
-    try:
-        yield name
-    finally:
-        with conn.cursor() as c:
-            c.execute(f"DROP DATABASE IF EXISTS `{name}`")
-        conn.close()
+    yield from session_database("bdl_fleet")
 
 
 @pytest.fixture

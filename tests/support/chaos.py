@@ -21,8 +21,9 @@ from typing import Any
 
 import redis
 
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
-from boinc_dl.server.assimilator.store import PREFIX
+from boinc_dl.server.assimilator.store import PREFIX, JobStore
 
 
 @dataclass
@@ -119,3 +120,42 @@ class ChaosMonkey(threading.Thread):
                         self._restart_redis()
                     self.pending.pop(0)
             self._halt.wait(self.poll_s)
+
+
+def merge_while_killing(procs: Sequence[Any], acks: Any, kill: Any, every: int, *, kills: int = 2,
+                        deadline_s: float = 120.0, join_s: float = 60.0) -> set[str]:
+    """Start merger processes ``procs`` (each puts the units it merged on ``acks``); after
+    each ``every`` acknowledged merges call ``kill(k, acked_so_far)`` (SIGKILL and restart
+    something; check what must have survived), ``kills`` times. Every process must exit 0
+    and every kill must have happened; returns the acknowledged units."""
+    for p in procs:
+        p.start()
+    acked: set[str] = set()
+    done = 0
+    deadline = time.monotonic() + deadline_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        while not acks.empty():
+            acked.add(acks.get())
+        if done < kills and len(acked) >= every * (done + 1):
+            kill(done, set(acked))
+            done += 1
+        time.sleep(0.01)
+    for p in procs:
+        p.join(join_s)
+        assert p.exitcode == 0, f"merger exited {p.exitcode}"
+    while not acks.empty():
+        acked.add(acks.get())
+    assert done == kills, f"{done} of {kills} kills happened"
+    return acked
+
+
+def kill_redis_checking(srv: EmbeddedRedis, job: str, down_s: float) -> Any:
+    """A ``kill`` for :func:`merge_while_killing`: SIGKILL Redis, restart it after
+    ``down_s``, and check every merge acknowledged before the kill is still marked."""
+    def kill(_k: int, before: set[str]) -> None:
+        srv.kill()
+        time.sleep(down_s)
+        srv.restart()
+        marks = set(JobStore(connect(srv.url), job).assimilated())
+        assert before <= marks, f"acknowledged merges lost: {sorted(before - marks)[:5]}"
+    return kill

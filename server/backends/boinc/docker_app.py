@@ -137,6 +137,22 @@ class Sink(Protocol):
     def rel(self, path: Path) -> str: ...
 
 
+def write_version_dir(sink: Sink, d: Path, files: dict[str, tuple[bytes, int]], version: str) -> bool:
+    """Write one app version's directory ``d`` (name -> (bytes, mode)); True if written.
+    An existing directory must hold the same bytes: BOINC app version files are immutable
+    (clients cache them by name), so a change needs a new version number."""
+    if d.is_dir():
+        differ = [n for n, (data, _) in files.items() if not (d / n).is_file() or (d / n).read_bytes() != data]
+        if differ:
+            raise BoincProjectError(
+                f"{sink.rel(d)} exists with other {', '.join(differ)}: BOINC app version files are "
+                f"immutable; install a new version with --app-version (current: {version})")
+        return False
+    for name, (data, mode) in files.items():
+        sink.write_file(d / name, data, mode)
+    return True
+
+
 # ---- the files -------------------------------------------------------------------------------
 
 
@@ -410,17 +426,7 @@ class DockerVersions:
         changed = False
         for plat, fl, d in self.dirs():
             files = version_files(self.version, fl, plat, wrappers[plat], wheel_name, wheel, reqs[fl.name], args)
-            if d.is_dir():
-                differ = [n for n, (data, _) in files.items()
-                          if not (d / n).is_file() or (d / n).read_bytes() != data]
-                if differ:
-                    raise BoincProjectError(
-                        f"{self.sink.rel(d)} exists with other {', '.join(differ)}: BOINC app version files are "
-                        f"immutable; install a new version with --app-version (current: {self.version})")
-                continue
-            for name, (data, mode) in files.items():
-                self.sink.write_file(d / name, data, mode)
-            changed = True
+            changed |= write_version_dir(self.sink, d, files, self.version)
         if changed:
             self.sink.note(
                 "Docker app versions: a host builds the image on its first task (TensorFlow is downloaded from "

@@ -340,17 +340,7 @@ class Installer:
                 job: (artifacts.job_xml().encode(), 0o644),
                 "version.xml": (artifacts.version_xml(wrapper.name, launcher, job).encode(), 0o644),
             }
-            if d.is_dir():
-                differ = [n for n, (data, _) in files.items()
-                          if not (d / n).is_file() or (d / n).read_bytes() != data]
-                if differ:
-                    raise BoincProjectError(
-                        f"{self.rel(d)} exists with other {', '.join(differ)}: BOINC app version files are "
-                        f"immutable; install a new version with --app-version (current: {ver})")
-                continue
-            for name, (data, mode) in files.items():
-                self.write_file(d / name, data, mode)
-            changed = True
+            changed |= docker_app.write_version_dir(self, d, files, ver)
         return changed
 
     def docker_app_versions(self) -> tuple[bool, bool]:
