@@ -62,10 +62,9 @@ from boinc_dl.server.backends.boinc.xmlmerge import (
     XmlDoc,
     append_child,
     child_text,
-    replace_child,
-    same_element,
     simple,
     to_xml,
+    upsert_named,
 )
 
 LINUX_PLATFORM = "x86_64-pc-linux-gnu"
@@ -439,16 +438,9 @@ class DockerVersions:
         existed = plan_class_spec.exists()
         doc = XmlDoc.load(plan_class_spec, "plan_classes", create=True)
         for fl in self.flavours:
-            want = docker_plan_class(fl)
-            cur = [pc for pc in doc.root.findall("plan_class") if child_text(pc, "name") == fl.plan_class]
-            if cur and same_element(cur[0], want):
-                continue
-            if cur:
-                replace_child(doc.root, cur[0], want, 0)
-            else:
-                append_child(doc.root, want, 0)
-            doc.changes.append(fl.plan_class)
-            self.sink.change(f"plan_class_spec.xml: {'updated' if cur else 'added'} plan class {fl.plan_class}")
+            done = upsert_named(doc, "plan_class", docker_plan_class(fl))
+            if done:
+                self.sink.change(f"plan_class_spec.xml: {done} plan class {fl.plan_class}")
         doc.save()
         if doc.changes and not existed:
             self.sink.note("plan_class_spec.xml is new: with it the scheduler no longer knows BOINC's built-in "

@@ -76,8 +76,8 @@ from boinc_dl.server.backends.boinc.xmlmerge import (
     child_text,
     remove_child,
     replace_child,
-    same_element,
     simple,
+    upsert_named,
 )
 
 SHIMS = {
@@ -359,17 +359,11 @@ class Installer:
             return
         existed = self.p.plan_class_spec.exists()
         doc = XmlDoc.load(self.p.plan_class_spec, "plan_classes", create=True)
-        want = artifacts.gpu_plan_class()
-        cur = [pc for pc in doc.root.findall("plan_class") if child_text(pc, "name") == artifacts.GPU_PLAN_CLASS]
-        if cur and same_element(cur[0], want):
+        done = upsert_named(doc, "plan_class", artifacts.gpu_plan_class())
+        if not done:
             return
-        if cur:
-            replace_child(doc.root, cur[0], want, 0)
-        else:
-            append_child(doc.root, want, 0)
-        doc.changes.append(artifacts.GPU_PLAN_CLASS)
         doc.save()
-        self.change(f"plan_class_spec.xml: {'updated' if cur else 'added'} plan class {artifacts.GPU_PLAN_CLASS}")
+        self.change(f"plan_class_spec.xml: {done} plan class {artifacts.GPU_PLAN_CLASS}")
         if not existed:
             self.note("plan_class_spec.xml is new: with it the scheduler no longer knows BOINC's built-in "
                       "plan classes; describe any other app's plan classes there too")

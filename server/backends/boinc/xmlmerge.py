@@ -142,3 +142,19 @@ def simple(tag: str, children: list[tuple[str, str | None]]) -> ET.Element:
         if v is not None:
             c.text = v
     return el
+
+
+def upsert_named(doc: XmlDoc, tag: str, want: ET.Element) -> str | None:
+    """Make ``doc``'s top-level ``<tag>`` whose ``<name>`` is ``want``'s equal to ``want``
+    (the first such one is replaced; none: ``want`` is appended). Returns "added",
+    "updated" or None when it was already so; a change is recorded in ``doc.changes``."""
+    name = child_text(want, "name")
+    cur = [el for el in doc.root.findall(tag) if child_text(el, "name") == name]
+    if cur and same_element(cur[0], want):
+        return None
+    if cur:
+        replace_child(doc.root, cur[0], want, 0)
+    else:
+        append_child(doc.root, want, 0)
+    doc.changes.append(name)
+    return "updated" if cur else "added"
