@@ -29,6 +29,7 @@ from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
 from boinc_dl.server.common.workunit import unit_name
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HTML = ROOT / "server" / "backends" / "boinc" / "html"
@@ -45,12 +46,6 @@ PASSWORD = "adm'n pw/with:odd#chars"
 
 
 # ---- helpers -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Tables(HTMLParser):
     """Rows (lists of cell texts) of every table with an id, plus all text."""
 

@@ -33,6 +33,7 @@ from boinc_dl.server.assimilator.redis_server import EmbeddedRedis, LocalRedisCl
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
 from boinc_dl.server.fleet.cost import summary_key
+from tests.support.net import free_port
 from tests.test_admin_page import (
     EVIL_JOB,
     EVIL_REASON,
@@ -41,7 +42,6 @@ from tests.test_admin_page import (
     PHP,
     PhpServer,
     fill_redis,
-    free_port,
     parse,
 )
 

@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from boinc_dl.server.common.spec import parse_spec, spec_to_json
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 from boinc_dl.server.common.workunit import unit_name
 from tests.boinc.conftest import make_project
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -50,12 +50,6 @@ SCHEMA_CANDIDATES = [
 
 
 # ---- helpers -------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture()
 def proj(tmp_path: Path):
     """The BOINC project volume both containers mount."""

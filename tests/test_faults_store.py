@@ -27,6 +27,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import StoreUnavailable
 from tests.support.audit import audit_job
 from tests.support.chaos import kill_redis_checking, merge_while_killing
+from tests.support.net import free_port
 from tests.support.proxy import FaultyProxy
 
 from .conftest import tiny_fingerprint, tiny_spec
@@ -45,17 +46,9 @@ def _new_job(url: str, name: str = "tiny", units: int = 8) -> JobStore:
 
 @pytest.fixture
 def tcp_redis(tmp_path: Path):
-    srv = EmbeddedRedis(tmp_path / "redis-tcp", port=_free_port()).start()
+    srv = EmbeddedRedis(tmp_path / "redis-tcp", port=free_port()).start()
     yield srv
     srv.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("lost", ["commit", "commit-cold", "finalize"])

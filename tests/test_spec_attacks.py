@@ -15,10 +15,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
+
+from boinc_dl.server.cli import app
 
 from .conftest import REPO
 
@@ -89,8 +93,33 @@ def _one_line_error(res: subprocess.CompletedProcess[str], needle: str) -> None:
         assert internal not in res.stderr + res.stdout, res.stderr
 
 
+@pytest.fixture
+def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``boinc-dl`` run in this process from ``tmp_path`` on a 40-column terminal; the
+    user modules a command imports are forgotten afterwards."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "40")
+    modules, path = set(sys.modules), list(sys.path)
+    yield tmp_path
+    for name in set(sys.modules) - modules:
+        if not name.startswith(("boinc_dl", "tensorflow", "keras")):
+            del sys.modules[name]
+    sys.path[:] = path
+
+
 @pytest.mark.parametrize("case", sorted(CORPUS))
-def test_spec_attack_corpus_gives_one_clear_line(tmp_path: Path, case: str) -> None:
+def test_spec_attack_corpus_gives_one_clear_line(in_process: Path, case: str) -> None:
+    """Every case in process (the command's own code path, no interpreter start-up);
+    the subprocess checks below run a sample of them as a user's shell does."""
+    content, needle = CORPUS[case]
+    shutil.copy(REPO / "examples" / "models.py", in_process / "models.py")
+    (in_process / "job.yaml").write_bytes(content)
+    res = CliRunner().invoke(app, ["validate", "job.yaml"])
+    _one_line_error(subprocess.CompletedProcess(["validate"], res.exit_code, res.stdout, res.stderr), needle)
+
+
+@pytest.mark.parametrize("case", ["elf_binary", "alias_bomb", "model_traversal", "lr_nan"])
+def test_validate_in_a_shell_gives_the_same_line(tmp_path: Path, case: str) -> None:
     content, needle = CORPUS[case]
     shutil.copy(REPO / "examples" / "models.py", tmp_path / "models.py")
     spec = tmp_path / "job.yaml"

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from datetime import datetime, timezone
 from decimal import Decimal
 
 import pytest
 
 from tests.support.mariadb import MARIADB, point_project_at, session_database
+from tests.support.net import free_port
 
 REGION = "us-east-1"
 TYPES = ["g4dn.xlarge", "g5.xlarge", "c6i.xlarge"]
@@ -131,12 +131,6 @@ def boinc_hosts(project):  # noqa: ANN001, ANN201
     from boinc_dl.server.fleet.boinchosts import BoincHosts
 
     return BoincHosts.from_project(project)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch_spot_as_the_policy_says(monkeypatch: pytest.MonkeyPatch) -> None:
