@@ -30,6 +30,9 @@ from boinc_dl.server.fleet.provider import FleetProvider, Instance, Interruption
 from boinc_dl.server.fleet.records import InstanceRecord, ms
 from boinc_dl.server.fleet.state import Commit, FleetState
 
+#: Clouds report launch times to the whole second (EC2, GCE).
+LAUNCH_RESOLUTION_MS = 1000
+
 log = logging.getLogger("boinc-dl.fleet")
 
 
@@ -78,9 +81,13 @@ class Reclaims:
             if rec.action == "terminate":
                 rec.action = "replace"
             c.records[rec.uid] = rec
-            # the fleet as it was then (the reclaimed included, later replacements not)
+            # the fleet as it was then (the reclaimed included, later replacements not).
+            # Clouds report launch times to the whole second: an instance whose reported
+            # launch is within a second before the event may have started after it (a
+            # replacement), so only those launched a full second earlier count.
             at = ms(ev.time)
-            alive = sum(1 for r in recs.values() if r.launched_ms <= at and (r.end_ms is None or r.end_ms > at))
+            alive = sum(1 for r in recs.values()
+                        if r.launched_ms + LAUNCH_RESOLUTION_MS <= at and (r.end_ms is None or r.end_ms > at))
             c.reclaims[rec.uid] = (ev.time, alive)
             doomed.append(rec)
             log.info("%s %s (%s, %s) %s at %s", self.provider.name, rec.name, rec.type, rec.zone,

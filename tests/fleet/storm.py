@@ -210,11 +210,13 @@ def aws_kill_storm(seed: int, url: str, session: Any, redis_url: str, boinc_db_n
     status = st.status()
     cut = float(status["time"])
     created = st.created() or 0.0
-    total, waived = Decimal(0), Decimal(0)
+    total, waived, allowance = Decimal(0), Decimal(0), Decimal(0)
     for lf in lives.values():
         price = SPOT[lf["type"]] if lf["market"] == "spot" else ON_DEMAND_TABLE[lf["type"]]
         b, w = billed_usd(lf["launch"], lf["end"], cut, created, price, True, lf["by_ec2"])
         total, waived = total + b, waived + w
+        if lf["end"] is not None:
+            allowance += price / 3600
     rep = cost_report(r, store.job)
     g = asg.describe_auto_scaling_groups(AutoScalingGroupNames=[name])["AutoScalingGroups"][0]
     return {
@@ -237,6 +239,10 @@ def aws_kill_storm(seed: int, url: str, session: Any, redis_url: str, boinc_db_n
         "billed_usd": str(Decimal(rep["total_nusd"] + rep["provisional_nusd"]) / 10**9),
         "ledger_minus_independent_nusd": rep["total_nusd"] + rep["provisional_nusd"] - _nanos(total),
         "waived_minus_independent_nusd": rep["waived_nusd"] - _nanos(waived),
+        # EC2 reports an end to the whole second: a life seen running within the second its
+        # reported end truncates is billed to when it was seen (cost.Ledger.settle), so each
+        # ended life may differ from the recomputation by up to one second of its price
+        "resolution_allowance_nusd": _nanos(allowance),
         "drain_saved_usd": str(rep["drain_saved_usd"]),
     }
 

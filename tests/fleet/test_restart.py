@@ -22,9 +22,13 @@ def test_aws_storm_with_a_kill_and_restart(aws_session, moto_url, redis_server, 
     assert out["reclaims_counted"] == out["job_reclaims"] == 6
     if out["fallback_active_before_kill"]:
         assert out["fallback_kept"] and out["on_demand_percent"] == 50
-    # each period's charge is rounded to the nano-dollar: a few per instance and period at most
-    assert abs(out["ledger_minus_independent_nusd"]) < 1000, out
-    assert abs(out["waived_minus_independent_nusd"]) < 1000, out
+    # each period's charge is rounded to the nano-dollar (a few per instance and period),
+    # and an ended life may be billed up to the second its cloud-reported end truncated
+    # (well below the cent)
+    slack = 1000 + out["resolution_allowance_nusd"]
+    assert abs(out["ledger_minus_independent_nusd"]) < slack, out
+    assert abs(out["waived_minus_independent_nusd"]) < slack, out
+    assert slack < 10**7
 
 
 def test_gcp_name_preempted_twice_across_a_restart(redis_server, fleet_mariadb, tmp_path) -> None:
