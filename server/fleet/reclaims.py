@@ -84,8 +84,10 @@ class Reclaims:
             # the fleet as it was then (the reclaimed included, later replacements not).
             # Clouds report launch times to the whole second: an instance whose reported
             # launch is within a second before the event may have started after it (a
-            # replacement), so only those launched a full second earlier count.
-            at = ms(ev.time)
+            # replacement), so only those launched a full second earlier count; and no
+            # reclaim comes before its own instance ran (an event stamped earlier is a
+            # skewed clock), so it is taken as no earlier than that.
+            at = max(ms(ev.time), rec.launched_ms + LAUNCH_RESOLUTION_MS)
             alive = sum(1 for r in recs.values()
                         if r.launched_ms + LAUNCH_RESOLUTION_MS <= at and (r.end_ms is None or r.end_ms > at))
             c.reclaims[rec.uid] = (ev.time, alive)

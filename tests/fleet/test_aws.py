@@ -29,6 +29,7 @@ from tests.boinc.conftest import tiny_fp
 from tests.fleet.conftest import (
     AMI,
     REGION,
+    backdate_launch,
     boinc_hosts,
     ec2_reclaim,
     inject_spot_prices,
@@ -166,6 +167,10 @@ def test_reclaim_storm_drains_and_counts_each_instance_once(aws_session, moto_ur
     fleet = make_fleet(aws_session, moto_url, 40)
     cfg = aws_config(moto_url, fleet, str(project.root))
     ctl = controller(cfg, aws_session, project, r)
+    # a fleet that has run for a while (minutes, within the first hour) when the storm hits
+    rng0 = random.Random(3)
+    ids = [i.uid for i in ctl.provider.observe().instances]
+    backdate_launch(ids, {i: time.time() - rng0.uniform(120, 1800) for i in ids})
     instances = ctl.provider.observe().instances
     on_host = lay_out(boinc_db, instances, units, time.time())
     rep = ctl.step()
