@@ -324,7 +324,8 @@ def main_generated(args: argparse.Namespace) -> None:
     configs = generate(args.generated, args.seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bdl-plan-gen-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep) if args.keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         cals = {}
         for h in sorted({c["hidden"] for c in configs}):
             cal_cfg = {"hidden": h, "workers": 1, "slots": 1, "assimilators": 1, "units": 4}
@@ -402,6 +403,7 @@ def main() -> None:
                     "(median; their spread is the noise the ranks are judged against)")
     ap.add_argument("--generated", type=int, default=0, help="instead: N seeded configurations of real units, "
                     "calibrated from 1-slot runs' units.csv (module docstring)")
+    ap.add_argument("--keep", default="", help="--generated: keep the runs (specs, run directories) in this directory")
     args = ap.parse_args()
     if args.generated:
         if "--epochs" not in sys.argv:

@@ -11,8 +11,9 @@ measured wait; processor sharing over the machine's cores (exactly, in the simul
 does the rest, with the other work this machine is doing when it plans (its busy
 cores over one second of ``/proc/stat``) sharing the cores too. The dispatch latency is
 the run loop's: the generator steps every 50 ms.
-Added to the simulated time: each slot's first unit tracing the model, and the
-generator's evaluation at each epoch's close (both from the calibration run's records).
+The simulation also has each slot's first unit tracing the model, and the generator's
+evaluation at each epoch's close but the last (after the last merge), creating no unit
+meanwhile (both from the calibration run's records, CPU work on the same cores).
 
 Candidates: C x T slots up to twice the cores (more only queue for them) and what the
 memory holds at :data:`SLOT_MEMORY_BYTES` a slot, P up to the slots, the spec's unit
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from boinc_dl.server.planner.calibrate import Calibration
 from boinc_dl.server.planner.model import (
@@ -129,7 +130,9 @@ def local_model(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epo
     merge = cal.merge_s if cal.merge_s is not None else merge_estimate_s(4 * params)
     costs = ServerCosts(merge_s=merge, stage_s=unit_cpu, dispatch_s=DISPATCH_S, server_cores=machine.cores,
                         cpu_cores=machine.cores, merge_shared_s=merge * SHARED_MERGE_RATIO, colocated=True,
-                        commit_s=cal.commit_s or 0.0, background=machine.background)
+                        commit_s=cal.commit_s or 0.0, background=machine.background,
+                        epoch_close_s=cal.eval_s, first_close_extra_s=cal.first_eval_extra_s,
+                        first_unit_extra_s=cal.first_unit_extra_s)
     # The whole unit is CPU work on the shared cores (stage_s, colocated): nothing of it a delay.
     host = HostType("this machine", unit_s=0.0, cores=1 << 20, bandwidth_mbps=1e15)
     cfg = Config(((host, cand.workers),), cand.slots, cand.assimilators, window=window, timeout_s=timeout_s)
@@ -176,15 +179,10 @@ def predict(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epochs:
     """Simulated epoch time of one local-backend configuration."""
     cfg, w, costs = local_model(cal, cand, machine, epochs=epochs, params=params, n_train=n_train,
                                 local_epochs=local_epochs, window=window, timeout_s=timeout_s)
+    # The simulation has each slot's first unit tracing the model, and the generator's
+    # evaluation when it closes an epoch (the first also loading the model), creating no
+    # unit meanwhile: CPU work on the same cores as the rest.
     pred = simulate(cfg, w, costs, reps=reps)
-    # What the simulation leaves out: each slot's first unit traces the model (all slots
-    # at once, sharing the cores), and the generator evaluates the server weights when it
-    # closes an epoch (the first time also loading the model), creating no unit meanwhile.
-    # The start is when every slot and the evaluator are busy at once: shared like the rest.
-    crowd = max(1.0, (cfg.total_slots + machine.background) / machine.cores)
-    once = (cal.first_unit_extra_s + cal.first_eval_extra_s) * crowd
-    job = pred.job_s + once + epochs * cal.eval_s
-    pred = replace(pred, job_s=job, epoch_s=job / epochs)
     return LocalPlan(cand, pred, bound_of(cfg, costs))
 
 
