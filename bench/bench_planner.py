@@ -34,7 +34,12 @@ a calibration run, are then predicted and measured (the run's pipeline epoch tim
 local-backend plan (``boinc-dl plan SPEC``, :mod:`boinc_dl.server.planner.local`) and
 the fleet model with a planner-only fleet file for this machine (``--fleet``).
 
-    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3]
+    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3] [--repeats 2] [--keep DIR]
+
+With ``--repeats R`` each configuration is measured R times (in rounds: all once, then
+again); its time is the median, and a pair counts as "beyond noise" when the gap of
+their medians exceeds both configurations' measured spread ((max - min) / median) and
+the median spread of all. With one run each, gaps under 10% are ties.
 """
 
 from __future__ import annotations
@@ -357,40 +362,63 @@ def main_generated(args: argparse.Namespace) -> None:
             planner = Planner(space, w, costs, TablePriceBook.load())
             fleet = planner.score(Candidate((c["workers"],), "on-demand", c["slots"], c["assimilators"],
                                             c["units"]), "simulation").pred
-            m = _gen_run(work, label, c, args.epochs)
-            row = {"label": label, **c, "measured_s": round(m["epoch_s"], 3),
-                   "local_s": round(local.pred.epoch_s, 3), "local_err": round(local.pred.epoch_s / m["epoch_s"] - 1, 3),
-                   "local_bound": local.bound, "fleet_s": round(fleet.epoch_s, 3),
-                   "fleet_err": round(fleet.epoch_s / m["epoch_s"] - 1, 3),
-                   "after_the_fact_err": round(m["after_the_fact_s"] / m["epoch_s"] - 1, 3),
-                   "background": round(busy, 2), "run_wall_s": round(m["wall_s"], 1),
-                   "load": round(os.getloadavg()[0], 2)}
-            rows.append(row)
+            m = _gen_run(work, label, c, args.epochs)  # predicted first, then measured
+            rows.append({"label": label, **c, "local_s": round(local.pred.epoch_s, 3), "local_bound": local.bound,
+                         "fleet_s": round(fleet.epoch_s, 3), "background": round(busy, 2), "runs": [m]})
+        # Repeats in rounds (every configuration once, then again), so that a slow drift
+        # of the machine shows in each configuration's spread.
+        for r in range(1, args.repeats):
+            for c, row in zip(configs, rows, strict=True):
+                row["runs"].append(_gen_run(work, f"{row['label']}-r{r}", c, args.epochs))
+        for row in rows:
+            runs = row.pop("runs")
+            ts = [m["epoch_s"] for m in runs]
+            meas_s = statistics.median(ts)
+            row.update(measured_s=round(meas_s, 3), measured_runs_s=[round(t, 3) for t in ts],
+                       spread=round((max(ts) - min(ts)) / meas_s, 4),
+                       local_err=round(row["local_s"] / meas_s - 1, 3), fleet_err=round(row["fleet_s"] / meas_s - 1, 3),
+                       after_the_fact_err=round(statistics.median(m["after_the_fact_s"] for m in runs) / meas_s - 1, 3),
+                       run_wall_s=round(runs[0]["wall_s"], 1), load=round(os.getloadavg()[0], 2))
             emit("planner_gen_case", **row)
     meas = [r["measured_s"] for r in rows]
+    # The noise a pair's gap is judged against: with repeats, the measured run-to-run
+    # spread of both configurations and at least the median spread of all (two runs
+    # can agree by chance); with one run each, a fixed GEN_NOISE.
+    floor = statistics.median(r["spread"] for r in rows) if args.repeats > 1 else GEN_NOISE
+
+    def beyond(i: int, j: int, noise: float | None = None) -> bool:
+        tie = noise if noise is not None else max(floor, rows[i]["spread"], rows[j]["spread"]) \
+            if args.repeats > 1 else GEN_NOISE
+        return abs(meas[i] - meas[j]) > tie * min(meas[i], meas[j])
+
     summary = {}
     for key in ("local", "fleet"):
         pred = [r[f"{key}_s"] for r in rows]
         mape = statistics.fmean(abs(p / m - 1) for p, m in zip(pred, meas, strict=True))
-        pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2)
-                 if abs(meas[i] - meas[j]) > GEN_NOISE * min(meas[i], meas[j])]
+        pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2) if beyond(i, j)]
         ok = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in pairs)
+        ten = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2) if beyond(i, j, GEN_NOISE)]
+        ok10 = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in ten)
         pick = min(range(len(rows)), key=lambda k: pred[k])
         summary[key] = {"mape": round(mape, 4), "spearman": round(spearman(pred, meas), 3),
                         "pairs_beyond_noise": len(pairs), "pairs_ordered": ok,
+                        "pairs_beyond_10pct": len(ten), "pairs_ordered_10pct": ok10,
                         "recommended": rows[pick]["label"], "regret": round(meas[pick] / min(meas) - 1, 4)}
     att = statistics.fmean(abs(r["after_the_fact_err"]) for r in rows)
-    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, noise=GEN_NOISE,
+    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, repeats=args.repeats,
+         noise_floor=round(floor, 4), median_spread=round(statistics.median(r["spread"] for r in rows), 4),
+         max_spread=round(max(r["spread"] for r in rows), 4),
          local=summary["local"], fleet=summary["fleet"], after_the_fact_mape=round(att, 4),
          bench_wall_s=round(time.time() - t_bench, 1), load=os.getloadavg(), **machine())
-    print(f"{'configuration':36s} {'measured':>9s} {'local plan':>11s} {'err':>6s} {'fleet model':>11s} {'err':>6s}")
+    print(f"{'configuration':36s} {'measured':>9s} {'spread':>7s} {'local plan':>11s} {'err':>6s} "
+          f"{'fleet model':>11s} {'err':>6s}")
     for r in rows:
-        print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['local_s']:10.3f}s {r['local_err']:+6.0%} "
-              f"{r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}")
+        print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['spread']:7.1%} {r['local_s']:10.3f}s "
+              f"{r['local_err']:+6.0%} {r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}")
     for key, v in summary.items():
         print(f"{key}: MAPE {v['mape']:.1%}, Spearman {v['spearman']}, {v['pairs_ordered']} of "
-              f"{v['pairs_beyond_noise']} pairs beyond noise ordered, recommended {v['recommended']}, "
-              f"regret {v['regret']:.1%}")
+              f"{v['pairs_beyond_noise']} pairs beyond noise ordered ({v['pairs_ordered_10pct']} of "
+              f"{v['pairs_beyond_10pct']} beyond 10%), recommended {v['recommended']}, regret {v['regret']:.1%}")
 
 
 def main() -> None:
