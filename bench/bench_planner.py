@@ -36,7 +36,8 @@ the fleet model with a planner-only fleet file for this machine (``--fleet``).
 
     python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3] [--repeats 2] [--keep DIR]
 
-With ``--repeats R`` each configuration is measured R times (in rounds: all once, then
+``--combine DIR DIR ...`` reports several ``--keep`` invocations of one seed as repeats
+(each invocation short enough to run alone). With ``--repeats R`` each configuration is measured R times (in rounds: all once, then
 again); its time is the median, and a pair counts as "beyond noise" when the gap of
 their medians exceeds both configurations' measured spread ((max - min) / median) and
 the median spread of all. With one run each, gaps under 10% are ties.
@@ -346,7 +347,11 @@ def main_generated(args: argparse.Namespace) -> None:
             cal = cals[c["hidden"]]
             params = 64 * c["hidden"] + c["hidden"] + c["hidden"] * 10 + 10
             cand = LocalCandidate(c["workers"], c["slots"], c["assimilators"], c["units"])
-            busy = background_load()  # what `boinc-dl plan` measures: other work on this machine now
+            # What `boinc-dl plan` measures: other work on this machine now; 3 s after the
+            # previous run (sampled at once, it read ~1 busy core every time while the runs'
+            # own units showed no other work: CPU/wall 0.95 on 2 slots).
+            time.sleep(3.0)
+            busy = background_load()
             local = predict(cal, cand, replace(machine_, background=busy), epochs=args.epochs, params=params, n_train=n_train,
                             local_epochs=local_epochs, timeout_s=60.0)
             # The fleet model with a planner-only fleet file for this machine (the issue's path).
@@ -380,15 +385,26 @@ def main_generated(args: argparse.Namespace) -> None:
                        after_the_fact_err=round(statistics.median(m["after_the_fact_s"] for m in runs) / meas_s - 1, 3),
                        run_wall_s=round(runs[0]["wall_s"], 1), load=round(os.getloadavg()[0], 2))
             emit("planner_gen_case", **row)
+    if args.keep:  # for --combine: this invocation's predictions and measurements
+        import json
+
+        (Path(args.keep) / "cases.json").write_text(json.dumps({"seed": args.seed, "epochs": args.epochs,
+                                                                 "rows": rows}, indent=1))
+    report_generated(rows, args, time.time() - t_bench)
+
+
+def report_generated(rows: list[dict], args: argparse.Namespace, wall_s: float) -> None:
+    """MAPE, pairs beyond noise, Spearman and regret of the local plan and the fleet model."""
     meas = [r["measured_s"] for r in rows]
+    repeats = min(len(r["measured_runs_s"]) for r in rows)
     # The noise a pair's gap is judged against: with repeats, the measured run-to-run
     # spread of both configurations and at least the median spread of all (two runs
     # can agree by chance); with one run each, a fixed GEN_NOISE.
-    floor = statistics.median(r["spread"] for r in rows) if args.repeats > 1 else GEN_NOISE
+    floor = statistics.median(r["spread"] for r in rows) if repeats > 1 else GEN_NOISE
 
     def beyond(i: int, j: int, noise: float | None = None) -> bool:
         tie = noise if noise is not None else max(floor, rows[i]["spread"], rows[j]["spread"]) \
-            if args.repeats > 1 else GEN_NOISE
+            if repeats > 1 else GEN_NOISE
         return abs(meas[i] - meas[j]) > tie * min(meas[i], meas[j])
 
     summary = {}
@@ -405,11 +421,11 @@ def main_generated(args: argparse.Namespace) -> None:
                         "pairs_beyond_10pct": len(ten), "pairs_ordered_10pct": ok10,
                         "recommended": rows[pick]["label"], "regret": round(meas[pick] / min(meas) - 1, 4)}
     att = statistics.fmean(abs(r["after_the_fact_err"]) for r in rows)
-    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, repeats=args.repeats,
+    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, repeats=repeats,
          noise_floor=round(floor, 4), median_spread=round(statistics.median(r["spread"] for r in rows), 4),
          max_spread=round(max(r["spread"] for r in rows), 4),
          local=summary["local"], fleet=summary["fleet"], after_the_fact_mape=round(att, 4),
-         bench_wall_s=round(time.time() - t_bench, 1), load=os.getloadavg(), **machine())
+         bench_wall_s=round(wall_s, 1), load=os.getloadavg(), **machine())
     print(f"{'configuration':36s} {'measured':>9s} {'spread':>7s} {'local plan':>11s} {'err':>6s} "
           f"{'fleet model':>11s} {'err':>6s}")
     for r in rows:
@@ -419,6 +435,25 @@ def main_generated(args: argparse.Namespace) -> None:
         print(f"{key}: MAPE {v['mape']:.1%}, Spearman {v['spearman']}, {v['pairs_ordered']} of "
               f"{v['pairs_beyond_noise']} pairs beyond noise ordered ({v['pairs_ordered_10pct']} of "
               f"{v['pairs_beyond_10pct']} beyond 10%), recommended {v['recommended']}, regret {v['regret']:.1%}")
+
+
+def combine_generated(args: argparse.Namespace) -> None:
+    """Several --keep invocations of the same seed as repeats: the first one's predictions
+    (made before it measured), each configuration's median over all of them."""
+    import json
+
+    runs = [json.loads((Path(d) / "cases.json").read_text()) for d in args.combine]
+    if len({(r["seed"], r["epochs"]) for r in runs}) != 1:
+        raise SystemExit("--combine: the invocations differ in seed or epochs")
+    args.seed, args.epochs = runs[0]["seed"], runs[0]["epochs"]
+    rows = []
+    for row, *others in zip(*(r["rows"] for r in runs), strict=True):
+        ts = [t for x in (row, *others) for t in x["measured_runs_s"]]
+        m = statistics.median(ts)
+        rows.append({**row, "measured_s": round(m, 3), "measured_runs_s": ts,
+                     "spread": round((max(ts) - min(ts)) / m, 4), "local_err": round(row["local_s"] / m - 1, 3),
+                     "fleet_err": round(row["fleet_s"] / m - 1, 3)})
+    report_generated(rows, args, 0.0)
 
 
 def main() -> None:
@@ -432,7 +467,12 @@ def main() -> None:
     ap.add_argument("--generated", type=int, default=0, help="instead: N seeded configurations of real units, "
                     "calibrated from 1-slot runs' units.csv (module docstring)")
     ap.add_argument("--keep", default="", help="--generated: keep the runs (specs, run directories) in this directory")
+    ap.add_argument("--combine", nargs="+", default=[], help="instead: report --keep directories of the same "
+                    "--generated seed as repeats (the first one's predictions, the median measured)")
     args = ap.parse_args()
+    if args.combine:
+        combine_generated(args)
+        return
     if args.generated:
         if "--epochs" not in sys.argv:
             args.epochs = 3
