@@ -334,10 +334,12 @@ def main_generated(args: argparse.Namespace) -> None:
         work.mkdir(parents=True, exist_ok=True)
         cals = {}
         for h in sorted({c["hidden"] for c in configs}):
-            cal_cfg = {"hidden": h, "workers": 1, "slots": 1, "assimilators": 1, "units": 4}
-            m = _gen_run(work, f"cal-h{h}", cal_cfg, 2)
+            # The calibration run: 1 worker x --cal-slots slots, P = 1, 4 units per epoch.
+            cal_cfg = {"hidden": h, "workers": 1, "slots": args.cal_slots, "assimilators": 1, "units": 4}
+            m = _gen_run(work, f"cal-h{h}" if args.cal_slots == 1 else f"cal{args.cal_slots}-h{h}", cal_cfg, 2)
             cals[h] = read_calibration(m["run_dir"])  # what `boinc-dl plan --calibrate RUN_DIR` reads
-            emit("planner_gen_calibration", hidden=h, units=cals[h].units,
+            emit("planner_gen_calibration", hidden=h, slots=args.cal_slots, units=cals[h].units,
+                 first_step_s=round(cals[h].first_step_s, 4),
                  compute_us_per_example=round(cals[h].compute_per_example_s * 1e6, 2),
                  overhead_s=round(cals[h].overhead_s, 4), merge_ms=round((cals[h].merge_s or 0) * 1e3, 2),
                  commit_ms=round((cals[h].commit_s or 0) * 1e3, 3), eval_s=round(cals[h].eval_s, 3),
@@ -466,6 +468,7 @@ def main() -> None:
                     "(median; their spread is the noise the ranks are judged against)")
     ap.add_argument("--generated", type=int, default=0, help="instead: N seeded configurations of real units, "
                     "calibrated from 1-slot runs' units.csv (module docstring)")
+    ap.add_argument("--cal-slots", type=int, default=1, help="--generated: slots of the calibration runs (1 worker)")
     ap.add_argument("--keep", default="", help="--generated: keep the runs (specs, run directories) in this directory")
     ap.add_argument("--combine", nargs="+", default=[], help="instead: report --keep directories of the same "
                     "--generated seed as repeats (the first one's predictions, the median measured)")

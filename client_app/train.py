@@ -189,9 +189,9 @@ class _Run:
         self.progress_cb = progress
         self.train_s = 0.0
         self.train_cpu_s = 0.0  # CPU seconds of the training steps (TensorFlow's threads too)
-        #: CPU seconds of the unit's first step: far more than the others (the unit's seed,
-        #: set before training, clears TensorFlow's function caches), a per-unit cost that
-        #: does not scale with the unit's examples (the planner's calibration reads it).
+        #: CPU seconds of the unit's first step: far more than the others (setting the
+        #: unit's seed before training clears TensorFlow's kernel cache), a per-unit cost
+        #: that does not scale with the unit's examples (the planner's calibration reads it).
         self.first_step_cpu_s: float | None = None
         self.checkpoint_s = 0.0
         self.checkpoints = 0

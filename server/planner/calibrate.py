@@ -20,8 +20,8 @@ clients are (a 1-slot calibration run, say) it is just the unit time.
   first_step_cpu_s) / examples_seen``), at most its wall time; per example, so any unit
   size and ``local_epochs`` follow from it;
 * the unit's **first step** (``first_step_s``, from ``first_step_cpu_s``): a per-unit CPU
-  cost that does not scale with the examples (the unit's seed, set before training,
-  clears TensorFlow's function caches: ~80 ms here against ~1.5 ms a step). Without it a
+  cost that does not scale with the examples (setting the unit's seed before training
+  clears TensorFlow's kernel cache: ~80 ms here against ~1.5 ms a step). Without it a
   per-example rate from units of 1,437 examples under-counted units of 479 by 40%;
 * client **overhead** per unit (``overhead_s``): the unit's CPU (else wall) seconds
   outside its training steps;
