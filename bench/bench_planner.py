@@ -336,9 +336,20 @@ def main_generated(args: argparse.Namespace) -> None:
         for h in sorted({c["hidden"] for c in configs}):
             # The calibration run: 1 worker x --cal-slots slots, P = 1, 4 units per epoch.
             cal_cfg = {"hidden": h, "workers": 1, "slots": args.cal_slots, "assimilators": 1, "units": 4}
+            # At rest too: CPU seconds per unit are not load-free here. Calibrated right
+            # after another run (seed 11, 2026-11-26) they read ~30% above the same units'
+            # a few minutes later, and every plan over-predicted by 15-41%.
+            time.sleep(3.0)
+            cal_busy = background_load()
+            for _ in range(30):  # wait (up to ~1 min) for the machine to be at rest
+                if cal_busy < 0.2:
+                    break
+                time.sleep(1.0)
+                cal_busy = background_load()
             m = _gen_run(work, f"cal-h{h}" if args.cal_slots == 1 else f"cal{args.cal_slots}-h{h}", cal_cfg, 2)
             cals[h] = read_calibration(m["run_dir"])  # what `boinc-dl plan --calibrate RUN_DIR` reads
             emit("planner_gen_calibration", hidden=h, slots=args.cal_slots, units=cals[h].units,
+                 background=round(cal_busy, 2),
                  first_step_s=round(cals[h].first_step_s, 4),
                  compute_us_per_example=round(cals[h].compute_per_example_s * 1e6, 2),
                  overhead_s=round(cals[h].overhead_s, 4), merge_ms=round((cals[h].merge_s or 0) * 1e3, 2),
