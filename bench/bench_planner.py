@@ -34,7 +34,13 @@ a calibration run, are then predicted and measured (the run's pipeline epoch tim
 local-backend plan (``boinc-dl plan SPEC``, :mod:`boinc_dl.server.planner.local`) and
 the fleet model with a planner-only fleet file for this machine (``--fleet``).
 
-    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3]
+    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3] [--repeats 2] [--keep DIR]
+
+``--combine DIR DIR ...`` reports several ``--keep`` invocations of one seed as repeats
+(each invocation short enough to run alone). With ``--repeats R`` each configuration is measured R times (in rounds: all once, then
+again); its time is the median, and a pair counts as "beyond noise" when the gap of
+their medians exceeds both configurations' measured spread ((max - min) / median) and
+the median spread of all. With one run each, gaps under 10% are ties.
 """
 
 from __future__ import annotations
@@ -324,13 +330,27 @@ def main_generated(args: argparse.Namespace) -> None:
     configs = generate(args.generated, args.seed)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bdl-plan-gen-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep) if args.keep else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         cals = {}
         for h in sorted({c["hidden"] for c in configs}):
-            cal_cfg = {"hidden": h, "workers": 1, "slots": 1, "assimilators": 1, "units": 4}
-            m = _gen_run(work, f"cal-h{h}", cal_cfg, 2)
+            # The calibration run: 1 worker x --cal-slots slots, P = 1, 4 units per epoch.
+            cal_cfg = {"hidden": h, "workers": 1, "slots": args.cal_slots, "assimilators": 1, "units": 4}
+            # At rest too: CPU seconds per unit are not load-free here. Calibrated right
+            # after another run (seed 11, 2026-11-26) they read ~30% above the same units'
+            # a few minutes later, and every plan over-predicted by 15-41%.
+            time.sleep(3.0)
+            cal_busy = background_load()
+            for _ in range(30):  # wait (up to ~1 min) for the machine to be at rest
+                if cal_busy < 0.2:
+                    break
+                time.sleep(1.0)
+                cal_busy = background_load()
+            m = _gen_run(work, f"cal-h{h}" if args.cal_slots == 1 else f"cal{args.cal_slots}-h{h}", cal_cfg, 2)
             cals[h] = read_calibration(m["run_dir"])  # what `boinc-dl plan --calibrate RUN_DIR` reads
-            emit("planner_gen_calibration", hidden=h, units=cals[h].units,
+            emit("planner_gen_calibration", hidden=h, slots=args.cal_slots, units=cals[h].units,
+                 background=round(cal_busy, 2),
+                 first_step_s=round(cals[h].first_step_s, 4),
                  compute_us_per_example=round(cals[h].compute_per_example_s * 1e6, 2),
                  overhead_s=round(cals[h].overhead_s, 4), merge_ms=round((cals[h].merge_s or 0) * 1e3, 2),
                  commit_ms=round((cals[h].commit_s or 0) * 1e3, 3), eval_s=round(cals[h].eval_s, 3),
@@ -340,7 +360,11 @@ def main_generated(args: argparse.Namespace) -> None:
             cal = cals[c["hidden"]]
             params = 64 * c["hidden"] + c["hidden"] + c["hidden"] * 10 + 10
             cand = LocalCandidate(c["workers"], c["slots"], c["assimilators"], c["units"])
-            busy = background_load()  # what `boinc-dl plan` measures: other work on this machine now
+            # What `boinc-dl plan` measures: other work on this machine now; 3 s after the
+            # previous run (sampled at once, it read ~1 busy core every time while the runs'
+            # own units showed no other work: CPU/wall 0.95 on 2 slots).
+            time.sleep(3.0)
+            busy = background_load()
             local = predict(cal, cand, replace(machine_, background=busy), epochs=args.epochs, params=params, n_train=n_train,
                             local_epochs=local_epochs, timeout_s=60.0)
             # The fleet model with a planner-only fleet file for this machine (the issue's path).
@@ -356,40 +380,93 @@ def main_generated(args: argparse.Namespace) -> None:
             planner = Planner(space, w, costs, TablePriceBook.load())
             fleet = planner.score(Candidate((c["workers"],), "on-demand", c["slots"], c["assimilators"],
                                             c["units"]), "simulation").pred
-            m = _gen_run(work, label, c, args.epochs)
-            row = {"label": label, **c, "measured_s": round(m["epoch_s"], 3),
-                   "local_s": round(local.pred.epoch_s, 3), "local_err": round(local.pred.epoch_s / m["epoch_s"] - 1, 3),
-                   "local_bound": local.bound, "fleet_s": round(fleet.epoch_s, 3),
-                   "fleet_err": round(fleet.epoch_s / m["epoch_s"] - 1, 3),
-                   "after_the_fact_err": round(m["after_the_fact_s"] / m["epoch_s"] - 1, 3),
-                   "background": round(busy, 2), "run_wall_s": round(m["wall_s"], 1),
-                   "load": round(os.getloadavg()[0], 2)}
-            rows.append(row)
+            m = _gen_run(work, label, c, args.epochs)  # predicted first, then measured
+            rows.append({"label": label, **c, "local_s": round(local.pred.epoch_s, 3), "local_bound": local.bound,
+                         "fleet_s": round(fleet.epoch_s, 3), "background": round(busy, 2), "runs": [m]})
+        # Repeats in rounds (every configuration once, then again), so that a slow drift
+        # of the machine shows in each configuration's spread.
+        for r in range(1, args.repeats):
+            for c, row in zip(configs, rows, strict=True):
+                row["runs"].append(_gen_run(work, f"{row['label']}-r{r}", c, args.epochs))
+        for row in rows:
+            runs = row.pop("runs")
+            ts = [m["epoch_s"] for m in runs]
+            meas_s = statistics.median(ts)
+            row.update(measured_s=round(meas_s, 3), measured_runs_s=[round(t, 3) for t in ts],
+                       spread=round((max(ts) - min(ts)) / meas_s, 4),
+                       local_err=round(row["local_s"] / meas_s - 1, 3), fleet_err=round(row["fleet_s"] / meas_s - 1, 3),
+                       after_the_fact_err=round(statistics.median(m["after_the_fact_s"] for m in runs) / meas_s - 1, 3),
+                       run_wall_s=round(runs[0]["wall_s"], 1), load=round(os.getloadavg()[0], 2))
             emit("planner_gen_case", **row)
+    if args.keep:  # for --combine: this invocation's predictions and measurements
+        import json
+
+        (Path(args.keep) / "cases.json").write_text(json.dumps({"seed": args.seed, "epochs": args.epochs,
+                                                                 "rows": rows}, indent=1))
+    report_generated(rows, args, time.time() - t_bench)
+
+
+def report_generated(rows: list[dict], args: argparse.Namespace, wall_s: float) -> None:
+    """MAPE, pairs beyond noise, Spearman and regret of the local plan and the fleet model."""
     meas = [r["measured_s"] for r in rows]
+    repeats = min(len(r["measured_runs_s"]) for r in rows)
+    # The noise a pair's gap is judged against: with repeats, the measured run-to-run
+    # spread of both configurations and at least the median spread of all (two runs
+    # can agree by chance); with one run each, a fixed GEN_NOISE.
+    floor = statistics.median(r["spread"] for r in rows) if repeats > 1 else GEN_NOISE
+
+    def beyond(i: int, j: int, noise: float | None = None) -> bool:
+        tie = noise if noise is not None else max(floor, rows[i]["spread"], rows[j]["spread"]) \
+            if repeats > 1 else GEN_NOISE
+        return abs(meas[i] - meas[j]) > tie * min(meas[i], meas[j])
+
     summary = {}
     for key in ("local", "fleet"):
         pred = [r[f"{key}_s"] for r in rows]
         mape = statistics.fmean(abs(p / m - 1) for p, m in zip(pred, meas, strict=True))
-        pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2)
-                 if abs(meas[i] - meas[j]) > GEN_NOISE * min(meas[i], meas[j])]
+        pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2) if beyond(i, j)]
         ok = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in pairs)
+        ten = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2) if beyond(i, j, GEN_NOISE)]
+        ok10 = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in ten)
         pick = min(range(len(rows)), key=lambda k: pred[k])
         summary[key] = {"mape": round(mape, 4), "spearman": round(spearman(pred, meas), 3),
                         "pairs_beyond_noise": len(pairs), "pairs_ordered": ok,
+                        "pairs_beyond_10pct": len(ten), "pairs_ordered_10pct": ok10,
                         "recommended": rows[pick]["label"], "regret": round(meas[pick] / min(meas) - 1, 4)}
     att = statistics.fmean(abs(r["after_the_fact_err"]) for r in rows)
-    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, noise=GEN_NOISE,
+    emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, repeats=repeats,
+         noise_floor=round(floor, 4), median_spread=round(statistics.median(r["spread"] for r in rows), 4),
+         max_spread=round(max(r["spread"] for r in rows), 4),
          local=summary["local"], fleet=summary["fleet"], after_the_fact_mape=round(att, 4),
-         bench_wall_s=round(time.time() - t_bench, 1), load=os.getloadavg(), **machine())
-    print(f"{'configuration':36s} {'measured':>9s} {'local plan':>11s} {'err':>6s} {'fleet model':>11s} {'err':>6s}")
+         bench_wall_s=round(wall_s, 1), load=os.getloadavg(), **machine())
+    print(f"{'configuration':36s} {'measured':>9s} {'spread':>7s} {'local plan':>11s} {'err':>6s} "
+          f"{'fleet model':>11s} {'err':>6s}")
     for r in rows:
-        print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['local_s']:10.3f}s {r['local_err']:+6.0%} "
-              f"{r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}")
+        print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['spread']:7.1%} {r['local_s']:10.3f}s "
+              f"{r['local_err']:+6.0%} {r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}")
     for key, v in summary.items():
         print(f"{key}: MAPE {v['mape']:.1%}, Spearman {v['spearman']}, {v['pairs_ordered']} of "
-              f"{v['pairs_beyond_noise']} pairs beyond noise ordered, recommended {v['recommended']}, "
-              f"regret {v['regret']:.1%}")
+              f"{v['pairs_beyond_noise']} pairs beyond noise ordered ({v['pairs_ordered_10pct']} of "
+              f"{v['pairs_beyond_10pct']} beyond 10%), recommended {v['recommended']}, regret {v['regret']:.1%}")
+
+
+def combine_generated(args: argparse.Namespace) -> None:
+    """Several --keep invocations of the same seed as repeats: the first one's predictions
+    (made before it measured), each configuration's median over all of them."""
+    import json
+
+    runs = [json.loads((Path(d) / "cases.json").read_text()) for d in args.combine]
+    if len({(r["seed"], r["epochs"]) for r in runs}) != 1:
+        raise SystemExit("--combine: the invocations differ in seed or epochs")
+    args.seed, args.epochs = runs[0]["seed"], runs[0]["epochs"]
+    rows = []
+    for row, *others in zip(*(r["rows"] for r in runs), strict=True):
+        ts = [t for x in (row, *others) for t in x["measured_runs_s"]]
+        m = statistics.median(ts)
+        rows.append({**row, "measured_s": round(m, 3), "measured_runs_s": ts,
+                     "spread": round((max(ts) - min(ts)) / m, 4), "local_err": round(row["local_s"] / m - 1, 3),
+                     "fleet_err": round(row["fleet_s"] / m - 1, 3)})
+    report_generated(rows, args, 0.0)
 
 
 def main() -> None:
@@ -402,7 +479,14 @@ def main() -> None:
                     "(median; their spread is the noise the ranks are judged against)")
     ap.add_argument("--generated", type=int, default=0, help="instead: N seeded configurations of real units, "
                     "calibrated from 1-slot runs' units.csv (module docstring)")
+    ap.add_argument("--cal-slots", type=int, default=1, help="--generated: slots of the calibration runs (1 worker)")
+    ap.add_argument("--keep", default="", help="--generated: keep the runs (specs, run directories) in this directory")
+    ap.add_argument("--combine", nargs="+", default=[], help="instead: report --keep directories of the same "
+                    "--generated seed as repeats (the first one's predictions, the median measured)")
     args = ap.parse_args()
+    if args.combine:
+        combine_generated(args)
+        return
     if args.generated:
         if "--epochs" not in sys.argv:
             args.epochs = 3

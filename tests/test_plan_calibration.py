@@ -73,6 +73,27 @@ def test_one_slot_run_calibrates_a_merge_far_below_the_unit_time(past_run):
     assert 0 < cal.unit_compute_s(cal.examples_per_unit) <= cal.train_s * 1.05
     assert cal.eval_s > 0  # epochs.csv beside it: the generator's evaluation at an epoch's close
     assert read_calibration(run).units == cal.units  # the run directory works the same
+    # Every unit records its first step's CPU: part of its training CPU, per unit.
+    assert 0 < cal.first_step_s < cal.unit_compute_s(cal.examples_per_unit), cal.describe()
+
+
+def test_first_step_is_a_per_unit_cost_and_the_rest_per_example(tmp_path):
+    """A unit's first step (~80 ms here, against ~1.5 ms a step) does not scale with its
+    examples: units a third the size take a third of the rest, and all of the first step."""
+    rows = ["unit,train_s,wall_s,train_cpu_s,cpu_s,examples_seen,first_step_cpu_s"]
+    rows += [f"u{i},0.25,0.33,0.23,0.31,1500,0.08" for i in range(3)]
+    p = tmp_path / "units.csv"
+    p.write_text("\n".join(rows) + "\n")
+    cal = read_calibration(p)
+    assert cal.first_step_s == pytest.approx(0.08)
+    assert cal.compute_per_example_s == pytest.approx(0.15 / 1500)
+    assert cal.unit_compute_s(1500) == pytest.approx(0.23)  # the calibration's own units
+    assert cal.unit_compute_s(500) == pytest.approx(0.08 + 0.05)
+    assert cal.overhead_s == pytest.approx(0.31 - 0.23)
+    # An older units.csv without the column: all of the training per example, as before.
+    p.write_text("\n".join(r.rsplit(",", 1)[0] for r in rows) + "\n")
+    old = read_calibration(p)
+    assert old.first_step_s == 0 and old.unit_compute_s(500) == pytest.approx(0.23 / 3)
 
 
 def test_plan_with_no_fleet_plans_the_local_backend(past_run):

@@ -149,6 +149,28 @@ def test_merges_share_the_cores_with_staging():
     assert c.speedup(2) == pytest.approx(1.0 / 1.5)
 
 
+def test_epoch_closes_and_first_units_are_cpu_work_in_the_simulation():
+    # 1 slot, 2 units/epoch x 3 epochs of 1 s CPU, 0.1 s merges, 1 core: 6 x 1.1 = 6.6 s.
+    # The generator closes epochs 1 and 2 inside the job (0.5 s each, the first +0.25 s
+    # loading the model; epoch 3 closes after the last merge) with no unit in flight,
+    # and the slot's first unit traces the model (+0.3 s): 6.6 + 1.25 + 0.3.
+    h = HostType("h", unit_s=0.0, cores=4, bandwidth_mbps=1e12)
+    w = Workload(units_per_epoch=2, epochs=3, params=1)
+    one = Config(((h, 1),), slots=1, assimilators=1)
+    c = _shared(merge_s=0.1, stage_s=1.0, cpu_cores=1)
+    assert simulate_once(one, w, c).job_s == pytest.approx(6.6)
+    closes = replace(c, epoch_close_s=0.5, first_close_extra_s=0.25, first_unit_extra_s=0.3)
+    assert simulate_once(one, w, closes).job_s == pytest.approx(6.6 + 1.25 + 0.3)
+    # Without sharing (a fleet), the same as delays.
+    plain = replace(closes, cpu_cores=None, colocated=False, stage_s=0.0)
+    assert simulate_once(Config(((replace(h, unit_s=1.0), 1),), 1, 1), w, plain).job_s == \
+        pytest.approx(6 * 1.1 + 1.25 + 0.3)
+    # 2 slots on 1 core: the core never idles (the other slot's unit runs during a close),
+    # so the job is all its CPU seconds: 6.6 + 1.25 + 2 first units x 0.3.
+    two = Config(((h, 1),), slots=2, assimilators=1)
+    assert simulate_once(two, w, closes).job_s == pytest.approx(6.6 + 1.25 + 0.6)
+
+
 def test_one_generator_creates_units_one_at_a_time():
     # 4 slots, units of no time, creation 1 s of CPU each by the one generator: 4 s,
     # however many cores; and the closed form's generator bound says the same.

@@ -49,6 +49,7 @@ METRIC_RANGES: dict[str, tuple[float, float]] = {
     # evaluation, checkpoints, and CPU seconds of the training and of the whole unit.
     "load_s": (0.0, 30 * 86400.0), "eval_s": (0.0, 30 * 86400.0), "checkpoint_s": (0.0, 30 * 86400.0),
     "train_cpu_s": (0.0, 30 * 86400.0), "cpu_s": (0.0, 30 * 86400.0),
+    "first_step_cpu_s": (0.0, 30 * 86400.0),  # the unit's first training step (in train_cpu_s)
 }
 
 

@@ -247,6 +247,6 @@ def _plan_local(spec, cal, params: int, n_train: int, top: int) -> None:
         console.print(f"the spec's own ({mine.cand.describe()}): epoch {fmt_s(mine.pred.epoch_s)} "
                       f"(bound by {mine.bound})")
     console.print(f"expected error: about ±{EXPECTED_ERROR_LOCAL:.0%} of the pipeline's epoch time (the planner "
-                  "bench's MAPE on generated configurations on 2 busy shared cores, bench/README.md; other "
-                  "work that changes during the run moves it most); start-up (slots loading TensorFlow) "
-                  "is not in it")
+                  "bench's MAPE on generated configurations it was not calibrated on, bench/README.md; the "
+                  "calibration run's CPU seconds and other work that changes during the run move it most); "
+                  "start-up (slots loading TensorFlow) is not in it")

@@ -16,9 +16,13 @@ merges is the merge cost only when the servers are the bottleneck, and in a run 
 clients are (a 1-slot calibration run, say) it is just the unit time.
 
 * client compute **per example** (``compute_per_example_s``): CPU seconds of the training
-  steps over the examples the unit trained on (``train_cpu_s / examples_seen``), at most
-  its wall time. CPU seconds do not grow when other slots share the cores, so a run of any
-  shape calibrates; per example, so any unit size and ``local_epochs`` follow from it;
+  steps after the first over the examples the unit trained on (``(train_cpu_s -
+  first_step_cpu_s) / examples_seen``), at most its wall time; per example, so any unit
+  size and ``local_epochs`` follow from it;
+* the unit's **first step** (``first_step_s``, from ``first_step_cpu_s``): a per-unit CPU
+  cost that does not scale with the examples (setting the unit's seed before training
+  clears TensorFlow's kernel cache: ~80 ms here against ~1.5 ms a step). Without it a
+  per-example rate from units of 1,437 examples under-counted units of 479 by 40%;
 * client **overhead** per unit (``overhead_s``): the unit's CPU (else wall) seconds
   outside its training steps;
 * **merge** (``merge_s``): the assimilator's CPU seconds for validating and merging one
@@ -66,13 +70,15 @@ class Calibration:
     commit_s: float | None  # one merge's wait for Redis' commit
     validate_s: float | None  # one result's validation alone (included in merge_s)
     cpu_clock: bool  # True when CPU columns were recorded (False: wall times, an older units.csv)
+    first_step_s: float = 0.0  # CPU of a unit's first training step (per unit, whatever its size)
     first_unit_extra_s: float = 0.0  # the first unit's extra wall time (a slot's first unit traces the model)
     eval_s: float = 0.0  # the generator's evaluation of the server weights when it closes an epoch
     first_eval_extra_s: float = 0.0  # ... and the extra of the first one (it loads the model)
 
     def unit_compute_s(self, examples: float) -> float:
-        """Training seconds of a unit of ``examples`` examples alone on one slot."""
-        return self.compute_per_example_s * examples
+        """Training seconds of a unit of ``examples`` examples alone on one slot: its first
+        step, and the rest per example."""
+        return self.first_step_s + self.compute_per_example_s * examples
 
     def describe(self) -> str:
         srv = (f"merge {self.merge_s * 1e3:.1f} ms (validate {self.validate_s * 1e3:.1f} ms), "
@@ -82,6 +88,7 @@ class Calibration:
         ev = (f"; epoch close: evaluation {self.eval_s:.3f} s (first +{self.first_eval_extra_s:.3f} s), "
               f"first unit +{self.first_unit_extra_s:.3f} s")
         return (f"{self.units} merged units of {self.source}: unit compute "
+                f"{self.first_step_s:.3f} s first step + "
                 f"{self.compute_per_example_s * 1e6:.1f} us/example x {self.examples_per_unit:,.0f} examples = "
                 f"{self.unit_compute_s(self.examples_per_unit):.3f} s + {self.overhead_s:.3f} s overhead per unit "
                 f"({'CPU' if self.cpu_clock else 'wall'} time; median unit wall {self.wall_s:.3f} s as run); {srv}{ev}")
@@ -141,14 +148,15 @@ def read_calibration(path: Path | str) -> Calibration:
     """Calibrate from a run directory or its ``units.csv`` (rows of failed units skipped)."""
     p = units_csv_path(path)
     per_ex, over, train, wall, examples = [], [], [], [], []
-    merge, commit, validate = [], [], []
+    merge, commit, validate, first = [], [], [], []
     timed: list[tuple[float, float]] = []  # (merge time, unit wall) to find the first unit
     cpu_rows = 0
     for row in _rows(p):
         if row.get("failed"):
             continue
         g = {k: _float(row.get(k)) for k in ("train_s", "wall_s", "train_cpu_s", "cpu_s", "examples_seen",
-                                             "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s")}
+                                             "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s",
+                                             "first_step_cpu_s")}
         if g["train_s"] is None or g["wall_s"] is None or g["wall_s"] < g["train_s"]:
             continue
         train.append(g["train_s"])
@@ -162,6 +170,10 @@ def read_calibration(path: Path | str) -> Calibration:
         if g["train_cpu_s"] is not None and g["cpu_s"] is not None:
             cpu_rows += 1
             t = min(g["train_cpu_s"], g["train_s"]) if g["train_cpu_s"] > 0 else g["train_s"]
+            f0 = g["first_step_cpu_s"]
+            if f0 is not None and 0 < f0 <= t:  # the first step apart: per unit, not per example
+                first.append(f0)
+                t -= f0
             over.append(max(0.0, min(g["cpu_s"], g["wall_s"]) - min(g["train_cpu_s"], g["cpu_s"])))
         else:
             t = g["train_s"]
@@ -187,6 +199,7 @@ def read_calibration(path: Path | str) -> Calibration:
     return Calibration(str(p), len(train), statistics.median(per_ex), statistics.median(over),
                        statistics.median(train), statistics.median(wall), statistics.median(examples),
                        _median(merge), _median(commit), _median(validate), cpu_rows * 2 > len(train),
+                       statistics.median(first) if len(first) * 2 > len(train) else 0.0,
                        first_extra, ev, ev_first)
 
 

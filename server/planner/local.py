@@ -11,8 +11,9 @@ measured wait; processor sharing over the machine's cores (exactly, in the simul
 does the rest, with the other work this machine is doing when it plans (its busy
 cores over one second of ``/proc/stat``) sharing the cores too. The dispatch latency is
 the run loop's: the generator steps every 50 ms.
-Added to the simulated time: each slot's first unit tracing the model, and the
-generator's evaluation at each epoch's close (both from the calibration run's records).
+The simulation also has each slot's first unit tracing the model, and the generator's
+evaluation at each epoch's close but the last (after the last merge), creating no unit
+meanwhile (both from the calibration run's records, CPU work on the same cores).
 
 Candidates: C x T slots up to twice the cores (more only queue for them) and what the
 memory holds at :data:`SLOT_MEMORY_BYTES` a slot, P up to the slots, the spec's unit
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from boinc_dl.server.planner.calibrate import Calibration
 from boinc_dl.server.planner.model import (
@@ -43,9 +44,12 @@ SLOT_MEMORY_BYTES = 500 << 20
 #: The run loop steps the work generator every 50 ms: a unit waits half of that on average.
 DISPATCH_S = 0.05
 #: MAPE of the local-backend plan on 12 generated configurations it was not calibrated
-#: on (bench/bench_planner.py --generated 12, bench/README.md, 2026-11-26: 2 cores
-#: shared with another test run; the goal, 12%, is not met).
-EXPECTED_ERROR_LOCAL = 0.34
+#: on (bench/bench_planner.py --generated 12, bench/README.md, 2026-11-26, round 2, under
+#: flock with no other job): seed 11 at rest 26% (Spearman 0.92, 49 of 50 pairs beyond
+#: noise ordered, regret 0%; its calibration run read ~25% more CPU per unit than the
+#: same units minutes later), fresh seed 41 13%. The larger one: a single calibration
+#: run's CPU seconds vary that much here. The goal, 12%, is not met.
+EXPECTED_ERROR_LOCAL = 0.26
 #: MAPE of the fleet model on the planner bench's 14 configurations (synthetic unit
 #: times, real merges; bench/README.md): a fleet of separate hosts, not one machine.
 EXPECTED_ERROR_FLEET = 0.07
@@ -129,7 +133,9 @@ def local_model(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epo
     merge = cal.merge_s if cal.merge_s is not None else merge_estimate_s(4 * params)
     costs = ServerCosts(merge_s=merge, stage_s=unit_cpu, dispatch_s=DISPATCH_S, server_cores=machine.cores,
                         cpu_cores=machine.cores, merge_shared_s=merge * SHARED_MERGE_RATIO, colocated=True,
-                        commit_s=cal.commit_s or 0.0, background=machine.background)
+                        commit_s=cal.commit_s or 0.0, background=machine.background,
+                        epoch_close_s=cal.eval_s, first_close_extra_s=cal.first_eval_extra_s,
+                        first_unit_extra_s=cal.first_unit_extra_s)
     # The whole unit is CPU work on the shared cores (stage_s, colocated): nothing of it a delay.
     host = HostType("this machine", unit_s=0.0, cores=1 << 20, bandwidth_mbps=1e15)
     cfg = Config(((host, cand.workers),), cand.slots, cand.assimilators, window=window, timeout_s=timeout_s)
@@ -176,15 +182,10 @@ def predict(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epochs:
     """Simulated epoch time of one local-backend configuration."""
     cfg, w, costs = local_model(cal, cand, machine, epochs=epochs, params=params, n_train=n_train,
                                 local_epochs=local_epochs, window=window, timeout_s=timeout_s)
+    # The simulation has each slot's first unit tracing the model, and the generator's
+    # evaluation when it closes an epoch (the first also loading the model), creating no
+    # unit meanwhile: CPU work on the same cores as the rest.
     pred = simulate(cfg, w, costs, reps=reps)
-    # What the simulation leaves out: each slot's first unit traces the model (all slots
-    # at once, sharing the cores), and the generator evaluates the server weights when it
-    # closes an epoch (the first time also loading the model), creating no unit meanwhile.
-    # The start is when every slot and the evaluator are busy at once: shared like the rest.
-    crowd = max(1.0, (cfg.total_slots + machine.background) / machine.cores)
-    once = (cal.first_unit_extra_s + cal.first_eval_extra_s) * crowd
-    job = pred.job_s + once + epochs * cal.eval_s
-    pred = replace(pred, job_s=job, epoch_s=job / epochs)
     return LocalPlan(cand, pred, bound_of(cfg, costs))
 
 

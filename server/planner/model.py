@@ -142,6 +142,14 @@ class ServerCosts:
     create_s: float = 0.0  # CPU seconds the one work generator spends creating a unit
     commit_s: float = 0.0  # seconds of Redis per merge, one commit at a time (sharing model)
     background: float = 0.0  # cores' worth of other work on the server host (sharing model)
+    #: Simulation only: the work generator's CPU seconds when it closes an epoch (it
+    #: evaluates the server weights, creating no unit meanwhile), and the first close's
+    #: extra (it also loads the model). The last epoch closes after the last merge.
+    epoch_close_s: float = 0.0
+    first_close_extra_s: float = 0.0
+    #: Simulation only: CPU seconds a slot's first unit spends on top of the others
+    #: (it traces the model).
+    first_unit_extra_s: float = 0.0
 
     def speedup(self, p: int) -> float:
         if self.sharing:

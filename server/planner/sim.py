@@ -80,6 +80,13 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     redis_busy = False
     gen_queue: deque[int] = deque()
     gen_busy = False
+    # Epoch closes: the generator evaluates when an epoch's last unit merges (creating no
+    # unit meanwhile); the last epoch's close comes after the last merge, outside the job.
+    per_epoch = w.units_per_epoch
+    merged_in = [0] * w.epochs
+    closed = 0
+    closing = False
+    first_done = [False] * len(slot_host)  # each slot's first unit traces the model
     server_of = [rng.randrange(cfg.assimilators) if assign == "hash" else u % cfg.assimilators
                  for u in range(n_s)]
     attempts = [0] * n_s
@@ -96,6 +103,8 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
 
     def create() -> None:
         nonlocal created
+        if closing:
+            return  # the generator is evaluating: the next step creates
         while created < n_s and created - merged < window:
             if gen_cpu > 0:
                 gen_queue.append(created)  # the one generator writes its input file first
@@ -128,7 +137,9 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
                 back = kill + cfg.notice_s if cfg.notice_s is not None else t + cfg.timeout_s
                 push(max(back, kill), "reissue", unit, s)
             else:
-                push(t + u, "computed", unit, s)
+                # Without sharing a slot's first unit traces the model as a delay.
+                extra = 0.0 if sharing or first_done[s] else costs.first_unit_extra_s
+                push(t + u + extra, "computed", unit, s)
 
     def start_merge(srv: int) -> None:
         nonlocal busy
@@ -164,6 +175,8 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
             gen_busy = False
             unsent.append(unit)
             start_create()
+        elif kind == "close":
+            end_close()
         elif kind == "stage":
             free[where] = True
             result_in(now, unit)
@@ -175,13 +188,36 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
                 redis_busy = False
                 start_commit()
             server_busy[where] = False
-            on_merged()
+            on_merged(unit)
             start_merge(where)
 
-    def on_merged() -> None:
+    def on_merged(unit: int) -> None:
         nonlocal merged
         merged += 1
+        merged_in[unit // per_epoch] += 1
+        if not closing:
+            gen_step()
+
+    def gen_step() -> None:
+        """The generator's step: close the epochs whose units all merged (the evaluation,
+        CPU work on the shared cores), then fill the window."""
+        nonlocal closed, closing
+        while closed < w.epochs - 1 and merged_in[closed] == per_epoch:
+            close_s = costs.epoch_close_s + (costs.first_close_extra_s if closed == 0 else 0.0)
+            closed += 1
+            if close_s > 0:
+                closing = True
+                if sharing:
+                    cpu.append([close_s, "close", -1, -1])
+                else:
+                    push(now + close_s, "closed", -1)
+                return
         create()
+
+    def end_close() -> None:
+        nonlocal closing
+        closing = False
+        gen_step()
 
     create()
     dispatch(0.0)
@@ -200,13 +236,17 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
                 cpu.remove(j)
                 cpu_done(j)
         elif kind == "computed":
-            if sharing and stage_cpu[slot_host[slot]] > 0:
-                cpu.append([stage_cpu[slot_host[slot]], "stage", unit, slot])
+            extra = 0.0 if first_done[slot] or not sharing else costs.first_unit_extra_s
+            first_done[slot] = True
+            if sharing and stage_cpu[slot_host[slot]] + extra > 0:
+                cpu.append([stage_cpu[slot_host[slot]] + extra, "stage", unit, slot])
             else:
                 free[slot] = True
                 result_in(now, unit)
         elif kind == "merged":
-            on_merged()
+            on_merged(unit)
+        elif kind == "closed":
+            end_close()
         elif kind == "slot_back":
             free[slot] = True
         elif kind == "reissue":

@@ -13,7 +13,7 @@ from boinc_dl.server.assimilator.store import JobStore
 
 #: units.csv's timing columns after the original ones (docs/planner.md, "Calibration").
 UNIT_TIMINGS = ("load_s", "eval_s", "checkpoint_s", "train_cpu_s", "cpu_s",
-                "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s")
+                "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s", "first_step_cpu_s")
 
 
 def collect_history(store: JobStore) -> dict[str, Any]:
