@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -25,14 +26,29 @@ def test_finds_both_aof_layouts(tmp_path: Path) -> None:
                      "appendonly.aof.manifest"]
 
 
+class _Recorded(AofSyncer):
+    """An AofSyncer that records which thread made each pass."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.by: list[str] = []
+
+    def sync_once(self) -> int:
+        self.by.append(threading.current_thread().name)
+        return super().sync_once()
+
+
 def test_syncs_every_interval_and_once_more_on_stop(tmp_path: Path) -> None:
     (tmp_path / "appendonly.aof").write_bytes(b"x" * 4096)
-    syncer = AofSyncer(tmp_path, interval_s=0.05).start()
+    syncer = _Recorded(tmp_path, interval_s=0.05).start()
     time.sleep(0.4)
     assert syncer.running and syncer.passes >= 3
-    n = syncer.passes
+    assert set(syncer.by) == {"bdl-aof-sync"}
     syncer.stop()
-    assert not syncer.running and syncer.passes == n + 1  # the last pass on stop
+    assert not syncer.running
+    # the last pass on stop: made by the stopping thread, after the syncer's thread ended
+    assert syncer.by[-1] == threading.current_thread().name and syncer.by.count(syncer.by[-1]) == 1
+    assert syncer.passes == len(syncer.by)
     assert syncer.sync_once() == 1
 
 
