@@ -11,7 +11,7 @@ import pytest
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import ResultRejected
 from boinc_dl.server.common.weights import OptimizerState, WeightsFile, read_weights, write_weights
-from tests.support.results import assimilate_files, validate
+from tests.support.results import assimilate_error, assimilate_files, validate
 
 from .conftest import tiny_fingerprint, tiny_spec
 
@@ -74,3 +74,55 @@ def test_mop_state_is_in_place_before_the_merge_lands(redis_client, tmp_path: Pa
     # Seen from inside each merge, before it committed (version still the old one): the
     # state already there, tagged with the version the merge makes.
     assert at_merge == [(1, 0), (2, 1)]
+
+
+def test_a_late_result_cannot_plant_the_next_units_optimizer_state(redis_client, tmp_path: Path) -> None:
+    """A host's late result of a MOP unit already given up carries a crafted optimizer
+    state (within every bound). Its merge is refused; it must also leave no state the
+    model's next merge would hand on. The next result carries no state (an optimizer
+    without one): after its merge the model has no state, not the attacker's."""
+    spec = tiny_spec("tinymop2", mode="mop", mop={"partitions": 2, "param_grid": {"hidden": [8]}})
+    fp = tiny_fingerprint()
+    store = JobStore(redis_client, spec.name)
+    store.create(spec.model_dump_json(), "mop", {"0": fp}, {})
+    store.init_weights("0", np.zeros(fp.n_params, np.float32))
+    base = tmp_path / "base.h5"
+    write_weights(base, WeightsFile(np.zeros(fp.n_params, np.float32), fp, job=spec.name, model="0"))
+    for unit, shard in (("late", 0), ("next", 1)):
+        store.register_unit(unit, {"epoch": 1, "shard": shard, "model": "0", "weights_version": 0,
+                                   "files": {"weights_in.h5": str(base)}}, 1)
+    assert assimilate_error(store, "late", "deadline passed").status != "merged"
+
+    crafted = OptimizerState("adam", [np.array(1, np.int64), np.full(fp.n_params, 50, np.float32),
+                                      np.full(fp.n_params, 1e-12, np.float32)])
+    write_weights(tmp_path / "late.h5", WeightsFile(np.ones(fp.n_params, np.float32), fp, job=spec.name,
+                                                    unit="late", model="0", optimizer=crafted))
+    (tmp_path / "late.json").write_text(json.dumps({"unit": "late"}))
+    out = assimilate_files(store, [tmp_path / "late.h5", tmp_path / "late.json"], spec, unit="late")
+    assert out.status != "merged" and store.version("0") == 0
+    assert store.optimizer_state("0") is None
+
+    write_weights(tmp_path / "next.h5", WeightsFile(np.ones(fp.n_params, np.float32), fp, job=spec.name,
+                                                    unit="next", model="0"))
+    (tmp_path / "next.json").write_text(json.dumps({"unit": "next"}))
+    assert assimilate_files(store, [tmp_path / "next.h5", tmp_path / "next.json"], spec, unit="next").status == "merged"
+    assert store.version("0") == 1 and store.optimizer_state("0") is None
+
+
+def test_a_result_without_a_state_clears_the_one_stored(redis_client, tmp_path: Path) -> None:
+    """A state planted earlier (any version) never survives a merge whose result has none."""
+    spec = tiny_spec("tinymop3", mode="mop", mop={"partitions": 2, "param_grid": {"hidden": [8]}})
+    fp = tiny_fingerprint()
+    store = JobStore(redis_client, spec.name)
+    store.create(spec.model_dump_json(), "mop", {"0": fp}, {})
+    store.init_weights("0", np.zeros(fp.n_params, np.float32))
+    store.set_optimizer_state("0", _opt(fp.n_params).to_bytes(1))
+    base = tmp_path / "base.h5"
+    write_weights(base, WeightsFile(np.zeros(fp.n_params, np.float32), fp, job=spec.name, model="0"))
+    store.register_unit("u", {"epoch": 1, "shard": 0, "model": "0", "weights_version": 0,
+                              "files": {"weights_in.h5": str(base)}}, 1)
+    write_weights(tmp_path / "u.h5", WeightsFile(np.ones(fp.n_params, np.float32), fp, job=spec.name,
+                                                 unit="u", model="0"))
+    (tmp_path / "u.json").write_text(json.dumps({"unit": "u"}))
+    assert assimilate_files(store, [tmp_path / "u.h5", tmp_path / "u.json"], spec, unit="u").status == "merged"
+    assert store.version("0") == 1 and store.optimizer_state("0") is None

@@ -120,11 +120,18 @@ def assimilate_valid(
     # soon as the merge lands and must find the state already there (written after, a busy
     # server let the next unit start a fresh optimizer). One unit per model is in flight, so
     # the next version is this one plus one; a blob of any other version is ignored, so a
-    # crash or a duplicate only ever means a fresh optimizer, never a wrong one.
-    carry = res.weights.optimizer if spec.mode == "mop" and not store.is_assimilated(unit) else None
+    # crash or a duplicate only ever means a fresh optimizer, never a wrong one. A late
+    # result of a unit already merged or given up writes nothing (a host could otherwise
+    # plant a state for the version the model's next merge makes), and a result without a
+    # state clears the stored one: after a merge the state is its result's own, or none.
+    carry = None
     predicted = store.version(model) + 1
-    if carry is not None:
-        store.set_optimizer_state(model, carry.to_bytes(predicted))
+    if spec.mode == "mop" and store.settled_of([unit])[0] == (None, None):
+        carry = res.weights.optimizer
+        if carry is None:
+            store.clear_optimizer_state(model)
+        else:
+            store.set_optimizer_state(model, carry.to_bytes(predicted))
     out = store.merge(model, unit, plan.combine(wc), record, epoch, strict=use_strict, source=res.files.weights)
     if out.given_up:
         reason = "the unit was already given up; a late result is not merged"

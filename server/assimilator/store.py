@@ -518,6 +518,9 @@ class JobStore(ShardMerging):
     def set_optimizer_state(self, model: str, blob: bytes) -> None:
         self.call(lambda: self.r.set(self.k("opt", model), blob))
 
+    def clear_optimizer_state(self, model: str) -> None:
+        self.call(lambda: self.r.delete(self.k("opt", model)))
+
     # ---- trusted statistics (the clip radius: server.assimilator.policy) ------------------
     def trusted_values(self, model: str, name: str, window: int) -> list[tuple[int, float]]:
         """The newest ``window`` trusted values of statistic ``name``, oldest first, each
