@@ -284,6 +284,28 @@ def test_mop_names_configurations_by_their_parameters(tmp_path: Path) -> None:
     assert "retracing" not in log
 
 
+def test_mop_run_sigkilled_mid_run_resumes_and_trains_each_sub_epoch_once(tmp_path: Path) -> None:
+    """A model-selection run SIGKILLed at a moment not chosen in advance (after its first
+    epoch closed, plus a random wait) resumes with --resume: every configuration visits
+    every partition once per epoch, none twice. (Its resume once refused: "its model file
+    is missing", a file only VC-ASGD jobs have.)"""
+    import random
+
+    user_files(tmp_path, MOP_SPEC.replace("batch_size: [16, 32]", "batch_size: [32]"))
+    proc = subprocess.Popen([BDL, "run", "job.yaml", *SMALL], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = _Lines(proc)
+    lines.wait_for("epoch 1/2", proc)
+    time.sleep(random.SystemRandom().uniform(0, 3))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    res = bdl("run", "job.yaml", "--resume", *SMALL, cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    hist = json.loads((tmp_path / "runs" / "sel" / "history.json").read_text())
+    visits = Counter((m, p, e) for m, p, _w, _att, e in hist["schedule"])
+    assert len(visits) == 4 * 2 * 2 and set(visits.values()) == {1}, visits  # 4 configs x 2 partitions x 2 epochs
+
+
 # ---- pieces too small to need a run ------------------------------------------------------------
 
 def test_learning_curve_has_whole_epoch_ticks() -> None:

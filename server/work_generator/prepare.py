@@ -153,7 +153,8 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
             log.warning("the spec differs from the one the job was started with")
         if not files.val.exists() or not all(files.shard(k).exists() for k in range(n_shards(spec))):
             write_data_files(spec, files)
-        if not files.model.exists():
+        # (MOP keeps one model file per configuration, which its generator rebuilds.)
+        if spec.mode != "mop" and not files.model.exists():
             raise BoincDLError(f"job {spec.name!r}: its model file {files.model} is missing")
         return files
     if resume:
