@@ -124,9 +124,9 @@ def assimilate_valid(
     # result of a unit already merged or given up writes nothing (a host could otherwise
     # plant a state for the version the model's next merge makes), and a result without a
     # state clears the stored one: after a merge the state is its result's own, or none.
-    carry = None
-    predicted = store.version(model) + 1
+    carry, predicted = None, 0  # VC-ASGD merges read neither (two round trips saved per merge)
     if spec.mode == "mop" and store.settled_of([unit])[0] == (None, None):
+        predicted = store.version(model) + 1
         carry = res.weights.optimizer
         if carry is None:
             store.clear_optimizer_state(model)
