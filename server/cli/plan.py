@@ -71,9 +71,10 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
                              "without it, plan the local backend on this machine")] = None,
          deadline: Annotated[str | None, typer.Option(help="finish within, e.g. 8h")] = None,
          budget: Annotated[float | None, typer.Option(help="spend at most, USD")] = None,
-         calibrate: Annotated[Path | None, typer.Option(
-             "--calibrate", help="a past run's directory or units.csv to calibrate from (default: run one "
-                                 "short calibration here when the plan needs a unit time)")] = None,
+         calibrate: Annotated[list[Path] | None, typer.Option(
+             "--calibrate", help="a past run's directory or units.csv to calibrate from; repeat it to pool "
+                                 "several runs (default: run one short calibration here when the plan needs a "
+                                 "unit time)")] = None,
          project: Annotated[Path | None, typer.Option(
              "--project", help="a BOINC project directory: calibrate from the job's records there (its merge "
                                "records in the project's Redis, or --calibrate's units.csv, and the host-side "
@@ -92,7 +93,7 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     from boinc_dl.server.common.spec import load_spec
     from boinc_dl.server.common.spec_defaults import derive
     from boinc_dl.server.fleet.config import load_planner_fleet
-    from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
+    from boinc_dl.server.planner.calibrate import CalibrationError, read_calibrations
     from boinc_dl.server.planner.fleetfile import FleetFileError
     from boinc_dl.server.planner.local import EXPECTED_ERROR_FLEET, fmt_s
     from boinc_dl.server.planner.model import Workload
@@ -112,9 +113,9 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
 
     if fleet is not None and (deadline is None) == (budget is None):
         raise typer.BadParameter("give exactly one of --deadline and --budget")
-    source = calibrate or history
-    if project is None and source is not None and _is_boinc_project(source):
-        project, source = source, None  # --calibrate PROJECT_DIR: the same as --project PROJECT_DIR
+    sources = list(calibrate or ([history] if history is not None else []))
+    if project is None and len(sources) == 1 and _is_boinc_project(sources[0]):
+        project, sources = sources[0], []  # --calibrate PROJECT_DIR: the same as --project PROJECT_DIR
     if job is not None and project is None:
         raise typer.BadParameter("--job names a job of a BOINC project: give --project too")
     try:
@@ -129,13 +130,13 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         cal = None
         needs_unit = ff is None or any("unit_s" not in row for row in ff.types.values())
         if project is not None:
-            cal = boinc_calibration(project, job or spec.name, source)
-        elif source is None and needs_unit:
+            cal = boinc_calibration(project, job or spec.name, sources)
+        elif not sources and needs_unit:
             console.print("calibrating: two epochs of the spec's real units on this host (1 slot); "
                           "--calibrate RUN_DIR reuses a past run instead")
             cal = calibration_run(spec, spec_file)
-        elif source is not None:
-            cal = read_calibration(source)
+        elif sources:
+            cal = read_calibrations(sources)
         if cal is not None:
             console.print(f"calibration: {cal.describe()}")
         if cal is not None and cal.boinc is not None:
@@ -221,11 +222,12 @@ def _is_boinc_project(path: Path) -> bool:
     return path.is_dir() and (path / "config.xml").is_file() and not (path / "units.csv").is_file()
 
 
-def boinc_calibration(project_dir: Path, job: str, units: Path | None):
+def boinc_calibration(project_dir: Path, job: str, units: list[Path]):
     """Calibrate from a BOINC job's own records: the per-unit merge records (the job's
-    store in the project's Redis, or ``units`` -- a run directory or units.csv written
-    from them) for the client's and the assimilator's durations, and BOINC's result table
-    for the host side (elapsed and CPU time, sent and received times, per host).
+    store in the project's Redis, or ``units`` -- run directories or units.csv files
+    written from them, pooled) for the client's and the assimilator's durations, and
+    BOINC's result table for the host side (elapsed and CPU time, sent and received
+    times, per host).
 
     Exit status 3 when BOINC's database cannot be reached (as for Redis: try again); a
     project, job or table without what is needed is a clear error (exit status 2)."""
@@ -242,10 +244,10 @@ def boinc_calibration(project_dir: Path, job: str, units: Path | None):
     )
 
     proj = BoincProject(project_dir).require()
-    if units is not None:
-        rows: list = read_unit_rows(units)
-        evals = epoch_evals(_epoch_rows_beside(units))
-        where = str(units)
+    if units:
+        rows: list = [r for u in units for r in read_unit_rows(u)]
+        evals = epoch_evals(r for u in units for r in _epoch_rows_beside(u))
+        where = ", ".join(str(u) for u in units)
     else:
         from boinc_dl.server.assimilator.connection import connect
         from boinc_dl.server.assimilator.store import JobStore

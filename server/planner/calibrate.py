@@ -42,7 +42,7 @@ from __future__ import annotations
 import csv
 import itertools
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +161,27 @@ def read_calibration(path: Path | str) -> Calibration:
     p = units_csv_path(path)
     ev, ev_first = _epoch_evals(p.parent / "epochs.csv")
     return calibration_from_rows(_rows(p), str(p), ev, ev_first)
+
+
+def read_calibrations(paths: Sequence[Path | str]) -> Calibration:
+    """Calibrate from several past runs of the spec's model at once: the medians over all
+    their merged units, and over the runs for the epoch closes (each run's first close
+    is its own). The units of one run agree closely (their per-example CPU within ~10%
+    here); what moves a calibration is the run, by ~30% from one run to the next on a
+    shared machine (docs/planner.md): several runs pool that out, more rows of one do not."""
+    if len(paths) == 1:
+        return read_calibration(paths[0])
+    if not paths:
+        raise CalibrationError("no run to calibrate from")
+    rows: list[dict[str, str]] = []
+    evals: list[tuple[float, float]] = []
+    for path in paths:
+        p = units_csv_path(path)
+        rows += itertools.islice(_rows(p), MAX_ROWS - len(rows))
+        evals.append(_epoch_evals(p.parent / "epochs.csv"))
+    timed = [e for e in evals if e != (0.0, 0.0)] or [(0.0, 0.0)]
+    return calibration_from_rows(rows, f"{len(paths)} runs ({', '.join(str(x) for x in paths)})",
+                                 statistics.median(e[0] for e in timed), statistics.median(e[1] for e in timed))
 
 
 def read_unit_rows(path: Path | str) -> list[dict[str, str]]:
