@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from boinc_dl.server.cli.app import console, err_console, fail
+from boinc_dl.server.cli.app import console, err_console, error_line, fail
 from boinc_dl.server.common.errors import BoincDLError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -240,14 +240,14 @@ def boinc_calibration(project_dir: Path, job: str, units: list[Path]):
         CalibrationError,
         calibration_from_rows,
         epoch_evals,
+        read_calibrations,
         read_unit_rows,
     )
 
     proj = BoincProject(project_dir).require()
     if units:
+        cal = read_calibrations(units)
         rows: list = [r for u in units for r in read_unit_rows(u)]
-        evals = epoch_evals(r for u in units for r in _epoch_rows_beside(u))
-        where = ", ".join(str(u) for u in units)
     else:
         from boinc_dl.server.assimilator.connection import connect
         from boinc_dl.server.assimilator.store import JobStore
@@ -257,39 +257,22 @@ def boinc_calibration(project_dir: Path, job: str, units: list[Path]):
         # here from the store the project's assimilators write to (never its URL in the
         # output: it may carry a password).
         hist = collect_history(JobStore(connect(proj.redis_url()), job).require())
-        rows, evals = hist["units"], epoch_evals(hist["epochs"])
-        where = f"job {job}'s merge records in the project's Redis"
-    cal = calibration_from_rows(rows, where, *evals)
+        rows = hist["units"]
+        cal = calibration_from_rows(rows, f"job {job}'s merge records in the project's Redis",
+                                    *epoch_evals(hist["epochs"]))
     args = credentials(proj)  # a config.xml without <db_name>: exit 2, like any bad input
     db_where = f"BOINC's result table ({args['database']} at {args.get('unix_socket') or args['host']})"
     try:
         with BoincDB.connect(proj) as db:
             results = db.job_result_timings(f"{job}__")
     except BoincDBError as e:
-        err_console.print(f"[red]error:[/] {e}")
+        error_line(str(e))  # pymysql's messages carry brackets: no console markup
         raise typer.Exit(3) from None
     try:
         times = boinc_times(results, rows, job, f"job {job}'s workunits in {db_where}")
     except ValueError as e:
         raise CalibrationError(str(e)) from None
     return replace(cal, boinc=times)
-
-
-def _epoch_rows_beside(units: Path) -> list:
-    """The epoch records (``epochs.csv``) of the run whose ``units.csv`` is ``units``."""
-    import csv
-    import itertools
-
-    from boinc_dl.server.planner.calibrate import MAX_BYTES, MAX_ROWS
-
-    p = (units if units.is_dir() else units.parent) / "epochs.csv"
-    if not p.is_file() or p.stat().st_size > MAX_BYTES:
-        return []
-    try:
-        with p.open(newline="", encoding="utf-8") as f:
-            return list(itertools.islice(csv.DictReader(f), MAX_ROWS))
-    except (OSError, UnicodeDecodeError, csv.Error):
-        return []
 
 
 def _print_boinc(times, fleet: bool) -> None:
