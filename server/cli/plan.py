@@ -72,7 +72,8 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
          deadline: Annotated[str | None, typer.Option(help="finish within, e.g. 8h")] = None,
          budget: Annotated[float | None, typer.Option(help="spend at most, USD")] = None,
          calibrate: Annotated[list[Path] | None, typer.Option(
-             "--calibrate", help="a past run's directory or units.csv to calibrate from; repeat it to pool "
+             "--calibrate", metavar="<path>",
+             help="a past run's directory or units.csv to calibrate from; repeat it to pool "
                                  "several runs (default: run one short calibration here when the plan needs a "
                                  "unit time)")] = None,
          project: Annotated[Path | None, typer.Option(

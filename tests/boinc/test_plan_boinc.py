@@ -260,3 +260,15 @@ def test_units_csv_beside_the_project_gives_the_merge_records(boinc_job, env):
     text = " ".join(out.stdout.split())
     assert "calibration: 4 merged units of hist/units.csv" in text, text
     assert _number(r"host-side overhead (\d+\.\d+) s per unit", text) == pytest.approx(ex["overhead"], abs=5e-4)
+
+
+def test_local_plan_says_where_boinc_times_go(boinc_job):
+    """Without --fleet the plan is the local backend's: the merge records calibrate it,
+    and BOINC's host side is reported but not used (no wrapper, no network here)."""
+    project, work, ex = boinc_job
+    out = boinc_dl("plan", "spec.yaml", "--project", str(project.root), cwd=work, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())
+    assert "local backend on this machine" in text
+    assert _number(r"host-side overhead (\d+\.\d+) s per unit", text) == pytest.approx(ex["overhead"], abs=5e-4)
+    assert "BOINC's host-side times go into a fleet plan (--fleet)" in text
