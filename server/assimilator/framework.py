@@ -223,7 +223,7 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         timing = {"validate_s": round(time.perf_counter() - t0, 6),
                   "validate_cpu_s": round(time.thread_time() - cpu0, 6)}
         out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery),
-                               timing=timing)
+                               timing=timing, result=delivery.result)
     except ResultRejected as e:
         return reject(store, delivery, unit, e.reason)
     finally:
