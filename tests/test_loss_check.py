@@ -112,9 +112,14 @@ def test_checks_come_before_observations_and_observations_are_bounded(job) -> No
 def test_first_verdict_wins_and_retires_the_request(job) -> None:
     store, *_ = job
     store.request_loss_check("r1", {"file": "f.h5"}, "5.0", stale_s=30, max_queue=10)
+    t0 = time.monotonic()
+    assert not store.wait_loss_notice("r1", 0.2) and time.monotonic() - t0 >= 0.2  # no verdict: no notice
+    threading.Timer(0.2, lambda: store.set_loss_verdict("r1", {"ok": False, "reason": "first"}, 60)).start()
+    t0 = time.monotonic()
+    assert store.wait_loss_notice("r1", 10) and time.monotonic() - t0 < 5  # woken by the verdict
     first, retired = store.set_loss_verdict("r1", {"ok": False, "reason": "first"}, 60)
     again, retired2 = store.set_loss_verdict("r1", {"ok": True, "reason": "second"}, 60)
-    assert first == again == {"ok": False, "reason": "first"} and retired == "f.h5" and retired2 is None
+    assert first == again == {"ok": False, "reason": "first"} and retired is None and retired2 is None
     assert store.loss_verdict("r1") == first and store.loss_pending_count() == 0
     # answered: a later delivery never queues it again, and a replayed id is not judged
     assert store.request_loss_check("r1", {}, "999.0", stale_s=0, max_queue=10) == "verdict"

@@ -122,7 +122,8 @@ def assimilate_valid(
                              weights=res.files.weights, base_path=plan.base_path if plan.base is not None else None,
                              scale=plan.scale, trusted=trusted)
     if verdict is not None:
-        record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"))
+        record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"),
+                      loss_check_s=verdict.get("check_s"))
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     # The rule by name with its parameters (rules.py): a durable merge logs them, and a
     # replay after a Redis crash recomputes the same bytes with the same function.

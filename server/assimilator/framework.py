@@ -21,7 +21,9 @@ here, once, in this order:
 
 Anything a result provokes that no check foresaw becomes a rejection with its reason,
 never a dead daemon. Only a transient fault (Redis unreachable:
-:class:`~boinc_dl.server.common.errors.StoreUnavailable`) propagates: the transport
+:class:`~boinc_dl.server.common.errors.StoreUnavailable`; or the held-out loss check's
+verdict on an untrusted result not in yet, its subclass
+:class:`~boinc_dl.server.assimilator.losscheck.VerdictPending`) propagates: the transport
 keeps the result and retries, as BOINC re-runs an assimilator that exits non-zero.
 """
 

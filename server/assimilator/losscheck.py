@@ -20,7 +20,8 @@ Redis (:class:`~boinc_dl.server.assimilator.store.JobStore`, keys ``losscheck:*`
    the checker a hard link of the result's weights file in the job's ``loss_check/``
    directory and queues a request: once (a result's id is in the queue at most once, and a
    request younger than the wait is left alone; an older one is presumed lost with a
-   checker that died, and replaced), then polls for the verdict up to ``loss_check_wait_s``.
+   checker that died, and replaced), then waits for the verdict up to ``loss_check_wait_s``
+   (woken by the checker's notice).
 2. The checker pops the request, reads the file with the bounded, fingerprint-checked
    weights reader, computes the loss change (``L(W_b)`` cached per base file), and
    sets the verdict with first-writer-wins semantics, so a retried or replayed request
@@ -69,8 +70,9 @@ VERDICT_TTL_S = 7 * 86400
 HEARTBEAT_TTL_S = 15.0
 #: Where the result files handed to the checker wait, inside the job's directory.
 SPOOL = "loss_check"
-#: How often a waiting assimilator looks for its verdict.
-POLL_S = 0.01
+#: A waiting assimilator wakes on the checker's notice, and looks the verdict up at
+#: least this often anyway (another delivery of the same result may take the notice).
+NOTICE_SLICE_S = 0.5
 
 
 class VerdictPending(StoreUnavailable):
@@ -220,4 +222,4 @@ def _ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weig
             raise VerdictPending(
                 f"no held-out loss check verdict within {wait:g} s (the work generator runs the "
                 f"checker; {store.loss_queue_length()} request(s) queued); the result is retried later")
-        time.sleep(POLL_S)
+        store.wait_loss_notice(rid, max(0.001, min(NOTICE_SLICE_S, deadline - time.monotonic())))

@@ -28,6 +28,7 @@ Keys of job J:
 ``bdl:J:losscheck:pending``    hash id -> the check request (JSON, with its stamp) until answered
 ``bdl:J:losscheck:observe``    list: trusted results to measure for the check's statistic (bounded)
 ``bdl:J:losscheck:v:<id>``     a result's loss-check verdict (JSON; set once, expires in a week)
+``bdl:J:losscheck:done:<id>``  list: notice that the verdict is set, for a waiting assimilator (1 min)
 ``bdl:J:losscheck:alive``      the loss checker's heartbeat (expires unless refreshed)
 =============================  ===================================================
 
@@ -638,6 +639,8 @@ class JobStore(ShardMerging):
     redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
     local req = redis.call('HGET', KEYS[2], ARGV[3])
     redis.call('HDEL', KEYS[2], ARGV[3])
+    redis.call('RPUSH', KEYS[3], '1')
+    redis.call('EXPIRE', KEYS[3], 60)
     return {redis.call('GET', KEYS[1]), req or ''}
     """
 
@@ -647,10 +650,17 @@ class JobStore(ShardMerging):
         verdict in force and the file of the request retired (it may be a later one than
         the caller judged: the caller removes it)."""
         script = self._script("loss_verdict", self._LOSS_VERDICT)
-        keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending")]
+        keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending"), self.k("losscheck", "done", rid)]
         out, req = self.call(lambda: script(keys=keys, args=[json.dumps(verdict), int(ttl_s), rid]))
         retired = json.loads(req).get("file") if req else None
         return json.loads(out), retired if isinstance(retired, str) else None
+
+    def wait_loss_notice(self, rid: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the notice that ``rid``'s verdict was set (a waiting
+        assimilator wakes at once instead of polling); True if one came. A notice nobody
+        takes expires after a minute; callers look the verdict up, notice or not."""
+        got = self.call(lambda: self.r.blpop([self.k("losscheck", "done", rid)], timeout=timeout_s))
+        return got is not None
 
     _LOSS_DROP = """
     local cur = redis.call('HGET', KEYS[1], ARGV[1])

@@ -144,16 +144,18 @@ class JobChecker:
         except WeightsFormatError as e:
             v = lc.decide(math.inf, 0.0)
             return {**v, "reason": f"held-out loss check: the result's weights cannot be read: {e}"}
+        t0 = time.perf_counter()
         try:
-            wb_path = base
-            dl = self.loss_increase(wc, wb_path, scale)
+            dl = self.loss_increase(wc, base, scale)
         except WeightsFormatError as e:  # the server's own base file: log it, judge nothing
             log.error("job %s: base weights %s unreadable: %s", self.store.job, base, e)
             return None
         if req.get("kind") == "observe":
             return {"loss_increase": dl if math.isfinite(dl) else None}
         bound = lc.bound_of(self.store, self.spec, str(req.get("model", "0")), int(req.get("epoch", 0)))
-        return lc.decide(dl, bound)
+        # the forward passes' own time, for the merge record (the rest of a result's wait
+        # is the queue)
+        return {**lc.decide(dl, bound), "check_s": round(time.perf_counter() - t0, 6)}
 
     def sweep(self, now: float | None = None) -> int:
         """Remove spool files of requests lost in a crash (older than ORPHAN_AGE_S)."""
