@@ -1,6 +1,6 @@
 """What the held-out loss check costs an honest project: time-to-merge and refusals.
 
-A VC-ASGD job on digits (the issue's setting: MLP 64, Adam lr 0.002, batch 16, 2 local
+A VC-ASGD job on digits (the setting of docs/merge-rules.md: MLP 64, Adam lr 0.002, batch 16, 2 local
 epochs, 32 subsets, ``D`` units in flight) runs through the real merge path: a real
 Redis, the job's real files (``prepare_job``), every unit really trained with Keras
 from the base weights it was issued with, its result written as a weights file and
