@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
@@ -240,13 +241,16 @@ def test_a_lost_request_is_queued_again_once_stale(job, tmp_path: Path) -> None:
     assert c.sweep() == 0 and c.sweep(now=time.time() + 2 * 86400) == 1
 
 
-def test_trusted_results_feed_the_statistic_only_through_a_live_checker(job, tmp_path: Path) -> None:
+def test_trusted_results_feed_the_statistic_only_through_a_live_checker(job, tmp_path: Path,
+                                                                         monkeypatch) -> None:
     store, spec, fp, job_dir = job
     out = deliver(store, spec, "u5", result(tmp_path, store, fp, "u5", 0.5), trusted=True)
     assert out.status == "merged" and store.loss_queue_length() == 0  # no checker: nothing queued
+    assert not lc.checker_alive(store)
+    monkeypatch.setattr(lc, "ALIVE_CACHE_S", 0.0)  # the cached answer would hold for 5 s
     with checker_running(store, spec, job_dir):
         deadline = time.monotonic() + 5
-        while not store.loss_checker_alive() and time.monotonic() < deadline:
+        while not lc.checker_alive(store) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert deliver(store, spec, "u6", result(tmp_path, store, fp, "u6", 0.5), trusted=True).status == "merged"
         # untrusted results never feed it (no bound yet: they pass unmeasured)
@@ -257,6 +261,19 @@ def test_trusted_results_feed_the_statistic_only_through_a_live_checker(job, tmp
     vals = store.trusted_values("0", lc.STAT, 32)
     assert len(vals) == 1 and vals[0][1] == pytest.approx(np_loss(np.full(fp.n_params, 0.5)) - 1.0, rel=1e-5)
     assert not list(lc.spool_dir(job_dir).iterdir())
+
+
+def test_whether_a_checker_is_alive_is_asked_once_per_interval(job) -> None:
+    """The local backend's assimilators (every result trusted, no checker) do not pay a
+    round trip per merge for it."""
+    store, *_ = job
+    assert not lc.checker_alive(store)
+    store.mark_loss_checker_alive(30)
+    assert store.loss_checker_alive() and not lc.checker_alive(store)  # cached
+    lc._alive.clear()
+    assert lc.checker_alive(store)
+    other = JobStore(redis.Redis(unix_socket_path="/nonexistent"), store.job)
+    assert lc._where(other) != lc._where(store)  # another Redis: another answer
 
 
 @pytest.mark.parametrize("attack", [a for a in ATTACKS if a.name in (

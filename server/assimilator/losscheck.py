@@ -162,10 +162,37 @@ def gate(store: JobStore, spec: JobSpec, *, unit: str, model: str, epoch: int, r
     return verdict
 
 
+#: job -> (monotonic time, whether its checker's heartbeat was live): a long-lived
+#: assimilator (the local backend's, whose results are all trusted and which runs no
+#: checker) asks Redis once per ALIVE_CACHE_S, not once per merge.
+_alive: dict[tuple[Any, ...], tuple[float, bool]] = {}
+ALIVE_CACHE_S = 5.0
+
+
+def _where(store: JobStore) -> tuple[Any, ...]:
+    """The job and the Redis it lives in (two Redis servers may hold jobs of one name)."""
+    kw = getattr(getattr(store.r, "connection_pool", None), "connection_kwargs", None)
+    where = (kw.get("path"), kw.get("host"), kw.get("port"), kw.get("db")) if kw else (id(store.r),)
+    return (store.job, *where)
+
+
+def checker_alive(store: JobStore) -> bool:
+    """Whether a checker serves ``store``'s job (its heartbeat, cached ALIVE_CACHE_S)."""
+    now, key = time.monotonic(), _where(store)
+    hit = _alive.get(key)
+    if hit is not None and now - hit[0] < ALIVE_CACHE_S:
+        return hit[1]
+    alive = store.loss_checker_alive()
+    _alive[key] = (now, alive)
+    return alive
+
+
 def _observe(store: JobStore, request: dict[str, Any], weights: Path) -> None:
     """A trusted result: its loss change feeds the statistic, if a checker is there."""
+    if not checker_alive(store):
+        return
     job_dir = store.meta().get("job_dir")
-    if not job_dir or not store.loss_checker_alive():
+    if not job_dir:
         return
     name = _hand_over(weights, job_dir, "obs")
     try:
