@@ -87,17 +87,17 @@ def test_request_is_queued_once_until_stale_and_bounded(job) -> None:
     # a retry of the same result within the wait: no second request
     assert store.request_loss_check("r1", {**req, "file": "y.h5"}, "110.0", stale_s=30, max_queue=3) == "pending"
     assert store.loss_queue_length() == 1
-    # presumed lost (older than the wait): replaced, still queued once
+    assert store.request_loss_check("r2", req, "101.0", stale_s=30, max_queue=3) == "queued"
+    # still in the queue long after (a checker far behind): it keeps its place, not sent back
+    assert store.request_loss_check("r1", {**req, "file": "y.h5"}, "500.0", stale_s=30, max_queue=3) == "pending"
+    assert store.pop_loss_request(0.1)["file"] == "x.h5"  # oldest first, as first queued
+    # taken by a checker that died (popped, never answered), older than the wait: replaced
     assert store.request_loss_check("r1", {**req, "file": "z.h5"}, "131.0", stale_s=30, max_queue=3) == "requeued x.h5"
-    assert store.loss_queue_length() == 1 and store.loss_pending_count() == 1
-    assert store.request_loss_check("r2", req, "1.0", stale_s=30, max_queue=3) == "queued"
+    assert store.loss_queue_length() == 2 and store.loss_pending_count() == 2
     assert store.request_loss_check("r3", req, "1.0", stale_s=30, max_queue=3) == "queued"
     assert store.request_loss_check("r4", req, "1.0", stale_s=30, max_queue=3) == "full"
-    assert store.request_loss_check("r1", req, "999.0", stale_s=30, max_queue=3) == "requeued z.h5"  # no new id
     assert store.loss_queue_length() == 3
-    popped = store.pop_loss_request(0.1)
-    assert popped is not None and popped["id"] == "r2"  # oldest first (r1 was re-queued last)
-    assert [store.pop_loss_request(0.1)["id"] for _ in range(2)] == ["r3", "r1"]
+    assert [store.pop_loss_request(0.1)["id"] for _ in range(3)] == ["r2", "r1", "r3"]
     assert store.pop_loss_request(0.05) is None
 
 
@@ -131,7 +131,8 @@ def test_first_verdict_wins_and_retires_the_request(job) -> None:
 def test_drop_only_the_live_request(job) -> None:
     store, *_ = job
     store.request_loss_check("r1", {}, "1.0", stale_s=0, max_queue=10)
-    store.request_loss_check("r1", {}, "2.0", stale_s=0, max_queue=10)
+    store.pop_loss_request(0.1)  # taken, never answered
+    assert store.request_loss_check("r1", {}, "2.0", stale_s=0, max_queue=10) == "requeued"
     assert not store.drop_loss_request("r1", "1.0")  # an old stamp drops nothing
     assert store.drop_loss_request("r1", "2.0") and store.loss_pending_count() == 0
 

@@ -571,14 +571,19 @@ class JobStore(ShardMerging):
     _LOSS_REQUEST = """
     if redis.call('EXISTS', KEYS[1]) == 1 then return 'verdict' end
     local cur = redis.call('HGET', KEYS[2], ARGV[1])
-    if cur and tonumber(ARGV[2]) - tonumber(cjson.decode(cur)['stamp']) < tonumber(ARGV[3]) then
+    if cur and (redis.call('LPOS', KEYS[3], ARGV[1]) or
+                tonumber(ARGV[2]) - tonumber(cjson.decode(cur)['stamp']) < tonumber(ARGV[3])) then
       return 'pending'
     end
     if not cur and redis.call('LLEN', KEYS[3]) >= tonumber(ARGV[4]) then return 'full' end
     redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
     redis.call('LREM', KEYS[3], 0, ARGV[1])
     redis.call('LPUSH', KEYS[3], ARGV[1])
-    if cur then return 'requeued ' .. tostring(cjson.decode(cur)['file']) end
+    if cur then
+      local f = cjson.decode(cur)['file']
+      if type(f) == 'string' and f ~= '' then return 'requeued ' .. f end
+      return 'requeued'
+    end
     return 'queued'
     """
 
@@ -593,7 +598,8 @@ class JobStore(ShardMerging):
     def request_loss_check(self, rid: str, request: dict[str, Any], stamp: str, stale_s: float,
                            max_queue: int) -> str:
         """Queue the check of request ``rid``; what happened: ``verdict`` (answered: nothing
-        queued), ``pending`` (queued less than ``stale_s`` ago: left alone), ``full``
+        queued), ``pending`` (still in the queue, or taken by the checker less than
+        ``stale_s`` ago: left alone, its place in the queue kept), ``full``
         (``max_queue`` requests wait: nothing queued), ``queued``, or ``requeued <file>``
         (its earlier request, which named ``file``, is presumed lost: replaced, still
         queued once). ``stamp`` is a clock reading (seconds) of the caller's."""
