@@ -18,10 +18,11 @@ Redis (:class:`~boinc_dl.server.assimilator.store.JobStore`, keys ``losscheck:*`
 1. The assimilator, for an untrusted result, after its merge plan (clip scale, base)
    and before the first shard, looks up the result's verdict. Without one it hands
    the checker a hard link of the result's weights file in the job's ``loss_check/``
-   directory and queues a request: once (a result's id is in the queue at most once, and a
-   request younger than the wait is left alone; an older one is presumed lost with a
-   checker that died, and replaced), then waits for the verdict up to ``loss_check_wait_s``
-   (woken by the checker's notice).
+   directory and queues a request: once (a result's id is in the queue at most once, and
+   keeps its place there when the result is delivered again; a request the checker took
+   more than the wait ago without answering is presumed lost with a checker that died,
+   and replaced), then waits for the verdict up to ``loss_check_wait_s`` (woken by the
+   checker's notice).
 2. The checker pops the request, reads the file with the bounded, fingerprint-checked
    weights reader, computes the loss change (``L(W_b)`` cached per base file), and
    sets the verdict with first-writer-wins semantics, so a retried or replayed request
