@@ -170,7 +170,7 @@ def test_the_checker_refuses_a_loss_raising_update_and_passes_honest_ones(job, t
     assert good.status == "merged"
     rec = store.assimilated()["u1"]
     assert rec["loss_increase"] == pytest.approx(np_loss(np.full(fp.n_params, 0.6)) - 1.0, rel=1e-5)
-    assert rec["loss_bound"] is not None
+    assert rec["loss_bound"] is not None and 0 <= rec["loss_check_s"] <= rec["loss_wait_s"] < 10
     assert [r["reason"] for r in store.rejections()] == [bad.reason]
     assert not list(lc.spool_dir(job_dir).iterdir())  # every handed-over file is gone
     assert store.loss_pending_count() == 0 and store.loss_queue_length() == 0

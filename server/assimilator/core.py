@@ -13,6 +13,7 @@ module only through :mod:`boinc_dl.server.assimilator.framework`.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +119,14 @@ def assimilate_valid(
     # The held-out loss check, last before the merge (it needs the clip scale and the base;
     # an untrusted result waits here for the work generator's verdict, outside any Redis
     # transaction: it adds to this result's time-to-merge, not to other merges).
+    t_check = time.perf_counter()
     verdict = losscheck.gate(store, spec, unit=unit, model=model, epoch=epoch, result=result, attempt=attempt,
                              weights=res.files.weights, base_path=plan.base_path if plan.base is not None else None,
                              scale=plan.scale, trusted=trusted)
     if verdict is not None:
+        # the checker's forward passes, and this delivery's whole wait for the verdict
         record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"),
-                      loss_check_s=verdict.get("check_s"))
+                      loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6))
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     # The rule by name with its parameters (rules.py): a durable merge logs them, and a
     # replay after a Redis crash recomputes the same bytes with the same function.
