@@ -133,6 +133,12 @@ def main() -> None:
                                                               model="0", unit=unit, examples_seen=len(data[k][0])))
             done = len(t_on) + len(t_off) + trusted_n
             trusted = done < args.warm or rng.random() < args.replicated
+            if not trusted and trusted_n == args.warm:
+                # the checker measures the warm-up's trusted results asynchronously: every
+                # untrusted result timed "with the check" is really checked
+                need = spec_on.validation.loss_check_min_trusted
+                while len(store.trusted_values("0", lc.STAT, 64)) < need:
+                    time.sleep(0.01)
             if trusted:
                 use = spec_on
             else:
@@ -150,7 +156,8 @@ def main() -> None:
                 if res.status == "rejected":
                     refused += 1
                 rec = store.assimilated().get(unit) or {}
-                if rec.get("loss_check_s") is not None:
+                if res.status == "merged":
+                    assert rec.get("loss_check_s") is not None, "an untrusted result merged unchecked"
                     check_s.append(float(rec["loss_check_s"]))
             else:
                 t_off.append(dt)

@@ -149,14 +149,16 @@ def test_decision() -> None:
 
 # ---- through the framework ---------------------------------------------------------------
 
-def test_without_trusted_results_untrusted_ones_pass_and_the_verdict_sticks(job, tmp_path: Path) -> None:
+def test_without_trusted_results_untrusted_ones_pass_unchecked(job, tmp_path: Path) -> None:
     store, spec, fp, job_dir = job
-    out = deliver(store, spec, "u0", result(tmp_path, store, fp, "u0", -5.0))
-    assert out.status == "merged"  # nothing trusted to compare with: no bound, no forward pass
-    v = store.loss_verdict(lc.request_id("u0", None, "u0_0"))
-    assert v["ok"] and v["reason"] == "no trusted bound yet"
-    assert store.loss_queue_length() == 0
-    assert store.assimilated()["u0"]["loss_bound"] is None
+    for i, v in enumerate((-5.0, 0.5, 40.0)):
+        out = deliver(store, spec, f"u{i}", result(tmp_path, store, fp, f"u{i}", v))
+        assert out.status == "merged"  # nothing trusted to compare with: no bound, no forward pass
+        assert "loss_bound" not in store.assimilated()[f"u{i}"]  # the merge record as before
+    # and nothing written for it: no request, no verdict
+    assert store.loss_queue_length() == 0 and store.loss_pending_count() == 0
+    assert not list(store.r.scan_iter(match=store.k("losscheck", "*")))
+    assert not lc.spool_dir(job_dir).exists()
 
 
 def test_the_checker_refuses_a_loss_raising_update_and_passes_honest_ones(job, tmp_path: Path) -> None:

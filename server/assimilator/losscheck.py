@@ -143,7 +143,8 @@ def gate(store: JobStore, spec: JobSpec, *, unit: str, model: str, epoch: int, r
          trusted: bool) -> dict[str, Any] | None:
     """Run the loss check for one result before its merge (see the module doc).
 
-    Returns the verdict (None for a trusted result or when the check is off), raises
+    Returns the verdict (None when nothing was checked: a trusted result, no trusted
+    bound yet, or the check off), raises
     :class:`ResultRejected` for a refused result and :class:`VerdictPending` when no
     verdict came within ``validation.loss_check_wait_s``.
     """
@@ -153,6 +154,13 @@ def gate(store: JobStore, spec: JobSpec, *, unit: str, model: str, epoch: int, r
                "base": base_path, "scale": float(scale)}
     if trusted:
         _observe(store, request, weights)
+        return None
+    if bound_of(store, spec, model, epoch) is None:
+        # Nothing trusted to compare with yet (no replicated results): it passes, without a
+        # forward pass and without a write (a merge's Redis traffic stays what it was).
+        # Trusted values are never removed, so no refusal can exist for it either; a
+        # delivery that merges is never checked again (a re-delivery of a merged unit is a
+        # duplicate before it gets here). Nothing to add to the merge record either.
         return None
     rid = request_id(unit, attempt, result)
     verdict = store.loss_verdict(rid)
@@ -206,11 +214,6 @@ def _observe(store: JobStore, request: dict[str, Any], weights: Path) -> None:
 
 def _ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weights: Path) -> dict[str, Any]:
     """Queue the check of an untrusted result (unless queued already) and wait for it."""
-    epoch, model = request["epoch"], request["model"]
-    if bound_of(store, spec, model, epoch) is None:
-        # Nothing trusted to compare with yet (no replicated results): it passes, without a
-        # forward pass. Recorded like any verdict, so a retry never judges it otherwise.
-        return store.set_loss_verdict(rid, {**decide(0.0, None), "loss_increase": None}, VERDICT_TTL_S)[0]
     if not request.get("base"):
         # The unit's base weights are gone (removed by hand): the change cannot be measured
         # and the merge mixes the result instead (policy.plan_merge).
