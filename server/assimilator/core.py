@@ -13,12 +13,13 @@ module only through :mod:`boinc_dl.server.assimilator.framework`.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator import policy, rules
+from boinc_dl.server.assimilator import losscheck, policy, rules
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.validator.checks import ValidResult
@@ -66,13 +67,17 @@ def _number(v: Any, lo: float = -math.inf, hi: float = math.inf) -> float | None
 
 def assimilate_valid(
     store: JobStore, spec: JobSpec, res: ValidResult, strict: bool | None = None, trusted: bool = False,
-    attempt: int | None = None, timing: dict[str, float] | None = None,
+    attempt: int | None = None, timing: dict[str, float] | None = None, result: str = "",
 ) -> AssimilationOutcome:
     """Merge an already validated result (idempotent; atomic with its mark).
 
     ``trusted``: the job system vouches for the result (see :mod:`.policy`): its update's
     norm then feeds the clip radius of later epochs. ``attempt``: which issue of the unit
     the result answers (the job system's name for it), hence its base weights.
+    ``result``: the job system's name of the result (the held-out loss check's verdict
+    is kept under it). Raises :class:`ResultRejected` when the loss check refuses the
+    result and :class:`~boinc_dl.server.assimilator.losscheck.VerdictPending` (a
+    transient fault) when its verdict is not in yet.
     """
     unit = res.unit
     info = store.unit_info(unit) or {}
@@ -111,6 +116,17 @@ def assimilate_valid(
         store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
     record.update(plan.record(), trusted=trusted)
+    # The held-out loss check, last before the merge (it needs the clip scale and the base;
+    # an untrusted result waits here for the work generator's verdict, outside any Redis
+    # transaction: it adds to this result's time-to-merge, not to other merges).
+    t_check = time.perf_counter()
+    verdict = losscheck.gate(store, spec, unit=unit, model=model, epoch=epoch, result=result, attempt=attempt,
+                             weights=res.files.weights, base_path=plan.base_path if plan.base is not None else None,
+                             scale=plan.scale, trusted=trusted)
+    if verdict is not None:
+        # the checker's forward passes, and this delivery's whole wait for the verdict
+        record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"),
+                      loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6))
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     # The rule by name with its parameters (rules.py): a durable merge logs them, and a
     # replay after a Redis crash recomputes the same bytes with the same function.

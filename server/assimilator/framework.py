@@ -21,7 +21,9 @@ here, once, in this order:
 
 Anything a result provokes that no check foresaw becomes a rejection with its reason,
 never a dead daemon. Only a transient fault (Redis unreachable:
-:class:`~boinc_dl.server.common.errors.StoreUnavailable`) propagates: the transport
+:class:`~boinc_dl.server.common.errors.StoreUnavailable`; or the held-out loss check's
+verdict on an untrusted result not in yet, its subclass
+:class:`~boinc_dl.server.assimilator.losscheck.VerdictPending`) propagates: the transport
 keeps the result and retries, as BOINC re-runs an assimilator that exits non-zero.
 """
 
@@ -223,7 +225,7 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         timing = {"validate_s": round(time.perf_counter() - t0, 6),
                   "validate_cpu_s": round(time.thread_time() - cpu0, 6)}
         out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery),
-                               timing=timing)
+                               timing=timing, result=delivery.result)
     except ResultRejected as e:
         return reject(store, delivery, unit, e.reason)
     finally:

@@ -24,6 +24,12 @@ Keys of job J:
 ``bdl:J:trusted:S:M``          list: trusted values [epoch, value] of statistic S (clip radius)
 ``bdl:J:trusted_frozen:S:M``   hash epoch -> the value of S frozen for that epoch
 ``bdl:J:once:<token>``         idempotency tokens of retried increments (expire in an hour)
+``bdl:J:losscheck:queue``      list: ids of results waiting for the held-out loss check (each once)
+``bdl:J:losscheck:pending``    hash id -> the check request (JSON, with its stamp) until answered
+``bdl:J:losscheck:observe``    list: trusted results to measure for the check's statistic (bounded)
+``bdl:J:losscheck:v:<id>``     a result's loss-check verdict (JSON; set once, expires in a week)
+``bdl:J:losscheck:done:<id>``  list: notice that the verdict is set, for a waiting assimilator (1 min)
+``bdl:J:losscheck:alive``      the loss checker's heartbeat (expires unless refreshed)
 =============================  ===================================================
 
 Other owners keep their own keys in the job's namespace: BOINC's workunit records
@@ -556,6 +562,135 @@ class JobStore(ShardMerging):
             p.hget(key, epoch)
             return p.execute()[1]
         return float(self.call(op))
+
+    # ---- the held-out loss check (server.assimilator.losscheck) --------------------------
+    # An assimilator asks, the work generator's checker answers; see losscheck.py for the
+    # protocol. The queue holds request ids, each at most once; the request itself (with
+    # the stamp of its latest queuing) is in the pending hash until its verdict is set.
+    # Every write is a single command or script, safe to re-send.
+    _LOSS_REQUEST = """
+    if redis.call('EXISTS', KEYS[1]) == 1 then return 'verdict' end
+    local cur = redis.call('HGET', KEYS[2], ARGV[1])
+    if cur and (redis.call('LPOS', KEYS[3], ARGV[1]) or
+                tonumber(ARGV[2]) - tonumber(cjson.decode(cur)['stamp']) < tonumber(ARGV[3])) then
+      return 'pending'
+    end
+    if not cur and redis.call('LLEN', KEYS[3]) >= tonumber(ARGV[4]) then return 'full' end
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[5])
+    redis.call('LREM', KEYS[3], 0, ARGV[1])
+    redis.call('LPUSH', KEYS[3], ARGV[1])
+    if cur then
+      local f = cjson.decode(cur)['file']
+      if type(f) == 'string' and f ~= '' then return 'requeued ' .. f end
+      return 'requeued'
+    end
+    return 'queued'
+    """
+
+    def _loss_verdict_key(self, rid: str) -> str:
+        return self.k("losscheck", "v", rid)
+
+    def loss_verdict(self, rid: str) -> dict[str, Any] | None:
+        """The verdict on request ``rid``, once the checker (or the assimilator) set it."""
+        v = self.call(lambda: self.r.get(self._loss_verdict_key(rid)))
+        return json.loads(v) if v is not None else None
+
+    def request_loss_check(self, rid: str, request: dict[str, Any], stamp: str, stale_s: float,
+                           max_queue: int) -> str:
+        """Queue the check of request ``rid``; what happened: ``verdict`` (answered: nothing
+        queued), ``pending`` (still in the queue, or taken by the checker less than
+        ``stale_s`` ago: left alone, its place in the queue kept), ``full``
+        (``max_queue`` requests wait: nothing queued), ``queued``, or ``requeued <file>``
+        (its earlier request, which named ``file``, is presumed lost: replaced, still
+        queued once). ``stamp`` is a clock reading (seconds) of the caller's."""
+        script = self._script("loss_request", self._LOSS_REQUEST)
+        keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending"), self.k("losscheck", "queue")]
+        args = [rid, stamp, float(stale_s), int(max_queue), json.dumps({**request, "id": rid, "stamp": stamp})]
+        return self.call(lambda: script(keys=keys, args=args)).decode()
+
+    _LOSS_OBSERVE = """
+    if redis.call('LLEN', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+    redis.call('LPUSH', KEYS[1], ARGV[2])
+    return 1
+    """
+
+    def post_loss_observation(self, request: dict[str, Any], max_queue: int) -> bool:
+        """Queue a trusted result for the checker to measure (no verdict, nobody waits);
+        False when ``max_queue`` observations wait already (it is dropped: a sample of a
+        statistic, not a result). Not retried: a lost reply could queue it twice."""
+        script = self._script("loss_observe", self._LOSS_OBSERVE)
+        return bool(_guard(lambda: script(keys=[self.k("losscheck", "observe")],
+                                          args=[int(max_queue), json.dumps({**request, "kind": "observe"})])))
+
+    def pop_loss_request(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next request for the checker, waiting up to ``timeout_s`` (None: none):
+        checks before observations. A queued id whose request is answered already
+        (replayed) comes back as ``{"kind": "answered", "id": ...}``."""
+        queue, observe = self.k("losscheck", "queue"), self.k("losscheck", "observe")
+        got = self.call(lambda: self.r.brpop([queue, observe], timeout=timeout_s))
+        if not got:
+            return None
+        key, value = got[0].decode(), got[1]
+        if key == observe:
+            return json.loads(value)
+        rid = value.decode()
+        req = self.call(lambda: self.r.hget(self.k("losscheck", "pending"), rid))
+        return json.loads(req) if req is not None else {"kind": "answered", "id": rid}
+
+    def loss_queue_length(self) -> int:
+        """Checks queued (observations not counted)."""
+        return int(self.call(lambda: self.r.llen(self.k("losscheck", "queue"))))
+
+    _LOSS_VERDICT = """
+    redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+    local req = redis.call('HGET', KEYS[2], ARGV[3])
+    redis.call('HDEL', KEYS[2], ARGV[3])
+    redis.call('RPUSH', KEYS[3], '1')
+    redis.call('EXPIRE', KEYS[3], 60)
+    return {redis.call('GET', KEYS[1]), req or ''}
+    """
+
+    def set_loss_verdict(self, rid: str, verdict: dict[str, Any], ttl_s: int) -> tuple[dict[str, Any], str | None]:
+        """Record the verdict on ``rid`` unless one exists (the first verdict wins: a
+        replayed or re-queued request never flips it) and retire its request; returns the
+        verdict in force and the file of the request retired (it may be a later one than
+        the caller judged: the caller removes it)."""
+        script = self._script("loss_verdict", self._LOSS_VERDICT)
+        keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending"), self.k("losscheck", "done", rid)]
+        out, req = self.call(lambda: script(keys=keys, args=[json.dumps(verdict), int(ttl_s), rid]))
+        retired = json.loads(req).get("file") if req else None
+        return json.loads(out), retired if isinstance(retired, str) else None
+
+    def wait_loss_notice(self, rid: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the notice that ``rid``'s verdict was set (a waiting
+        assimilator wakes at once instead of polling); True if one came. A notice nobody
+        takes expires after a minute; callers look the verdict up, notice or not."""
+        got = self.call(lambda: self.r.blpop([self.k("losscheck", "done", rid)], timeout=timeout_s))
+        return got is not None
+
+    _LOSS_DROP = """
+    local cur = redis.call('HGET', KEYS[1], ARGV[1])
+    if cur and cjson.decode(cur)['stamp'] == ARGV[2] then redis.call('HDEL', KEYS[1], ARGV[1]) return 1 end
+    return 0
+    """
+
+    def drop_loss_request(self, rid: str, stamp: str) -> bool:
+        """Retire the request ``stamp`` of ``rid`` without a verdict (its file is gone, or
+        its base: the result's next delivery queues a fresh one at once); a request
+        queued again since is left alone."""
+        script = self._script("loss_drop", self._LOSS_DROP)
+        return bool(self.call(lambda: script(keys=[self.k("losscheck", "pending")], args=[rid, stamp])))
+
+    def loss_pending_count(self) -> int:
+        """Requests not answered yet (queued, or lost with a checker that died)."""
+        return int(self.call(lambda: self.r.hlen(self.k("losscheck", "pending"))))
+
+    def mark_loss_checker_alive(self, ttl_s: float) -> None:
+        """The checker's heartbeat for this job (expires ``ttl_s`` after its last beat)."""
+        self.call(lambda: self.r.set(self.k("losscheck", "alive"), time.time(), px=int(ttl_s * 1000)))
+
+    def loss_checker_alive(self) -> bool:
+        return bool(self.call(lambda: self.r.exists(self.k("losscheck", "alive"))))
 
     # ---- epochs -------------------------------------------------------------------------
     def epoch_counts(self, epoch: int) -> dict[str, float]:

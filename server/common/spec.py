@@ -168,6 +168,24 @@ class ValidationSpec(_Strict):
     clip_min_trusted: int = Field(
         8, ge=1, le=100_000, description="trusted results needed before the clip radius applies"
     )
+    loss_check: bool = Field(
+        True, description="VC-ASGD on BOINC: refuse an untrusted result whose update raises the loss of a "
+        "held-out batch above the upper tail of trusted results' (the work generator checks it)"
+    )
+    loss_check_batch: int = Field(
+        256, ge=1, le=100_000, description="held-out examples (a seeded sample of the validation split) the "
+        "loss check evaluates"
+    )
+    loss_check_k: float = Field(
+        6.0, gt=0, le=1000, description="loss check bound: median + k scaled MADs of trusted loss increases"
+    )
+    loss_check_min_trusted: int = Field(
+        16, ge=1, le=100_000, description="trusted results needed before the loss check refuses anything"
+    )
+    loss_check_wait_s: float = Field(
+        30.0, gt=0, le=3600, description="how long the assimilator waits for a verdict before it retries "
+        "the result later"
+    )
 
 
 class LocalBackendSpec(_Strict):

@@ -13,6 +13,11 @@ Every pass also cancels the workunits that are no longer needed (their unit merg
 given up, or superseded by a regenerated workunit). A job that ends (done, failed,
 cancelled) gets a last sweep: every workunit BOINC may still send is cancelled and the
 job's staged input files leave the download hierarchy.
+
+A thread of this process is the held-out loss checker of the jobs it drives
+(:mod:`boinc_dl.server.work_generator.losscheck`): the assimilators, fresh processes
+without TensorFlow, queue their untrusted results' loss checks in Redis and wait for its
+verdicts. It has its own Redis connection and its own Keras model per job.
 """
 
 from __future__ import annotations
@@ -88,6 +93,10 @@ class WorkGeneratorDaemon:
         self.gens: dict[str, Any] = {}
         self._skipped: set[str] = set()
         self._persistence_checked = False
+        #: job -> job directory of the running jobs this daemon drives: what the loss
+        #: checker serves (replaced whole after each pass; the checker thread reads it).
+        self.loss_jobs: dict[str, Path] = {}
+        self.loss_checker: Any = None
 
     # ---- control --------------------------------------------------------------------------
     def install_signals(self) -> None:
@@ -210,6 +219,16 @@ class WorkGeneratorDaemon:
         for f in findings:
             (log.info if f.severity == "note" else log.warning)("Redis at %s (%s): %s", f.node, f.severity, f.message)
 
+    def start_loss_checker(self) -> None:
+        """Start the loss checker thread (once per process)."""
+        if self.loss_checker is not None:
+            return
+        from boinc_dl.server.work_generator.losscheck import LossChecker
+
+        self.loss_checker = LossChecker(lambda: connect(self.project.redis_url(), timeout=5.0),
+                                        lambda: self.loss_jobs, self.stop)
+        threading.Thread(target=self.loss_checker.run, name="loss-checker", daemon=True).start()
+
     def generator(self, store: JobStore, meta: dict[str, str]) -> Any:
         if store.job in self.gens:
             return self.gens[store.job]
@@ -242,6 +261,7 @@ class WorkGeneratorDaemon:
         self.connect()
         assert self.backend is not None
         running = 0
+        serving: dict[str, Path] = {}
         for job in JobStore.list_jobs(self.r):
             if self.should_stop():
                 break
@@ -262,6 +282,7 @@ class WorkGeneratorDaemon:
                     except BoincToolError as e:
                         log.error("job %s: %s (retrying next pass)", job, e)
                 continue
+            serving[job] = Path(meta.get("job_dir") or self.project.job_dir(job))
             try:
                 gen = self.generator(store, meta)
                 alive = gen.step()
@@ -296,12 +317,15 @@ class WorkGeneratorDaemon:
                 finalize_job(store, self.backend)
             except BoincToolError as e:
                 log.error("job %s: %s (retrying next pass)", job, e)
+        self.loss_jobs = serving
         return running
 
     def run(self, once: bool = False, max_passes: int | None = None) -> int:
         """Loop until stopped; returns the exit status."""
         self.project.redis_url()  # a missing setting is fatal; Redis being down is not
         log.info("work generator for %s started (pass every %.0fs)", self.project.root, self.poll_s)
+        if not once:
+            self.start_loss_checker()
         passes = 0
         delay = self.poll_s
         while not self.should_stop():

@@ -1,0 +1,198 @@
+"""What the held-out loss check costs an honest project: time-to-merge and refusals.
+
+A VC-ASGD job on digits (the setting of docs/merge-rules.md: MLP 64, Adam lr 0.002, batch 16, 2 local
+epochs, 32 subsets, ``D`` units in flight) runs through the real merge path: a real
+Redis, the job's real files (``prepare_job``), every unit really trained with Keras
+from the base weights it was issued with, its result written as a weights file and
+handed to the framework (``assimilate``, what BOINC's assimilator shim calls) as an
+untrusted result, or as a trusted one (replicated: the first ``--warm`` results, then a
+share ``--replicated`` of them). The checker is the work generator's
+(:class:`~boinc_dl.server.work_generator.losscheck.LossChecker` with its own Keras
+model), in a thread of this process as in the daemon.
+
+Untrusted results alternate between the job's spec with the check on and the same spec
+with ``validation.loss_check: false`` (the naive baseline: the merge path without it),
+so both see the same model, machine load and Redis. Reported:
+
+* time-to-merge of an untrusted result (``assimilate`` called -> returned: validation,
+  the check's queue and verdict, the merge), median and p90, with and without the
+  check, and their ratio; the checker's own forward passes per check;
+* the share of honest untrusted results refused (every result here is honest);
+* the final validation accuracy.
+
+    flock /tmp/cpu.lock python bench/bench_loss_check.py [--epochs 6] [--D 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import emit, machine  # noqa: E402
+from boinc_dl.server.assimilator import losscheck as lc  # noqa: E402
+from boinc_dl.server.assimilator.connection import connect  # noqa: E402
+from boinc_dl.server.assimilator.framework import Delivery, assimilate  # noqa: E402
+from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
+from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
+from boinc_dl.server.common.spec import parse_spec, spec_from_json  # noqa: E402
+from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weights  # noqa: E402
+from boinc_dl.server.common.workunit import WEIGHTS_IN  # noqa: E402
+from boinc_dl.server.work_generator.losscheck import LossChecker  # noqa: E402
+from boinc_dl.server.work_generator.prepare import prepare_job  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.quantile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--D", type=int, default=8, help="units in flight")
+    ap.add_argument("--subsets", type=int, default=32)
+    ap.add_argument("--warm", type=int, default=20, help="first results replicated (trusted)")
+    ap.add_argument("--replicated", type=float, default=0.2, help="share of later results replicated")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    os.environ.setdefault("BDL_THREADS", "1")
+    from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
+
+    tf = configure_tf(threads=1)
+    work = Path(tempfile.mkdtemp(prefix="bench-losscheck."))
+    srv = EmbeddedRedis(work / "redis").start()
+    try:
+        spec = parse_spec({
+            "name": "bench-losscheck", "model": "models:mlp",
+            "model_args": {"input_dim": 64, "hidden": 64, "n_classes": 10}, "dataset": {"name": "digits"},
+            "training": {"epochs": args.epochs, "batch_size": 16, "local_epochs": 2, "learning_rate": 0.002},
+            "vcasgd": {"n_subsets": args.subsets, "window": args.D},
+            "seed": args.seed,
+        })
+        store = JobStore(connect(srv.url), spec.name)
+        job_dir = work / "job"
+        files = prepare_job(spec, store, job_dir, search_path=ROOT / "examples")
+        store.set_meta(job_dir=str(job_dir))
+        spec_on = spec_from_json(store.spec_json())
+        spec_off = spec_on.model_copy(update={"validation": spec_on.validation.model_copy(update={"loss_check": False})})
+        fp = store.fingerprint("0")
+
+        stop = threading.Event()
+        checker = LossChecker(lambda: connect(srv.url), lambda: {spec.name: job_dir}, stop, idle_s=0.5)
+        threading.Thread(target=checker.run, daemon=True).start()
+        while not store.loss_checker_alive():
+            time.sleep(0.05)
+
+        model = tf.keras.models.load_model(files.model, compile=False)
+        shards = [np.load(files.shard(k)) for k in range(args.subsets)]
+        data = [(z["x"], z["y"]) for z in shards]
+        with np.load(files.val) as z:
+            xv, yv = z["x"], z["y"]
+        rng = np.random.default_rng(args.seed)
+
+        def issue(uid: int) -> tuple[str, int, str]:
+            e, k = uid // args.subsets + 1, int(rng.integers(args.subsets))
+            flat, version = store.get_weights("0")
+            base = files.weights("0", version)
+            if not base.exists():
+                write_weights(base, WeightsFile(flat, fp, job=spec.name, model="0", base_version=version))
+            unit = f"{spec.name}__m0_e{e:04d}_s{uid:04d}"
+            store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
+                                       "files": {WEIGHTS_IN: str(base)}}, e)
+            return unit, k, str(base)
+
+        total = args.epochs * args.subsets
+        inflight: deque[tuple[str, int, str]] = deque(issue(i) for i in range(min(args.D, total)))
+        nxt = len(inflight)
+        t_on: list[float] = []
+        t_off: list[float] = []
+        check_s: list[float] = []
+        refused = checked = trusted_n = 0
+        flip = 0
+        t_start = time.perf_counter()
+        while inflight:
+            unit, k, base = inflight.popleft()
+            set_flat(model, read_weights(base, fp).flat)
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.002), loss="sparse_categorical_crossentropy")
+            model.fit(*data[k], epochs=2, batch_size=16, verbose=0, shuffle=True)
+            out = work / "results" / unit
+            out.mkdir(parents=True)
+            write_weights(out / "weights_out.h5", WeightsFile(get_flat(model).astype(np.float32), fp, job=spec.name,
+                                                              model="0", unit=unit, examples_seen=len(data[k][0])))
+            done = len(t_on) + len(t_off) + trusted_n
+            trusted = done < args.warm or rng.random() < args.replicated
+            if not trusted and trusted_n == args.warm:
+                # the checker measures the warm-up's trusted results asynchronously: every
+                # untrusted result timed "with the check" is really checked
+                need = spec_on.validation.loss_check_min_trusted
+                while len(store.trusted_values("0", lc.STAT, 64)) < need:
+                    time.sleep(0.01)
+            if trusted:
+                use = spec_on
+            else:
+                use = spec_on if flip % 2 == 0 else spec_off
+                flip += 1
+            t0 = time.perf_counter()
+            res = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, files=[out / "weights_out.h5"],
+                                             final=True, trusted=trusted), spec=use)
+            dt = time.perf_counter() - t0
+            if trusted:
+                trusted_n += 1
+            elif use is spec_on:
+                t_on.append(dt)
+                checked += 1
+                if res.status == "rejected":
+                    refused += 1
+                rec = store.assimilated().get(unit) or {}
+                if res.status == "merged":
+                    assert rec.get("loss_check_s") is not None, "an untrusted result merged unchecked"
+                    check_s.append(float(rec["loss_check_s"]))
+            else:
+                t_off.append(dt)
+            if nxt < total:
+                inflight.append(issue(nxt))
+                nxt += 1
+        wall = time.perf_counter() - t_start
+        flat, version = store.get_weights("0")
+        set_flat(model, flat)
+        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        _, acc = model.evaluate(xv, yv, verbose=0)
+        stop.set()
+        bound_n = len(store.trusted_values("0", lc.STAT, 64))
+        med_on, med_off = statistics.median(t_on), statistics.median(t_off)
+        row = {
+            "dataset": "digits", "D": args.D, "subsets": args.subsets, "epochs": args.epochs,
+            "results": total, "trusted": trusted_n, "untrusted_checked": checked, "untrusted_unchecked": len(t_off),
+            "honest_refused": refused, "honest_refused_pct": round(100.0 * refused / max(1, checked), 2),
+            "ttm_check_median_ms": round(1e3 * med_on, 2), "ttm_check_p90_ms": round(1e3 * pct(t_on, 0.9), 2),
+            "ttm_nocheck_median_ms": round(1e3 * med_off, 2), "ttm_nocheck_p90_ms": round(1e3 * pct(t_off, 0.9), 2),
+            "ttm_ratio_median": round(med_on / med_off, 3),
+            "checker_forward_median_ms": round(1e3 * statistics.median(check_s), 2) if check_s else None,
+            "trusted_loss_samples": bound_n, "final_val_acc": round(float(acc), 4), "version": version,
+            "wall_s": round(wall, 1), "load": [round(x, 2) for x in os.getloadavg()], **machine(),
+        }
+        print(f"digits, D={args.D}, {total} honest results ({trusted_n} trusted): "
+              f"time-to-merge of an untrusted result {row['ttm_check_median_ms']} ms with the check vs "
+              f"{row['ttm_nocheck_median_ms']} ms without (x{row['ttm_ratio_median']}; p90 "
+              f"{row['ttm_check_p90_ms']} vs {row['ttm_nocheck_p90_ms']} ms); checker forward passes "
+              f"{row['checker_forward_median_ms']} ms; honest refused {refused}/{checked} "
+              f"({row['honest_refused_pct']}%); final accuracy {row['final_val_acc']}")
+        emit("loss_check", **row)
+    finally:
+        srv.kill()
+
+
+if __name__ == "__main__":
+    main()

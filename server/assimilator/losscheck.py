@@ -1,0 +1,256 @@
+"""The held-out loss check (Zeno++'s zeroth-order test), as the merge path uses it.
+
+An untrusted result's update ``d = scale * (W_c - W_b)`` (clipped as the merge will
+apply it) is refused when it raises the loss of a held-out batch by more than the upper
+tail of the same change over *trusted* results::
+
+    L(W_b + d) - L(W_b) > median + k * 1.4826 * MAD   (the latest 32 trusted increases)
+
+(:func:`~boinc_dl.server.assimilator.rules.loss_increase_threshold`; a loss that does not
+rise always passes; with fewer than ``loss_check_min_trusted`` trusted increases there
+is no bound and every result passes).
+
+The forward pass needs TensorFlow, which neither the merge nor BOINC's per-result
+assimilator processes may import. It runs in the long-lived work generator (a checker
+thread, :mod:`boinc_dl.server.work_generator.losscheck`), and the two talk through
+Redis (:class:`~boinc_dl.server.assimilator.store.JobStore`, keys ``losscheck:*``):
+
+1. The assimilator, for an untrusted result, after its merge plan (clip scale, base)
+   and before the first shard, looks up the result's verdict. Without one it hands
+   the checker a hard link of the result's weights file in the job's ``loss_check/``
+   directory and queues a request: once (a result's id is in the queue at most once, and
+   keeps its place there when the result is delivered again; a request the checker took
+   more than the wait ago without answering is presumed lost with a checker that died,
+   and replaced), then waits for the verdict up to ``loss_check_wait_s`` (woken by the
+   checker's notice).
+2. The checker pops the request, reads the file with the bounded, fingerprint-checked
+   weights reader, computes the loss change (``L(W_b)`` cached per base file), and
+   sets the verdict with first-writer-wins semantics, so a retried or replayed request
+   never flips it.
+3. A refusal is a :class:`ResultRejected` with the numbers (the framework records it
+   and, on BOINC, gives the unit up). No verdict in time is :class:`VerdictPending`, a
+   :class:`StoreUnavailable`: the transport keeps the result and hands it over again
+   later, as for a Redis outage; the checker's verdict is then waiting for it.
+
+Trusted results are never held back: they are queued as observations (no verdict,
+nobody waits) and their loss change joins the trusted statistic. Only trusted results
+feed it: a defence must not learn from the attacker. Observations are queued only while
+a checker's heartbeat is live (the local backend, whose results are all trusted, runs
+none and queues nothing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from boinc_dl.server.assimilator import rules
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable
+from boinc_dl.server.common.paths import confined, is_safe_name
+from boinc_dl.server.common.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+#: The trusted statistic the bound is computed from (per model).
+STAT = "loss_increase"
+#: Trusted increases the bound follows (the latest ones; rules.loss_increase_threshold).
+WINDOW = 32
+#: Requests the queue may hold; past it a request waits for room (the assimilator's
+#: poll retries) and an observation is dropped.
+MAX_QUEUE = 1024
+#: A verdict outlives any retry of its result by far (BOINC retries within hours).
+VERDICT_TTL_S = 7 * 86400
+#: The checker's heartbeat lives this long unless refreshed (it beats every second).
+HEARTBEAT_TTL_S = 15.0
+#: Where the result files handed to the checker wait, inside the job's directory.
+SPOOL = "loss_check"
+#: A waiting assimilator wakes on the checker's notice, and looks the verdict up at
+#: least this often anyway (another delivery of the same result may take the notice).
+NOTICE_SLICE_S = 0.5
+
+
+class VerdictPending(StoreUnavailable):
+    """The loss check has not answered within the wait: a transient fault (the result is
+    handed over again later, and its verdict is then looked up)."""
+
+
+def enabled(spec: JobSpec) -> bool:
+    """Whether results of ``spec``'s job go through the loss check (VC-ASGD: MOP's
+    models each have an architecture of their own; see docs/merge-rules.md)."""
+    return spec.validation.loss_check and spec.mode == "vcasgd"
+
+
+def request_id(unit: str, attempt: int | None, result: str) -> str:
+    """The identity of one result for the check: its unit, the attempt it answers and the
+    job system's result name (a re-delivery of the same result maps to the same id)."""
+    return hashlib.sha256(f"{unit}\0{attempt}\0{result}".encode()).hexdigest()[:32]
+
+
+def threshold(spec: JobSpec) -> rules.TrustedStatistic:
+    """The bound's estimator with the job's settings (not frozen: docs/merge-rules.md)."""
+    v = spec.validation
+    return rules.loss_increase_threshold(k=v.loss_check_k, min_samples=v.loss_check_min_trusted, window=WINDOW)
+
+
+def bound_of(store: JobStore, spec: JobSpec, model: str, epoch: int) -> float | None:
+    """The bound on the loss increase in force for ``model`` (None: too few trusted ones)."""
+    th = threshold(spec)
+    th.values = store.trusted_values(model, STAT, th.window)
+    return th.value(epoch)
+
+
+def decide(loss_increase: float, bound: float | None) -> dict[str, Any]:
+    """The verdict on a loss increase under ``bound`` (JSON-ready)."""
+    ok = rules.loss_check_passes(loss_increase, bound)
+    if ok:
+        why = "no trusted bound yet" if bound is None else f"loss change {loss_increase:.4g} within {bound:.4g}"
+    elif not math.isfinite(loss_increase):
+        why = f"the held-out loss is not finite after the update ({loss_increase})"
+    else:
+        why = (f"held-out loss check: the update raises the loss by {loss_increase:.4g}, above the bound "
+               f"{max(0.0, bound or 0.0):.4g} (the upper tail of trusted results' increases)")
+    return {"ok": ok, "loss_increase": loss_increase if math.isfinite(loss_increase) else None,
+            "bound": bound, "reason": why, "t": time.time()}
+
+
+def spool_dir(job_dir: str | Path) -> Path:
+    return Path(job_dir) / SPOOL
+
+
+def _hand_over(src: Path, job_dir: str | Path, rid: str) -> str:
+    """A hard link (else a copy) of the result's weights file in the job's spool for the
+    checker, which removes it once read; its name (never a path: the checker builds
+    the path itself, inside the spool)."""
+    d = spool_dir(job_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"{rid}.{os.urandom(4).hex()}.h5"
+    try:
+        os.link(src, d / name)
+    except OSError:
+        shutil.copyfile(src, d / name)
+    return name
+
+
+def gate(store: JobStore, spec: JobSpec, *, unit: str, model: str, epoch: int, result: str,
+         attempt: int | None, weights: Path, base_path: str | None, scale: float,
+         trusted: bool) -> dict[str, Any] | None:
+    """Run the loss check for one result before its merge (see the module doc).
+
+    Returns the verdict (None when nothing was checked: a trusted result, no trusted
+    bound yet, or the check off), raises
+    :class:`ResultRejected` for a refused result and :class:`VerdictPending` when no
+    verdict came within ``validation.loss_check_wait_s``.
+    """
+    if not enabled(spec):
+        return None
+    request = {"unit": unit, "model": model, "epoch": int(epoch), "attempt": attempt, "result": result,
+               "base": base_path, "scale": float(scale)}
+    if trusted:
+        _observe(store, request, weights)
+        return None
+    if bound_of(store, spec, model, epoch) is None:
+        # Nothing trusted to compare with yet (no replicated results): it passes, without a
+        # forward pass and without a write (a merge's Redis traffic stays what it was).
+        # Trusted values are never removed, so no refusal can exist for it either; a
+        # delivery that merges is never checked again (a re-delivery of a merged unit is a
+        # duplicate before it gets here). Nothing to add to the merge record either.
+        return None
+    rid = request_id(unit, attempt, result)
+    verdict = store.loss_verdict(rid)
+    if verdict is None:
+        verdict = _ask(store, spec, rid, request, weights)
+    if not verdict.get("ok"):
+        raise ResultRejected(str(verdict.get("reason") or "held-out loss check failed"))
+    return verdict
+
+
+#: job -> (monotonic time, whether its checker's heartbeat was live): a long-lived
+#: assimilator (the local backend's, whose results are all trusted and which runs no
+#: checker) asks Redis once per ALIVE_CACHE_S, not once per merge.
+_alive: dict[tuple[Any, ...], tuple[float, bool]] = {}
+ALIVE_CACHE_S = 5.0
+
+
+def _where(store: JobStore) -> tuple[Any, ...]:
+    """The job and the Redis it lives in (two Redis servers may hold jobs of one name)."""
+    kw = getattr(getattr(store.r, "connection_pool", None), "connection_kwargs", None)
+    where = (kw.get("path"), kw.get("host"), kw.get("port"), kw.get("db")) if kw else (id(store.r),)
+    return (store.job, *where)
+
+
+def checker_alive(store: JobStore) -> bool:
+    """Whether a checker serves ``store``'s job (its heartbeat, cached ALIVE_CACHE_S)."""
+    now, key = time.monotonic(), _where(store)
+    hit = _alive.get(key)
+    if hit is not None and now - hit[0] < ALIVE_CACHE_S:
+        return hit[1]
+    alive = store.loss_checker_alive()
+    _alive[key] = (now, alive)
+    return alive
+
+
+def _observe(store: JobStore, request: dict[str, Any], weights: Path) -> None:
+    """A trusted result: its loss change feeds the statistic, if a checker is there."""
+    if not checker_alive(store):
+        return
+    job_dir = store.meta().get("job_dir")
+    if not job_dir:
+        return
+    name = _hand_over(weights, job_dir, "obs")
+    try:
+        queued = store.post_loss_observation({**request, "kind": "observe", "file": name}, MAX_QUEUE)
+    except StoreUnavailable:
+        queued = False
+    if not queued:
+        confined(spool_dir(job_dir), name).unlink(missing_ok=True)
+
+
+def _ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weights: Path) -> dict[str, Any]:
+    """Queue the check of an untrusted result (unless queued already) and wait for it."""
+    if not request.get("base"):
+        # The unit's base weights are gone (removed by hand): the change cannot be measured
+        # and the merge mixes the result instead (policy.plan_merge).
+        log.warning("%s: no base weights, the loss check cannot run; passing it", request["unit"])
+        verdict = {**decide(0.0, None), "loss_increase": None, "reason": "no base weights"}
+        return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S)[0]
+    job_dir = store.meta().get("job_dir")
+    if not job_dir:
+        raise VerdictPending(f"job {store.job!r} has no job directory for the loss checker's files")
+    wait = spec.validation.loss_check_wait_s
+    deadline = time.monotonic() + wait
+    name: str | None = None
+    while True:
+        stamp = repr(time.time())
+        if name is None:
+            name = _hand_over(weights, job_dir, rid)
+        state, _, replaced = store.request_loss_check(rid, {**request, "kind": "check", "file": name}, stamp,
+                                                      stale_s=wait, max_queue=MAX_QUEUE).partition(" ")
+        if replaced and is_safe_name(replaced):
+            # the copy of a request lost with a checker that died
+            confined(spool_dir(job_dir), replaced).unlink(missing_ok=True)
+        if state not in ("queued", "requeued"):
+            # answered, queued by an earlier delivery (with its own file), or no room yet:
+            # this delivery's file is not needed
+            confined(spool_dir(job_dir), name).unlink(missing_ok=True)
+            name = None
+        if state != "full":
+            break
+        if time.monotonic() >= deadline:
+            raise VerdictPending(f"the loss checker's queue is full ({MAX_QUEUE} requests); retry later")
+        time.sleep(0.1)
+    while True:
+        verdict = store.loss_verdict(rid)
+        if verdict is not None:
+            return verdict
+        if time.monotonic() >= deadline:
+            raise VerdictPending(
+                f"no held-out loss check verdict within {wait:g} s (the work generator runs the "
+                f"checker; {store.loss_queue_length()} request(s) queued); the result is retried later")
+        store.wait_loss_notice(rid, max(0.001, min(NOTICE_SLICE_S, deadline - time.monotonic())))

@@ -1,0 +1,279 @@
+"""The held-out loss checker: answers the assimilators' loss-check requests.
+
+Runs inside the long-lived work generator (a thread of BOINC's work generator daemon),
+which has TensorFlow loaded already; the protocol and the assimilator's side are in
+:mod:`boinc_dl.server.assimilator.losscheck`. Per job it keeps its own Keras model
+(Keras models are not thread-safe: the generator's evaluator has another one), a fixed
+held-out batch (``validation.loss_check_batch`` examples of the job's validation split,
+drawn with the job's seed) and ``L(W_b)`` per base weights file.
+
+For each request: the result's weights are read from the job's ``loss_check/`` spool
+with the bounded, fingerprint-checked reader (the file is a host's upload: it is
+refused, never parsed beyond bounds, when it is hostile), the loss change
+``L(W_b + scale * (W_c - W_b)) - L(W_b)`` is computed, and
+
+* an untrusted result's verdict is set (first verdict wins);
+* a trusted result's change joins the trusted statistic the bound is computed from.
+
+Crash safety: a request popped and not answered when the process dies is lost; the
+assimilator waiting for it times out, the result is handed over again, and the request
+is queued again once it is older than the wait (its stamp). A restarted checker carries
+on with the queue. Files of lost requests are swept after a day.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from boinc_dl.server.assimilator import losscheck as lc
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob, WeightsFormatError
+from boinc_dl.server.common.paths import confined, is_safe_name
+from boinc_dl.server.common.spec import JobSpec, spec_from_json
+from boinc_dl.server.common.weights import Fingerprint, read_weights, upload_bound
+from boinc_dl.server.work_generator.prepare import JobFiles
+
+log = logging.getLogger("boinc-dl.loss_check")
+
+#: Base losses kept per job (one per weights version in use; units in flight span a few).
+BASE_CACHE = 64
+#: Spool files older than this belong to requests lost in a crash.
+ORPHAN_AGE_S = 86400.0
+
+
+def held_out_batch(val_file: Path, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed sample of ``size`` examples of the validation split (all of it if smaller),
+    the same for every request and every restart of the checker."""
+    with np.load(val_file) as z:
+        x, y = z["x"], z["y"]
+    if len(x) > size:
+        idx = np.sort(np.random.default_rng([int(seed), 0x105C]).choice(len(x), size, replace=False))
+        x, y = x[idx], y[idx]
+    return np.ascontiguousarray(x), np.ascontiguousarray(y)
+
+
+class JobChecker:
+    """The loss check of one job: its model, held-out batch and cached base losses."""
+
+    def __init__(self, store: JobStore, spec: JobSpec, job_dir: Path,
+                 loss_fn: Callable[[np.ndarray], float] | None = None):
+        self.store = store
+        self.spec = spec
+        self.files = JobFiles(Path(job_dir).resolve(), spec.name)
+        self.spool = lc.spool_dir(self.files.job_dir)
+        self.fp: Fingerprint = store.fingerprint("0")
+        self.max_bytes = upload_bound(self.fp, spec.units.max_upload_bytes)
+        self._loss_fn = loss_fn
+        self._base_loss: OrderedDict[str, float] = OrderedDict()
+
+    # ---- the forward pass ----------------------------------------------------------------
+    def loss(self, flat: np.ndarray) -> float:
+        """The held-out loss of weights ``flat`` (its own model instance, built on first use)."""
+        if self._loss_fn is None:
+            self._loss_fn = keras_loss(self.files.model, self.files.val, self.spec)
+        return float(self._loss_fn(flat))
+
+    def base_loss(self, path: str, wb: np.ndarray) -> float:
+        hit = self._base_loss.get(path)
+        if hit is None:
+            hit = self._base_loss[path] = self.loss(wb)
+            while len(self._base_loss) > BASE_CACHE:
+                self._base_loss.popitem(last=False)
+        else:
+            self._base_loss.move_to_end(path)
+        return hit
+
+    def loss_increase(self, wc: np.ndarray, base_path: str, scale: float) -> float:
+        """``L(W_b + scale * (W_c - W_b)) - L(W_b)``: what the merge would apply, clipped."""
+        wb = read_weights(base_path, self.fp).flat
+        cand = wb + np.float32(scale) * (wc - wb)
+        return self.loss(cand) - self.base_loss(base_path, wb)
+
+    # ---- one request ---------------------------------------------------------------------
+    def handle(self, req: dict[str, Any]) -> str:
+        """Answer one request; returns what happened (for the log and the tests)."""
+        kind, name = req.get("kind"), req.get("file")
+        if kind == "answered":
+            return "answered"  # a replayed id whose verdict is set: never judged twice
+        rid, stamp = str(req.get("id", "")), str(req.get("stamp", ""))
+        path = confined(self.spool, name) if isinstance(name, str) and is_safe_name(name) else None
+        try:
+            if path is None or not path.is_file():
+                if kind == "check":
+                    self.store.drop_loss_request(rid, stamp)
+                return "no file"
+            verdict = self._judge(req, path)
+            if kind == "observe":
+                if verdict is not None and verdict.get("loss_increase") is not None:
+                    self.store.push_trusted_value(str(req.get("model", "0")), lc.STAT, int(req.get("epoch", 0)),
+                                                  float(verdict["loss_increase"]), lc.WINDOW)
+                    return "observed"
+                return "not observed"
+            if verdict is None:
+                self.store.drop_loss_request(rid, stamp)
+                return "no base"
+            final, retired = self.store.set_loss_verdict(rid, verdict, lc.VERDICT_TTL_S)
+            if retired and retired != name and is_safe_name(retired):
+                confined(self.spool, retired).unlink(missing_ok=True)  # a later delivery's copy
+            return "passed" if final.get("ok") else "refused"
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)
+
+    def _judge(self, req: dict[str, Any], path: Path) -> dict[str, Any] | None:
+        """The verdict on the result in ``path`` (None: its base weights are gone)."""
+        base = req.get("base")
+        if not isinstance(base, str) or not Path(base).is_file():
+            return None
+        try:
+            scale = float(req.get("scale", 1.0))
+        except (TypeError, ValueError):
+            scale = 1.0
+        scale = min(1.0, max(0.0, scale)) if math.isfinite(scale) else 1.0
+        try:
+            wc = read_weights(path, self.fp, max_bytes=self.max_bytes).flat
+        except WeightsFormatError as e:
+            v = lc.decide(math.inf, 0.0)
+            return {**v, "reason": f"held-out loss check: the result's weights cannot be read: {e}"}
+        t0 = time.perf_counter()
+        try:
+            dl = self.loss_increase(wc, base, scale)
+        except WeightsFormatError as e:  # the server's own base file: log it, judge nothing
+            log.error("job %s: base weights %s unreadable: %s", self.store.job, base, e)
+            return None
+        if req.get("kind") == "observe":
+            return {"loss_increase": dl if math.isfinite(dl) else None}
+        bound = lc.bound_of(self.store, self.spec, str(req.get("model", "0")), int(req.get("epoch", 0)))
+        # the forward passes' own time, for the merge record (the rest of a result's wait
+        # is the queue)
+        return {**lc.decide(dl, bound), "check_s": round(time.perf_counter() - t0, 6)}
+
+    def sweep(self, now: float | None = None) -> int:
+        """Remove spool files of requests lost in a crash (older than ORPHAN_AGE_S)."""
+        now = time.time() if now is None else now
+        n = 0
+        if not self.spool.is_dir():
+            return 0
+        for p in self.spool.iterdir():
+            try:
+                if p.is_file() and now - p.stat().st_mtime > ORPHAN_AGE_S:
+                    p.unlink()
+                    n += 1
+            except OSError:
+                continue
+        return n
+
+
+def keras_loss(model_file: Path, val_file: Path, spec: JobSpec) -> Callable[[np.ndarray], float]:
+    """The held-out loss of flat weights, on a model instance of its own."""
+    from boinc_dl.server.common.keras_model import configure_tf, set_flat
+
+    tf = configure_tf()
+    model = tf.keras.models.load_model(model_file, compile=False)
+    x, y = held_out_batch(val_file, spec.validation.loss_check_batch, spec.seed)
+    loss = tf.keras.losses.get(spec.training.loss)
+    xt, yt = tf.constant(x), tf.constant(y)
+
+    def fn(flat: np.ndarray) -> float:
+        set_flat(model, flat)
+        return float(tf.reduce_mean(loss(yt, model(xt, training=False))).numpy())
+    return fn
+
+
+class LossChecker:
+    """The checker loop over every job a work generator drives (a thread of its process).
+
+    ``jobs()`` names the jobs to serve (the daemon's running VC-ASGD jobs); ``connect()``
+    gives a Redis client (its own: the daemon's is reset on outages)."""
+
+    def __init__(self, connect: Callable[[], Any], jobs: Callable[[], dict[str, Path]],
+                 stop: threading.Event, idle_s: float = 0.5):
+        self.connect = connect
+        self.jobs = jobs
+        self.stop = stop
+        self.idle_s = idle_s
+        self.checkers: dict[str, JobChecker] = {}
+        self.handled: dict[str, int] = {}
+        self._r: Any = None
+        self._beat = 0.0
+        self._swept = 0.0
+
+    def checker(self, job: str, job_dir: Path) -> JobChecker | None:
+        c = self.checkers.get(job)
+        if c is None:
+            store = JobStore(self._r, job)
+            try:
+                spec = spec_from_json(store.spec_json())
+            except UnknownJob:
+                return None
+            if not lc.enabled(spec):
+                return None
+            c = self.checkers[job] = JobChecker(store, spec, job_dir)
+            log.info("job %s: loss checker serving (held-out batch %d, k %g, %d trusted results needed)",
+                     job, spec.validation.loss_check_batch, spec.validation.loss_check_k,
+                     spec.validation.loss_check_min_trusted)
+        return c
+
+    def one_round(self) -> int:
+        """Heartbeat, then answer at most one request per job; how many were answered."""
+        if self._r is None:
+            self._r = self.connect()
+        jobs = self.jobs()
+        for gone in set(self.checkers) - set(jobs):
+            del self.checkers[gone]
+        active = [c for job, d in jobs.items() if (c := self.checker(job, d)) is not None]
+        now = time.monotonic()
+        if now - self._beat >= 1.0:
+            for c in active:
+                c.store.mark_loss_checker_alive(lc.HEARTBEAT_TTL_S)
+            self._beat = now
+        if now - self._swept >= 3600.0:
+            for c in active:
+                c.sweep()
+            self._swept = now
+        n = 0
+        wait = self.idle_s / max(1, len(active))
+        for c in active:
+            req = c.store.pop_loss_request(wait)
+            if req is None:
+                continue
+            try:
+                what = c.handle(req)
+            except StoreUnavailable:
+                raise
+            except Exception:  # noqa: BLE001 - one request must not stop the checker
+                log.exception("job %s: loss check of %s failed", c.store.job, req.get("unit"))
+                what = "error"
+            self.handled[what] = self.handled.get(what, 0) + 1
+            log.info("job %s: loss check of %s (%s): %s", c.store.job, req.get("unit"), req.get("kind"), what)
+            n += 1
+        if not active:
+            self.stop.wait(self.idle_s)
+        return n
+
+    def run(self) -> None:
+        """Until ``stop``: answer requests; ride through Redis outages."""
+        delay = 1.0
+        while not self.stop.is_set():
+            try:
+                self.one_round()
+                delay = 1.0
+            except StoreUnavailable as e:
+                log.error("loss checker: %s; reconnecting", e)
+                self._r = None
+                self.checkers.clear()
+                self.stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+            except Exception:  # noqa: BLE001 - the checker must outlive any one failure
+                log.exception("loss checker: unexpected error")
+                self.stop.wait(delay)
+                delay = min(delay * 2, 30.0)

@@ -1,0 +1,262 @@
+"""The held-out loss check on the user's path: a BOINC project (the fake one, its
+database in MariaDB), the work generator daemon run as BOINC runs it (``bin/``'s shim, a
+subprocess with its checker thread and TensorFlow), results handed to the assimilator
+shim as ``script_assimilator`` does, one process per result.
+
+Results are made in the test from each workunit's real base weights: honest ones move
+towards a model trained on the job's data, attacks towards a model trained on shifted
+labels (label flip) or against the honest direction (inner-product manipulation), each
+no longer than an honest update (inside any clip radius). Trusted results are those
+BOINC's database shows agreed with a replica from another host.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from boinc_dl.server.assimilator import losscheck as lc
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.project import dir_hier_path
+from boinc_dl.server.backends.boinc.submit import submit_job
+from boinc_dl.server.common.spec import parse_spec
+from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weights
+from boinc_dl.server.common.workunit import WEIGHTS_IN
+from boinc_dl.server.work_generator.prepare import JobFiles
+from tests.boinc.conftest import REPO, run_script, script_env
+from tests.boinc.fake_server import _exec, rows
+
+pytestmark = pytest.mark.slow
+
+N_TRUSTED = 6
+
+
+def _spec(name: str):
+    return parse_spec({
+        "name": name, "model": "models:mlp", "model_args": {"input_dim": 64, "hidden": 16, "n_classes": 10},
+        "dataset": {"name": "digits"},
+        "training": {"epochs": 4, "batch_size": 32, "local_epochs": 1, "learning_rate": 0.01},
+        "vcasgd": {"n_subsets": 8, "window": 8},
+        "units": {"timeout_s": 600, "max_error_results": 3, "max_total_results": 6},
+        "validation": {"loss_check_min_trusted": 4, "loss_check_wait_s": 15, "clip_min_trusted": 4},
+        "seed": 5,
+    })
+
+
+class Play:
+    """The test's side of BOINC: the daemon, the hosts, and the results they return."""
+
+    def __init__(self, project, redis_url: str, name: str, tmp_path: Path):
+        install(project.root, InstallOptions(redis_url=redis_url, gpu=False,
+                                             command=[os.sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
+        self.project = project
+        self.spec = _spec(name)
+        submit_job(self.spec, project.root, search_path=REPO / "examples")
+        self.store = JobStore(connect(redis_url), name)
+        self.files = JobFiles(project.job_dir(name), name)
+        self.env = script_env()
+        self.log = tmp_path / "work_generator.log"
+        self.daemon: subprocess.Popen | None = None
+        self.fp = self.store.fingerprint("0")
+        self.seen: set[str] = set()
+        for _ in range(2):  # two hosts asking for work: the window is the spec's 8
+            _exec(project, "INSERT INTO host (create_time, rpc_time, p_ncpus, p_fpops) VALUES (0, %s, 4, 3e9)",
+                  (int(time.time()) + 3600,))
+        self._train_targets()
+
+    def _train_targets(self) -> None:
+        """A model trained on the job's data (honest direction) and one on shifted labels."""
+        from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
+
+        tf = configure_tf(threads=1)
+        x = np.concatenate([np.load(p)["x"] for p in sorted(self.files.dir.glob("*__shard*.npz"))])
+        y = np.concatenate([np.load(p)["y"] for p in sorted(self.files.dir.glob("*__shard*.npz"))])
+        w0 = self.store.get_weights("0")[0]
+        out = []
+        for labels in (y, (y + 1) % 10):
+            m = tf.keras.models.load_model(self.files.model, compile=False)
+            set_flat(m, w0)
+            m.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
+            m.fit(x, labels, epochs=30, batch_size=64, verbose=0)
+            out.append(get_flat(m).astype(np.float32))
+        self.good, self.flipped = out
+
+    # ---- the daemon -------------------------------------------------------------------------
+    def start(self) -> None:
+        with self.log.open("a") as f:
+            self.daemon = subprocess.Popen([str(self.project.root / "bin" / "bdl_work_generator")],
+                                           cwd=self.project.tmp_dir, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+
+    def kill(self) -> None:
+        assert self.daemon is not None
+        self.daemon.send_signal(signal.SIGKILL)
+        self.daemon.wait(30)
+
+    def stop(self) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.send_signal(signal.SIGTERM)
+            self.daemon.wait(30)
+
+    def wait_checker(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.store.loss_checker_alive():
+            assert self.daemon is not None and self.daemon.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    def new_workunits(self, n: int, timeout: float = 120) -> list[dict]:
+        """The next ``n`` workunits the daemon created (in creation order)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [w for w in rows(self.project, "SELECT id, name FROM workunit ORDER BY id")
+                   if w["name"] not in self.seen]
+            if len(got) >= n:
+                self.seen.update(w["name"] for w in got[:n])
+                return got[:n]
+            assert time.monotonic() < deadline, (got, self.log.read_text()[-3000:])
+            time.sleep(0.2)
+
+    # ---- hosts ------------------------------------------------------------------------------
+    def base(self, wu: str) -> np.ndarray:
+        return read_weights(self.store.unit_info(wu)["files"][WEIGHTS_IN], self.fp).flat
+
+    def weights_for(self, wu: str, role: str, i: int) -> np.ndarray:
+        wb = self.base(wu)
+        # honest hosts: about a third of the way to the trained model, a little apart
+        honest = (0.3 + 0.02 * (i % 4)) * (self.good - wb)
+        if role == "honest":
+            return wb + honest
+        size = float(np.linalg.norm(honest))
+        if role == "labelflip":
+            d = self.flipped - wb
+        elif role == "ipm":  # inner-product manipulation: against the honest direction
+            d = -(self.good - wb)
+        else:
+            raise ValueError(role)
+        return wb + d * np.float32(size / float(np.linalg.norm(d)))
+
+    def upload(self, wu: dict, flat: np.ndarray, trusted: bool) -> list[str]:
+        """The result files of ``wu``'s first result in the upload hierarchy; with
+        ``trusted``, BOINC's database shows it valid beside a valid replica of another host."""
+        result = f"{wu['name']}_0"
+        paths = []
+        for i in range(2):
+            p = dir_hier_path(f"{result}_r99_{i}", self.project.upload_dir, self.project.fanout)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            paths.append(p)
+        write_weights(paths[0], WeightsFile(flat.astype(np.float32), self.fp, job=self.spec.name, model="0",
+                                            unit=wu["name"], base_version=0, examples_seen=100))
+        paths[1].write_text(f'{{"job": "{self.spec.name}", "unit": "{wu["name"]}", "val_acc": 0.5}}')
+        if trusted:
+            _exec(self.project, "UPDATE result SET validate_state = 1, hostid = 1, userid = 1, server_state = 5 "
+                                "WHERE name = %s", (result,))
+            _exec(self.project, "INSERT INTO result (create_time, workunitid, server_state, validate_state, hostid, "
+                                "userid, name) VALUES (%s, %s, 5, 1, 2, 2, %s)", (int(time.time()), wu["id"],
+                                                                                  f"{wu['name']}_1"))
+        return [str(p) for p in paths]
+
+    def assimilate(self, wu: dict, paths: list[str]) -> subprocess.Popen[str]:
+        """BOINC's script_assimilator calling the shim (system() from tmp_<host>)."""
+        return subprocess.Popen(f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", shell=True,
+                                cwd=self.project.tmp_dir, env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def assimilate_until_handled(self, wu: dict, paths: list[str], tries: int = 20) -> int:
+        """Call the shim until it exits 0 (BOINC re-runs a transient exit, 3); the tries."""
+        for n in range(1, tries + 1):
+            p = run_script(self.project.root, f"../bin/bdl_assimilate {wu['id']} {' '.join(paths)}", self.env)
+            if p.returncode == 0:
+                return n
+            assert p.returncode == 3, p.stderr
+        pytest.fail(f"{wu['name']} never assimilated: {p.stderr[-2000:]}")
+
+
+@pytest.fixture
+def play(db_project, redis_server, tmp_path):
+    pl = Play(db_project, redis_server.url, "digits-losscheck", tmp_path)
+    yield pl
+    pl.stop()
+
+
+def feed_trusted(play: Play) -> None:
+    """The replicated results that teach the checker what an honest loss change is."""
+    for i, wu in enumerate(play.new_workunits(N_TRUSTED)):
+        paths = play.upload(wu, play.weights_for(wu["name"], "honest", i), trusted=True)
+        assert play.assimilate_until_handled(wu, paths) == 1  # trusted: never held back
+    deadline = time.monotonic() + 60
+    while len(play.store.trusted_values("0", lc.STAT, 64)) < N_TRUSTED:
+        assert time.monotonic() < deadline, play.log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) -> None:
+    store = play.store
+    play.start()
+    play.wait_checker()
+    feed_trusted(play)
+    assert store.assimilated().keys() == play.seen and not store.rejections()
+    roles = ["honest", "labelflip", "ipm"] * 2
+    wus = play.new_workunits(len(roles))
+    for i, (wu, role) in enumerate(zip(wus, roles, strict=True)):
+        paths = play.upload(wu, play.weights_for(wu["name"], role, i), trusted=False)
+        play.assimilate_until_handled(wu, paths)
+    merged, failed = store.assimilated(), store.failed()
+    for wu, role in zip(wus, roles, strict=True):
+        if role == "honest":
+            assert wu["name"] in merged, (role, failed.get(wu["name"]))
+            assert merged[wu["name"]]["loss_increase"] <= max(0.0, merged[wu["name"]]["loss_bound"])
+        else:
+            assert wu["name"] not in merged and "raises the loss" in failed[wu["name"]], (role, merged.get(wu["name"]))
+    reasons = [r["reason"] for r in store.rejections(50)]
+    assert len(reasons) == 4 and all("held-out loss check" in r for r in reasons)
+    # only the trusted results fed the statistic: untrusted ones, honest or not, never do
+    assert len(store.trusted_values("0", lc.STAT, 64)) == N_TRUSTED
+    assert store.loss_pending_count() == 0 and not list(lc.spool_dir(play.files.job_dir).iterdir())
+
+
+def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
+    """Every result ends merged or refused exactly once, whenever the checker dies."""
+    store = play.store
+    play.start()
+    play.wait_checker()
+    feed_trusted(play)
+    roles = ["honest", "labelflip", "honest", "ipm", "honest", "labelflip", "honest", "ipm"]
+    wus = play.new_workunits(len(roles))
+    uploads = [play.upload(wu, play.weights_for(wu["name"], role, i), trusted=False)
+               for i, (wu, role) in enumerate(zip(wus, roles, strict=True))]
+    procs = [play.assimilate(wu, paths) for wu, paths in zip(wus, uploads, strict=True)]
+    deadline = time.monotonic() + 60
+    while not store.loss_pending_count():  # the first request is queued
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(random.uniform(0.0, 0.1))  # some answered, some waiting or being checked
+    play.kill()
+    codes = [p.wait(120) for p in procs]
+    assert set(codes) <= {0, 3}, [p.stdout.read() for p in procs]
+    print("exit codes after the kill:", codes)
+    assert 3 in codes  # some waited in vain: BOINC hands them over again
+    play.start()  # restarted (BOINC's cron runs bin/start): its checker resumes
+    play.wait_checker()
+    for wu, paths, code in zip(wus, uploads, codes, strict=True):
+        if code == 3:  # BOINC hands a transient failure over again
+            play.assimilate_until_handled(wu, paths)
+    merged, failed = store.assimilated(), store.failed()
+    names = [wu["name"] for wu in wus]
+    for name, role in zip(names, roles, strict=True):
+        assert (name in merged) != (name in failed), name  # exactly one outcome each
+        assert (name in merged) == (role == "honest"), (name, role, failed.get(name))
+    merges = [m["unit"] for m in store.metrics("merge")]
+    assert sorted(u for u in merges if u in names) == sorted(n for n in names if n in merged)  # none twice
+    assert store.version("0") == len(merges) == len(merged)
+    refused = [r["unit"] for r in store.rejections(50)]
+    assert sorted(refused) == sorted(n for n in names if n in failed)  # each refusal recorded once
+    assert store.loss_pending_count() == 0 and store.loss_queue_length() == 0
