@@ -101,8 +101,13 @@ def in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     monkeypatch.setenv("COLUMNS", "40")
     modules, path = set(sys.modules), list(sys.path)
     yield tmp_path
+    # Only the user's own modules (files under tmp_path): a library a command imported
+    # for the first time stays, since C extensions (numpy's, h5py's, TensorFlow's
+    # dependencies') cannot be loaded twice in one process.
+    root = str(tmp_path.resolve())
     for name in set(sys.modules) - modules:
-        if not name.startswith(("boinc_dl", "tensorflow", "keras")):
+        file = getattr(sys.modules.get(name), "__file__", None) or ""
+        if file and str(Path(file).resolve()).startswith(root):
             del sys.modules[name]
     sys.path[:] = path
 
