@@ -7,19 +7,24 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
 
 1. **retain** the result's weights file in the job's retained area (a hard link:
    :mod:`boinc_dl.server.assimilator.retained`), hashed and synced in the background;
-2. **intent** (before any shard changes): ``bdl:J:mlog:M`` hash, unit -> JSON {rule,
-   its parameters, the retained file (``inputs/M/<unit>.<f>.h5``: ``f``) and its size};
-   logged. The first intent of a unit wins: a second result of the same unit finishes
-   the first one's merge;
-3. **shards**: each shard is committed by ``COMMIT_LOGGED`` (a Lua script, strict:
-   the tag it read must still be there): the new bytes, tag and ``bv`` are written
-   with replication off, so they stay out of the AOF; the shard's version and the
-   unit's mark ``u:<unit> -> version`` are logged in the same atomic script. That mark
-   is the shard's log entry, and the version the merge produced in that shard: the
-   order of the merges into a shard is the order of its versions, what a replay needs;
+2. **intent** (before any shard changes): ``bdl:J:mlog:M`` hash, unit -> compact JSON
+   {rule, its parameters, the retained file (``inputs/M/<unit>.<f>.h5``: ``f``) and its
+   size}; logged. The first intent of a unit wins: a second result of the same unit
+   finishes the first one's merge;
+3. **shards** (strict: each shard's commit checks the tag the merge read). On one Redis
+   ``COMMIT_MANY`` commits any number of shards in one script: their bytes, tags,
+   versions and the unit's marks are written with replication off, and the AOF gets one
+   *commit record* for the call, ``bdl:J:mrec:M`` ``<first shard>:<unit>`` ->
+   ``"i:v,i:v,..."``: the version the merge produced in each shard it committed. A lone
+   assimilator commits all its shards in one call (one record per merge); concurrent
+   merges commit shard by shard (one record per shard). In a Redis Cluster, where a
+   script reaches one slot, ``COMMIT_LOGGED`` commits one shard and logs its version and
+   the unit's mark ``u:<unit> -> version`` in the shard's own hash, on its own master.
+   Either way a shard's log entry and its commit are one atomic script, and the order of
+   the merges into a shard is the order of the versions its entries name;
 4. **finalize**: once the input is on disk, ``FINALIZE`` sets the unit's global mark
-   (as for every merge). The input's SHA-256, computed off the critical path, is added
-   to the intent when ready (``RECORD_SHA``).
+   (as for every merge). The input's SHA-256, computed off the critical path, is recorded
+   beside the intent when ready (``RECORD_SHA``: ``bdl:J:mrec:M`` ``s:<unit>``).
 
 The bytes are rebuilt after a restart of Redis by
 :mod:`boinc_dl.server.assimilator.recovery`; snapshots bound the replay and let the
@@ -55,14 +60,32 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return false end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
-# Add the input's SHA-256 to an intent, if the intent is still the one the merge read
-# (not truncated, not completed already). A string edit, not a JSON re-encoding: the
-# rule's parameters keep their exact digits. ARGV: unit, intent as stored, SHA-256.
+# Record the input's SHA-256 beside its intent (the record hash's ``s:<unit>``), if the
+# intent is still the one the merge read (not truncated, not dropped). A field of its
+# own, not the intent rewritten with it: the AOF gets the 64 digits, not the intent a
+# second time. KEYS: intents, records. ARGV: unit, intent as stored, SHA-256.
 RECORD_SHA = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], string.sub(ARGV[2], 1, -2) .. ', "sha256": "' .. ARGV[3] .. '"}')
+redis.call('HSET', KEYS[2], 's:' .. ARGV[1], ARGV[3])
 return 1
 """
+
+
+def parse_records(raw: dict[bytes, bytes]) -> tuple[dict[int, dict[int, str]], dict[str, str]]:
+    """A model's record hash: (shard -> {version -> unit}) from its commit records
+    (``<first shard>:<unit>`` -> ``"i:v,i:v,..."``), and unit -> its input's SHA-256
+    (``s:<unit>``)."""
+    versions: dict[int, dict[int, str]] = {}
+    shas: dict[str, str] = {}
+    for k, v in raw.items():
+        head, _, unit = k.decode().partition(":")
+        if head == "s":
+            shas[unit] = v.decode()
+            continue
+        for pair in v.decode().split(","):
+            i, _, ver = pair.partition(":")
+            versions.setdefault(int(i), {})[int(ver)] = unit
+    return versions, shas
 
 
 def input_rel(model: str, unit: str, entry: dict[str, Any]) -> str:
@@ -132,7 +155,21 @@ class LoggedMerging:
         return self._durable_dir  # type: ignore[return-value]
 
     def mlog_key(self, model: str) -> str:
+        """The model's intents: unit -> JSON {rule, params, f, bytes}."""
         return self.k("mlog", model)  # type: ignore[attr-defined]
+
+    def mrec_key(self, model: str) -> str:
+        """The model's commit records (one Redis: ``<first shard>:<unit>`` -> the versions
+        a commit produced) and its inputs' SHA-256 (``s:<unit>``)."""
+        return self.k("mrec", model)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _live(tag: Any, v: Any, bv: Any, run_id: Any) -> bool:
+        """Whether a shard (HMGET's tag, v, bv) holds current bytes; ``run_id``: the
+        server's, read in the same round trip (``("EVAL", sh.RUN_ID_SCRIPT, 0)``), never a
+        cached one: a restarted server has a new one, and a stale one would take the
+        shards it lost for live."""
+        return sh.is_live(tag, v, bv, run_id)
 
     def can_log(self, record: dict[str, Any], source: Path | None, strict: bool) -> bool:
         """Whether a merge with this record and input can be a logged (durable) one."""
@@ -185,7 +222,9 @@ class LoggedMerging:
         intent = {"rule": record["rule"], "params": record.get("rule_params") or {},
                   "f": inp.path.name[len(unit) + 1:-len(".h5")], "bytes": inp.size}
         begin = self._script("mlog_begin", BEGIN)  # type: ignore[attr-defined]
-        text = json.dumps(intent)
+        # Compact JSON: the intent is the largest entry of the log (floats keep their
+        # repr, so the replay gets the very parameters).
+        text = json.dumps(intent, separators=(",", ":"))
         prev = self.call(lambda: begin(keys=[self.mlog_key(model)], args=[unit, text]))  # type: ignore[attr-defined]
         # Ours also when a retried BEGIN finds what its first try wrote (a lost reply).
         ours = prev is None or json.loads(prev).get("f") == intent["f"]
@@ -206,16 +245,15 @@ class LoggedMerging:
                               "helped": True}
                 inp.discard()
                 inp = other
-        if '"sha256"' not in text:
-            record_sha = self._script("mlog_sha", RECORD_SHA)  # type: ignore[attr-defined]
-            key = self.mlog_key(model)
+        record_sha = self._script("mlog_sha", RECORD_SHA)  # type: ignore[attr-defined]
+        sha_keys = [self.mlog_key(model), self.mrec_key(model)]
 
-            def add_sha(h: str) -> None:
-                self.call(lambda: record_sha(keys=[key], args=[unit, text, h]))  # type: ignore[attr-defined]
-            if inp.retained is not None:
-                inp.retained.then_record(add_sha)  # from the hashing thread, once hashed
-            else:
-                add_sha(inp.sha256())  # another result's input, hashed above
+        def add_sha(h: str) -> None:
+            self.call(lambda: record_sha(keys=sha_keys, args=[unit, text, h]))  # type: ignore[attr-defined]
+        if inp.retained is not None:
+            inp.retained.then_record(add_sha)  # from the hashing thread, once hashed
+        else:
+            add_sha(inp.sha256())  # another result's input, hashed above
         versions, retries, applied = self._logged_shards(model, order, unit, combine_for, max_retries)
         if versions is None:
             if ours:
@@ -300,16 +338,40 @@ class LoggedMerging:
                 backoff.wait(f"merge of {unit}", e)
         return versions, retries, applied
 
-    def _commit_script(self, held: Any, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """Run ``COMMIT_LOGGED`` for each (keys, args) on ``held``'s connection, in one
-        round trip (loading the script first where Redis lost it in a restart)."""
-        sha = self._script("commit_logged", sh.COMMIT_LOGGED).sha  # type: ignore[attr-defined]
-        cmds = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
+    def _commit_logged(self, held: Any, model: str, unit: str, field: str,
+                       items: list[tuple[int, bytes, bytes, memoryview]]) -> list[tuple[int, int, bytes | None]]:
+        """Commit shards (index, expected tag, new tag, bytes) of ``unit``'s merge on
+        ``held``'s connection, in one round trip: (code, version, the tag written) per
+        shard; code 1 applied, 0 already carried the unit, -1 conflict, -2 not live.
+
+        One Redis: one ``COMMIT_MANY`` for all of them, whose one logged record lists
+        the versions produced. A cluster: one ``COMMIT_LOGGED`` per shard (each in its
+        own slot), the shard's mark its log entry on its own master."""
+        if self.cluster:
+            src = sh.COMMIT_LOGGED
+            cmds = [("EVALSHA", self._script("commit_logged", src).sha, 2,  # type: ignore[attr-defined]
+                     *self._shard_keys(model, i), tag, new_tag, field, data)  # type: ignore[attr-defined]
+                    for i, tag, new_tag, data in items]
+        else:
+            src = sh.COMMIT_MANY
+            keys = [k for i, *_ in items for k in self._shard_keys(model, i)]  # type: ignore[attr-defined]
+            args = [a for i, tag, new_tag, data in items for a in (i, tag, new_tag, data)]
+            cmds = [("EVALSHA", self._script("commit_many", src).sha,  # type: ignore[attr-defined]
+                     2 + len(keys), self.k("assimilated"), self.mrec_key(model), *keys,  # type: ignore[attr-defined]
+                     unit, field, *args)]
         try:
-            return held.run(cmds)
+            replies = held.run(cmds)
         except redis.exceptions.NoScriptError:
-            held.run([("SCRIPT", "LOAD", sh.COMMIT_LOGGED)])
-            return held.run(cmds)
+            held.run([("SCRIPT", "LOAD", src)])
+            replies = held.run(cmds)
+        if self.cluster:
+            return [(int(r[0]), int(r[1]) if len(r) > 1 else 0, new_tag)
+                    for r, (_i, _t, new_tag, _d) in zip(replies, items, strict=True)]
+        rep = replies[0]
+        if rep and not isinstance(rep[0], list) and int(rep[0]) == -3:
+            # Finalized: every shard carries the unit (its marks may predate a restart).
+            return [(0, 0, None) for _ in items]
+        return [(int(r[0]), int(r[1]) if len(r) > 1 else 0, r[2] if len(r) > 2 else None) for r in rep]
 
     def _logged_shard(self, model: str, i: int, field: str,
                       combine: Callable[[np.ndarray], np.ndarray | None]) -> tuple[str, int]:
@@ -322,18 +384,20 @@ class LoggedMerging:
         ok = False
         try:
             cached, _ = self._take_cached(model, i)  # type: ignore[attr-defined]
+            rid_cmd = ("EVAL", sh.RUN_ID_SCRIPT, 0)
             if cached is None:
-                rep = held.run([("MULTI",), ("HMGET", mkey, "tag", "v", "bv", field), ("GET", wkey), ("EXEC",)])[3]
-                (tag, v, bv, mark), w = rep
+                res = held.run([rid_cmd, ("MULTI",), ("HMGET", mkey, "tag", "v", "bv", field), ("GET", wkey),
+                                ("EXEC",)])
+                rid, ((tag, v, bv, mark), w) = res[0], res[4]
             else:
-                tag, v, bv, mark = held.run([("HMGET", mkey, "tag", "v", "bv", field)])[0]
+                rid, (tag, v, bv, mark) = held.run([rid_cmd, ("HMGET", mkey, "tag", "v", "bv", field)])
                 w = None
             if mark is not None:
                 if cached is not None:
                     self._cache[(model, i)] = cached
                 ok = True
                 return "skipped", int(mark)
-            if not sh.is_live(tag, v, bv):
+            if not self._live(tag, v, bv, rid):
                 ok = True
                 return "dead", 0
             if cached is not None and cached[0] != tag:
@@ -349,17 +413,16 @@ class LoggedMerging:
             if new is None:
                 ok = True
                 return "rejected", 0
-            new_tag = sh.new_tag()
-            res = self._commit_script(held, [([wkey, mkey], [tag, new_tag, field, sh.as_bytes(new)])])[0]
+            code, v_new, written = self._commit_logged(held, model, field[2:], field,
+                                                       [(i, tag, sh.new_tag(), sh.as_bytes(new))])[0]
             ok = True
         finally:
             held.release() if ok else held.discard()
-        code = int(res[0])
         if code == 1:
-            self._cache[(model, i)] = (new_tag, new)
-            return "applied", int(res[1])
+            self._cache[(model, i)] = (written, new)
+            return "applied", v_new
         if code == 0:
-            return "skipped", int(res[1])
+            return "skipped", v_new
         return ("dead", 0) if code == -2 else ("conflict", 0)
 
     def _commit_cached_logged(self, model: str, shards: list[int], field: str,
@@ -376,12 +439,13 @@ class LoggedMerging:
         held = _Held(self.r)
         ok = False
         try:
-            heads = held.run([("HMGET", self._shard_keys(model, i)[1], "tag", "v", "bv", field)  # type: ignore[attr-defined]
-                              for i in shards])
+            rid, *heads = held.run([("EVAL", sh.RUN_ID_SCRIPT, 0),
+                                    *[("HMGET", self._shard_keys(model, i)[1], "tag", "v", "bv", field)  # type: ignore[attr-defined]
+                                      for i in shards]])
             ok = True
         finally:
             held.release() if ok else held.discard()
-        if any(mark is not None or tag != self._cache[(model, i)][0] or not sh.is_live(tag, v, bv)
+        if any(mark is not None or tag != self._cache[(model, i)][0] or not self._live(tag, v, bv, rid)
                for i, (tag, v, bv, mark) in zip(shards, heads, strict=True)):
             # Not alone after all: the per-shard path takes over (it reads what changed).
             self._alone[model] = False
@@ -399,19 +463,18 @@ class LoggedMerging:
         held = _Held(self.r)
         ok = False
         try:
-            replies = self._commit_script(held, [(self._shard_keys(model, i), [tag, new_tag, field, sh.as_bytes(new)])  # type: ignore[attr-defined]
-                                                 for i, new, tag, new_tag in news])
+            replies = self._commit_logged(held, model, field[2:], field,
+                                          [(i, tag, new_tag, sh.as_bytes(new)) for i, new, tag, new_tag in news])
             ok = True
         finally:
             held.release() if ok else held.discard()
         done: dict[int, tuple[str, int]] = {}
         dead = False
-        for (i, new, _tag, new_tag), res in zip(news, replies, strict=True):
-            code = int(res[0])
+        for (i, new, _tag, _new_tag), (code, v_new, written) in zip(news, replies, strict=True):
             if code == 1:
-                self._cache[(model, i)] = (new_tag, new)
-                done[i] = ("applied", int(res[1]))
+                self._cache[(model, i)] = (written, new)
+                done[i] = ("applied", v_new)
             elif code == 0:
-                done[i] = ("skipped", int(res[1]))
+                done[i] = ("skipped", v_new)
             dead = dead or code == -2
         return done, dead

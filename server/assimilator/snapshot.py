@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator.mergelog import input_rel
+from boinc_dl.server.assimilator.mergelog import input_rel, parse_records
 from boinc_dl.server.assimilator.retained import sha256_of, sync_dir
 from boinc_dl.server.common.paths import confined
 
@@ -160,17 +160,32 @@ def truncate(store: JobStore, model: str, m: Manifest) -> int:
     candidates = [u for u, a, f in zip(units, done, failed, strict=True) if a is not None or f is not None]
     if not candidates:
         return 0
-    fields = [f"u:{u}" for u in candidates]
     covered = set(candidates)
-    for i in range(m.shards):
-        mkey = store._shard_keys(model, i)[1]
-        marks = store.call(lambda mkey=mkey: store.r.hmget(mkey, fields))
-        for u, v in zip(candidates, marks, strict=True):
-            if v is not None and _int(v) > m.versions[i]:
+    rec_raw = store.call(lambda: store.r.hgetall(store.mrec_key(model)))
+    records, _shas = parse_records(rec_raw)
+    for i, by_version in records.items():
+        # One Redis: a commit record names each version it produced.
+        for v, u in by_version.items():
+            if v > m.versions[i]:
                 covered.discard(u)
+    if store.cluster:
+        # A cluster's log entries are the marks in each shard's own hash.
+        fields = [f"u:{u}" for u in candidates]
+        for i in range(m.shards):
+            mkey = store._shard_keys(model, i)[1]
+            marks = store.call(lambda mkey=mkey: store.r.hmget(mkey, fields))
+            for u, v in zip(candidates, marks, strict=True):
+                if v is not None and _int(v) > m.versions[i]:
+                    covered.discard(u)
     if not covered:
         return 0
     drop = sorted(covered)
+    # Their commit records and input hashes go with their intents (the records first: a
+    # record whose intent is gone would stop a replay, an intent without records is only
+    # a merge that committed nothing yet).
+    rec_fields = [k for k in rec_raw if k.decode().partition(":")[2] in covered]
+    if rec_fields:
+        store.call(lambda: store.r.hdel(store.mrec_key(model), *rec_fields))
     store.call(lambda: store.r.hdel(key, *drop))
     d = store.durable_dir()
     assert d is not None

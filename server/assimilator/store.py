@@ -9,6 +9,9 @@ Keys of job J:
 ``bdl:J:layout``               hash model -> JSON {n, shards}: how M's weights are cut
 ``bdl:J:s:{J/M/i}:w``          shard i of model M's server weights (float32 bytes)
 ``bdl:J:s:{J/M/i}:m``          hash: shard i's tag, version and per-unit "applied" marks
+``bdl:J:mlog:M``               hash unit -> the intent of a durable merge of M (merge log)
+``bdl:J:mrec:M``               hash: M's commit records (``<shard>:<unit>`` -> ``i:v,...``)
+                               and its inputs' SHA-256 (``s:<unit>``): the merge log, one Redis
 ``bdl:J:v:M``                  weights version of model M (number of merged units)
 ``bdl:J:units``                hash unit -> JSON (epoch, subset/partition, model, state)
 ``bdl:J:assimilated``          hash unit -> JSON merge record (the idempotency mark)
