@@ -254,6 +254,9 @@ def epoch_run_id(tag: object) -> bytes | None:
 
 # The unit's global "assimilated" mark, set once every shard carries the unit, with
 # the accounting it drives (version counter, unit state, epoch count, metrics entry).
+# The metrics entry names the unit; its record is the one in ``assimilated`` (the stream
+# does not carry it a second time: about 0.9 KB less in the AOF per merge, and
+# ``JobStore.metrics`` reads it from there).
 # A unit given up meanwhile (its epoch already counted it failed) is not marked: its
 # shards carry the update, but the accounting never counts one unit twice.
 # KEYS: assimilated, unit_state, epoch hash, metrics, version counter, failed.
@@ -270,7 +273,7 @@ local rec = ARGV[2] .. ',"version":' .. v .. ',"base_version_seen":' .. (v - 1) 
 redis.call('HSET', KEYS[1], ARGV[1], rec)
 redis.call('HSET', KEYS[2], ARGV[1], 'assimilated')
 if ARGV[3] == '1' then redis.call('HINCRBY', KEYS[3], 'assimilated', 1) end
-redis.call('XADD', KEYS[4], '*', 'kind', 'merge', 'unit', ARGV[1], 'model', ARGV[4], 'data', rec)
+redis.call('XADD', KEYS[4], '*', 'kind', 'merge', 'unit', ARGV[1], 'model', ARGV[4])
 return {1, v}
 """
 
