@@ -8,6 +8,7 @@ compared bytes for bytes against numpy's merges in each shard's own order.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from boinc_dl.server.assimilator.merging import _Held
 from boinc_dl.server.assimilator.recovery import ensure_live
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.spec import parse_spec
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 from tests.support.results import assimilate_files
@@ -266,3 +268,71 @@ def test_a_replay_never_applies_an_entry_twice(env) -> None:
 
 def _held(store: JobStore) -> _Held:
     return _Held(store.r)
+
+
+def test_no_shard_is_committed_before_its_input_is_on_disk(env, monkeypatch) -> None:
+    """A commit logs a record that names the input: the input's fdatasync (slowed down
+    here) has returned before the first shard is committed, not only before the merge
+    is acknowledged."""
+    srv, tmp = env
+    new_job(srv.url, tmp / "job", units=1)
+    synced: list[str] = []
+    real = retained.os.fdatasync
+
+    def slow_sync(fd: int) -> None:
+        import time
+
+        time.sleep(0.3)
+        real(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+    monkeypatch.setattr(retained.os, "fdatasync", slow_sync)
+    seen: list[int] = []
+
+    def at_commit(n: int) -> None:
+        seen.append(len([p for p in synced if "/durable/inputs/" in p]))
+    committing = JobStore(connect(srv.url), "lj", on_shard_applied=at_commit)
+    assert merge_file(committing, result_file(tmp / "r", "lj", "u0", 0), "u0") == "merged"
+    assert seen and all(n >= 1 for n in seen), seen
+
+
+def test_an_intent_whose_input_never_reached_the_disk_is_taken_over(env) -> None:
+    """A machine crash took the first result's retained input before any shard was
+    committed (commits wait for its sync): the next result of the unit takes the intent
+    over and merges; with a shard committed, the merge waits for the file instead."""
+    srv, tmp = env
+    store = new_job(srv.url, tmp / "job", units=2)
+    # u0: its intent logged, its input gone, nothing committed.
+    dying = JobStore(connect(srv.url), "lj", on_merge_step=_raise_at("intent"))
+    with pytest.raises(KeyboardInterrupt):
+        merge_file(dying, result_file(tmp / "a", "lj", "u0", 1), "u0")
+    retained._finish_pending()
+    for f in (tmp / "job" / "durable" / "inputs" / "0").iterdir():
+        f.unlink()
+    assert merge_file(store, result_file(tmp / "b", "lj", "u0", 2), "u0") == "merged"
+    assert "helped" not in store.assimilated()["u0"]
+    expected = np.linspace(-1, 1, N, dtype=np.float32)
+    merge_into(expected, np.random.default_rng(2).standard_normal(N).astype(np.float32), ALPHA)
+    assert _restart(srv).snapshot("0").flat.tobytes() == expected.tobytes()
+    # u1: one shard committed from an input that is then lost: not taken over.
+    store = JobStore(connect(srv.url), "lj")
+    cut = JobStore(connect(srv.url), "lj", on_shard_applied=_dies_after(1))
+    with pytest.raises(KeyboardInterrupt):
+        merge_file(cut, result_file(tmp / "c", "lj", "u1", 3), "u1")
+    retained._finish_pending()
+    entry = store.r.hget(store.mlog_key("0"), "u1")
+    first = next(f for f in (tmp / "job" / "durable" / "inputs" / "0").iterdir() if f.name.startswith("u1."))
+    first.rename(tmp / "aside.h5")
+    with pytest.raises(StoreUnavailable, match="missing"):  # transient: the job system keeps the result
+        merge_file(store, result_file(tmp / "d", "lj", "u1", 4), "u1")
+    assert store.r.hget(store.mlog_key("0"), "u1") == entry
+    (tmp / "aside.h5").rename(first)
+    assert merge_file(store, result_file(tmp / "e", "lj", "u1", 5), "u1") == "merged"
+    merge_into(expected, np.random.default_rng(3).standard_normal(N).astype(np.float32), ALPHA)
+    assert store.snapshot("0").flat.tobytes() == expected.tobytes()
+
+
+def _raise_at(step: str) -> Callable[[str], None]:
+    def hook(name: str) -> None:
+        if name == step:
+            raise KeyboardInterrupt
+    return hook

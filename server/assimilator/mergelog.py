@@ -60,6 +60,15 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return false end
 return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
+# Replace an intent whose input never reached the disk (its merge committed nothing:
+# commits wait for the input's sync), if it is still the one read. ARGV: unit, the
+# intent read, the new one.
+TAKE_OVER = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+return 1
+"""
+
 # Record the input's SHA-256 beside its intent (the record hash's ``s:<unit>``), if the
 # intent is still the one the merge read (not truncated, not dropped). A field of its
 # own, not the intent rewritten with it: the AOF gets the 64 digits, not the intent a
@@ -102,6 +111,7 @@ class LoggedInput:
     size: int
     retained: RetainedInput | None = None  # hashing/syncing in the background, if ours
     sha: str | None = None
+    synced: bool = False
 
     def sha256(self) -> str:
         """The SHA-256, once the file is hashed (waits for that)."""
@@ -110,8 +120,17 @@ class LoggedInput:
         return self.sha
 
     def wait_synced(self) -> None:
+        """Block until the file is on disk: our own retained file's background sync, or,
+        for another result's file (whose merge may have died before its sync), a sync now."""
         if self.retained is not None:
             self.retained.wait_synced()
+        elif not self.synced:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            self.synced = True
 
     def sha_if_ready(self) -> str | None:
         if self.sha is None and self.retained is not None:
@@ -138,6 +157,8 @@ class LoggedMerging:
     _foreign: bool
     _prefetched: dict[tuple[str, str], RetainedInput]
     _durable_dir: Path | None | bool
+    #: Called before each commit of a logged merge (waits for its input's sync).
+    _before_commit: Callable[[], None] | None = None
     on_merge_step: Callable[[str], None] | None
 
     def _step(self, name: str) -> None:
@@ -162,6 +183,18 @@ class LoggedMerging:
         """The model's commit records (one Redis: ``<first shard>:<unit>`` -> the versions
         a commit produced) and its inputs' SHA-256 (``s:<unit>``)."""
         return self.k("mrec", model)  # type: ignore[attr-defined]
+
+    def committed_shards(self, model: str, unit: str) -> list[int]:
+        """The shards the log says carry ``unit`` (its commit records on one Redis, its
+        marks in the shards' hashes on a cluster)."""
+        if not self.cluster:
+            raw = self.call(lambda: self.r.hgetall(self.mrec_key(model)))  # type: ignore[attr-defined]
+            records, _ = parse_records({k: v for k, v in raw.items() if k.decode().partition(":")[2] == unit})
+            return sorted(records)
+        lay = self.layout(model)  # type: ignore[attr-defined]
+        marks = [self.call(lambda i=i: self.r.hget(self._shard_keys(model, i)[1], f"u:{unit}"))  # type: ignore[attr-defined]
+                 for i in range(lay.shards)]
+        return [i for i, m in enumerate(marks) if m is not None]
 
     @staticmethod
     def _live(tag: Any, v: Any, bv: Any, run_id: Any) -> bool:
@@ -229,6 +262,16 @@ class LoggedMerging:
         # Ours also when a retried BEGIN finds what its first try wrote (a lost reply).
         ours = prev is None or json.loads(prev).get("f") == intent["f"]
         self._step("intent")
+        if not ours and not (d / input_rel(model, unit, json.loads(prev))).is_file() and \
+                not self.committed_shards(model, unit):
+            # The first result's intent names an input that is not there, and no shard
+            # carries the unit: its merge died before its input reached the disk (a crash
+            # of the machine; commits wait for the sync), so it committed nothing. This
+            # result's merge takes the unit over. (With shards committed, the merge waits
+            # for the file instead: it is the only way to their bytes.)
+            take = self._script("mlog_take_over", TAKE_OVER)  # type: ignore[attr-defined]
+            ours = bool(int(self.call(lambda: take(keys=[self.mlog_key(model)],  # type: ignore[attr-defined]
+                                                   args=[unit, prev, text]))))
         if not ours:
             text = prev.decode()
             first = json.loads(prev)
@@ -237,6 +280,11 @@ class LoggedMerging:
                 # a late original and its re-issue at once): its input is the unit's.
                 rel = input_rel(model, unit, first)
                 other = LoggedInput(rel, d / rel, int(first.get("bytes", 0)))
+                if not other.path.is_file():
+                    inp.discard()
+                    raise StoreUnavailable(f"merge of {unit}: shard(s) {self.committed_shards(model, unit)} carry "
+                                           f"the unit, merged from {rel} in the durable dir, which is missing: "
+                                           "the merge waits until the file is back")
                 if other.sha256() != inp.sha256():
                     from boinc_dl.server.assimilator.recovery import rule_combine
 
@@ -252,6 +300,17 @@ class LoggedMerging:
             self.call(lambda: record_sha(keys=sha_keys, args=[unit, text, h]))  # type: ignore[attr-defined]
         if inp.retained is None:
             add_sha(inp.sha256())  # another result's input, hashed above
+
+        def synced() -> None:
+            # A commit logs a record that names the input: the input must be on disk first,
+            # or a crash of the machine could leave a log entry whose input is gone (with
+            # appendfsync always the record is on disk when the commit returns). The sync
+            # started before the validation; this waits for what is left of it.
+            try:
+                inp.wait_synced()
+            except OSError as e:
+                raise StoreUnavailable(f"merge of {unit}: its retained input could not be synced: {e}") from None
+        self._before_commit = synced
         try:
             versions, retries, applied = self._logged_shards(model, order, unit, combine_for, max_retries)
             if versions is None:
@@ -259,10 +318,7 @@ class LoggedMerging:
                     self.call(lambda: self.r.hdel(self.mlog_key(model), unit))  # type: ignore[attr-defined]
                     inp.discard()
                 return MergeOutcome(False, self.version(model), retries)  # type: ignore[attr-defined]
-            try:
-                inp.wait_synced()  # acknowledged only with its input on disk
-            except OSError as e:
-                raise StoreUnavailable(f"merge of {unit}: its retained input could not be synced: {e}") from None
+            synced()  # acknowledged only with its input on disk (done already if a shard was committed)
             out = self._finalize(model, unit, token, record, epoch, retries)  # type: ignore[attr-defined]
             self._step("finalized")
             if out.duplicate and ours and not applied:
@@ -271,6 +327,7 @@ class LoggedMerging:
                 self.call(lambda: self.r.hdel(self.mlog_key(model), unit))  # type: ignore[attr-defined]
                 inp.discard()
         finally:
+            self._before_commit = None
             if inp.retained is not None:
                 # The input is hashed once the merge is acknowledged (or has failed): its
                 # SHA-256 (about 10-15 ms of CPU for 20 MB) then no longer competes with
@@ -354,6 +411,8 @@ class LoggedMerging:
         One Redis: one ``COMMIT_MANY`` for all of them, whose one logged record lists
         the versions produced. A cluster: one ``COMMIT_LOGGED`` per shard (each in its
         own slot), the shard's mark its log entry on its own master."""
+        if self._before_commit is not None:
+            self._before_commit()
         if self.cluster:
             src = sh.COMMIT_LOGGED
             cmds = [("EVALSHA", self._script("commit_logged", src).sha, 2,  # type: ignore[attr-defined]

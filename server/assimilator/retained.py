@@ -164,6 +164,7 @@ _inputs: weakref.WeakSet[RetainedInput] = weakref.WeakSet()
 def _finish_pending() -> None:
     for inp in list(_inputs):
         inp._go.set()  # a merge that never got to its end: hash what it retained all the same
+        inp._handed.set()  # (with nothing to record it for, if the merge never said)
     for t in list(_pending):
         t.join(60)
 
