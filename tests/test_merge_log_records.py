@@ -133,9 +133,9 @@ def test_a_merge_of_a_16_shard_model_logs_under_a_kilobyte(redis_dir, monkeypatc
     steady = per_merge[1:]  # the first merge into a shard also logs its new epoch tag, once
     assert per_merge[0][1] > 0 and all(s == 0 for _, s, _ in steady), per_merge
     assert max(log for log, _, _ in steady) < LOG_BYTES_PER_MERGE, per_merge
-    # Every shard's log names each merge once, in order; after the first merge (shard by
-    # shard: nothing cached yet) a lone assimilator commits its 16 shards in one call,
-    # one record per merge.
+    # Every shard's log names each merge once, in order; after the first merge (nothing
+    # cached yet: shard by shard, as merges among others go) a lone assimilator commits
+    # its 16 shards in one call, one record per merge.
     records, shas = parse_records(store.r.hgetall(store.mrec_key("0")))
     assert set(shas) == set(units)
     assert all(records[i] == {v: units[v - 1] for v in range(1, 13)} for i in range(16))
@@ -184,11 +184,13 @@ def _restart(srv: EmbeddedRedis) -> JobStore:
     return JobStore(connect(srv.url, wait_s=10), "lj")
 
 
-def test_interleaved_merges_cut_short_by_a_crash_recover_bitwise(env) -> None:
+@pytest.mark.parametrize("commits", ["4", "2"])  # shard by shard; 2 shards per commit
+def test_interleaved_merges_cut_short_by_a_crash_recover_bitwise(env, monkeypatch, commits: str) -> None:
     """Merge A commits 2 of 4 shards and dies; merge B then commits all 4 (after A on A's
     shards, before A on the others); Redis is SIGKILLed before A's other shards are ever
     committed. The rebuilt weights are each shard's merges in its own version order, bit
     for bit; A's re-delivery then applies A's 2 missing shards, once, after B."""
+    monkeypatch.setenv("BDL_COMMITS_PER_MERGE", commits)
     srv, tmp = env
     store = new_job(srv.url, tmp / "job", units=3)
     seed_of = {"u0": 10, "u1": 11, "u2": 12}

@@ -53,6 +53,24 @@ from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
 #: The subdirectory of a job's directory that holds its retained inputs and snapshots.
 DURABLE_SUBDIR = "durable"
 
+#: How many commits (each logging one record) a merge among concurrent ones makes at
+#: most on one Redis: its shards are read, merged and committed in that many groups
+#: (16 shards: one by one). Fewer groups log fewer bytes (4 groups: about 1.1 KB per
+#: merge instead of 2.3), but a group's first shard waits longer between its read and
+#: its commit, where a concurrent merge makes it conflict: measured with 4 groups,
+#: 10-35% fewer merges/s and 15-20% more CPU per merge (bench/README.md, "The merge
+#: log"). Throughput is what concurrent merges need; a lone assimilator commits all its
+#: shards in one call anyway.
+COMMITS_PER_MERGE = 16
+
+
+def commits_per_merge() -> int:
+    """:data:`COMMITS_PER_MERGE`, or ``BDL_COMMITS_PER_MERGE`` (benches compare settings)."""
+    try:
+        return max(1, int(os.environ.get("BDL_COMMITS_PER_MERGE", COMMITS_PER_MERGE)))
+    except ValueError:
+        return COMMITS_PER_MERGE
+
 # Record the intent of a merge unless the unit has one: nil when recorded, else the
 # existing intent (the first result of a unit to reach the log is the unit's input).
 BEGIN = """
@@ -370,26 +388,30 @@ class LoggedMerging:
                     if dead:
                         self.recover(model)  # type: ignore[attr-defined]
                     continue
-                i = left[0]
-                status, v = self._logged_shard(model, i, field, combine_for(i))
-                if status == "rejected":
+                group = left[:self._group_size(model)]
+                got = self._logged_group(model, group, field, combine_for)
+                if got is None:
                     if versions:
-                        raise ValueError(f"merge of {unit}: combine rejected shard {i} after others were applied")
+                        raise ValueError(f"merge of {unit}: combine rejected a shard after others were applied")
                     return None, retries, applied
-                if status == "dead":
+                dead = False
+                for i, status, v in got:
+                    if status == "dead":
+                        dead = True
+                    elif status == "conflict":
+                        retries += 1
+                        self._alone[model] = False
+                        if retries > max_retries:
+                            raise StoreUnavailable(f"merge of {unit}: gave up after {retries} conflicts on shard {i}")
+                    else:
+                        versions[i] = v
+                        left.remove(i)
+                        if status == "applied":
+                            applied += 1
+                            self._shard_applied(applied)  # type: ignore[attr-defined]
+                if dead:
                     self.recover(model)  # type: ignore[attr-defined]
                     continue
-                if status == "conflict":
-                    retries += 1
-                    self._alone[model] = False
-                    if retries > max_retries:
-                        raise StoreUnavailable(f"merge of {unit}: gave up after {retries} conflicts on shard {i}")
-                    continue
-                versions[i] = v
-                left.pop(0)
-                if status == "applied":
-                    applied += 1
-                    self._shard_applied(applied)  # type: ignore[attr-defined]
                 if not left:
                     # Nobody else wrote these shards meanwhile: the next merge can commit
                     # all of them from the cache in one round trip.
@@ -439,57 +461,77 @@ class LoggedMerging:
             return [(0, 0, None) for _ in items]
         return [(int(r[0]), int(r[1]) if len(r) > 1 else 0, r[2] if len(r) > 2 else None) for r in rep]
 
-    def _logged_shard(self, model: str, i: int, field: str,
-                      combine: Callable[[np.ndarray], np.ndarray | None]) -> tuple[str, int]:
-        """One attempt at shard ``i``: (``applied`` | ``skipped`` | ``conflict`` |
-        ``dead`` (not live: rebuild it) | ``rejected``, the version it carries the unit at)."""
+    def _group_size(self, model: str) -> int:
+        """How many shards a merge among others commits per script call: one on a
+        cluster (a script reaches one slot); on one Redis, enough for at most
+        :func:`commits_per_merge` calls per merge (each call logs one record)."""
+        if self.cluster:
+            return 1
+        return max(1, -(-self.layout(model).shards // commits_per_merge()))  # type: ignore[attr-defined]
+
+    def _logged_group(self, model: str, group: list[int], field: str,
+                      combine_for: Callable[[int], Callable[[np.ndarray], Any]]) -> list[tuple[int, str, int]] | None:
+        """One attempt at the shards ``group``: read them (one round trip, atomic), merge
+        each, commit them in one script. Per shard (index, ``applied`` | ``skipped`` |
+        ``conflict`` | ``dead`` (not live: rebuild it), the version it carries the unit
+        at); None when ``combine`` rejected one (nothing of the group is written then)."""
         from boinc_dl.server.assimilator.merging import _Held, _writable
 
-        wkey, mkey = self._shard_keys(model, i)  # type: ignore[attr-defined]
-        held = _Held(self._client_for(wkey))  # type: ignore[attr-defined]
+        keys = {i: self._shard_keys(model, i) for i in group}  # type: ignore[attr-defined]
+        held = _Held(self._client_for(keys[group[0]][0]))  # type: ignore[attr-defined]
         ok = False
+        out: list[tuple[int, str, int]] = []
+        todo: list[tuple[int, bytes, np.ndarray]] = []
+        replies: list[tuple[int, int, bytes | None]] = []
         try:
-            cached, _ = self._take_cached(model, i)  # type: ignore[attr-defined]
-            rid_cmd = ("EVAL", sh.RUN_ID_SCRIPT, 0)
-            if cached is None:
-                res = held.run([rid_cmd, ("MULTI",), ("HMGET", mkey, "tag", "v", "bv", field), ("GET", wkey),
-                                ("EXEC",)])
-                rid, ((tag, v, bv, mark), w) = res[0], res[4]
-            else:
-                rid, (tag, v, bv, mark) = held.run([rid_cmd, ("HMGET", mkey, "tag", "v", "bv", field)])
-                w = None
-            if mark is not None:
-                if cached is not None:
-                    self._cache[(model, i)] = cached
-                ok = True
-                return "skipped", int(mark)
-            if not self._live(tag, v, bv, rid):
-                ok = True
-                return "dead", 0
-            if cached is not None and cached[0] != tag:
-                # Written by another process since this one cached it: read the bytes (the
-                # commit's tag check catches a write in between).
-                w = held.run([("GET", wkey)])[0]
-                cached = None
-                self._foreign = True
-            if w is None and cached is None:
-                raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
-            ws = _writable(cached[1]) if cached is not None else np.frombuffer(w, dtype=np.float32).copy()
-            new = combine(ws)
-            if new is None:
-                ok = True
-                return "rejected", 0
-            code, v_new, written = self._commit_logged(held, model, field[2:], field,
-                                                       [(i, tag, sh.new_tag(), sh.as_bytes(new))])[0]
+            cached = {i: self._take_cached(model, i)[0] for i in group}  # type: ignore[attr-defined]
+            cmds: list[tuple[Any, ...]] = [("EVAL", sh.RUN_ID_SCRIPT, 0), ("MULTI",)]
+            for i in group:
+                cmds.append(("HMGET", keys[i][1], "tag", "v", "bv", field))
+                if cached[i] is None:
+                    cmds.append(("GET", keys[i][0]))
+            res = held.run([*cmds, ("EXEC",)])
+            rid, reads = res[0], iter(res[-1])
+            for i in group:
+                tag, v, bv, mark = next(reads)
+                w = next(reads) if cached[i] is None else None
+                c = cached[i]
+                if mark is not None:
+                    if c is not None:
+                        self._cache[(model, i)] = c
+                    out.append((i, "skipped", int(mark)))
+                    continue
+                if not self._live(tag, v, bv, rid):
+                    out.append((i, "dead", 0))
+                    continue
+                if c is not None and c[0] != tag:
+                    # Written by another process since this one cached it: read the bytes
+                    # (the commit's tag check catches a write in between).
+                    w, c = held.run([("GET", keys[i][0])])[0], None
+                    self._foreign = True
+                if w is None and c is None:
+                    raise UnknownJob(f"job {self.job!r}: shard {i} of model {model!r} is missing")
+                ws = _writable(c[1]) if c is not None else np.frombuffer(w, dtype=np.float32).copy()
+                new = combine_for(i)(ws)
+                if new is None:
+                    ok = True
+                    return None
+                todo.append((i, tag, new))
+            if todo:
+                replies = self._commit_logged(held, model, field[2:], field,
+                                              [(i, tag, sh.new_tag(), sh.as_bytes(new)) for i, tag, new in todo])
             ok = True
         finally:
             held.release() if ok else held.discard()
-        if code == 1:
-            self._cache[(model, i)] = (written, new)
-            return "applied", v_new
-        if code == 0:
-            return "skipped", v_new
-        return ("dead", 0) if code == -2 else ("conflict", 0)
+        for (i, _tag, new), (code, v_new, written) in zip(todo, replies, strict=True):
+            if code == 1:
+                self._cache[(model, i)] = (written, new)  # type: ignore[assignment]
+                out.append((i, "applied", v_new))
+            elif code == 0:
+                out.append((i, "skipped", v_new))
+            else:
+                out.append((i, "dead" if code == -2 else "conflict", 0))
+        return out
 
     def _commit_cached_logged(self, model: str, shards: list[int], field: str,
                               combine_for: Callable[[int], Callable[[np.ndarray], Any]]
