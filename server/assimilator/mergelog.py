@@ -329,6 +329,7 @@ class LoggedMerging:
             except OSError as e:
                 raise StoreUnavailable(f"merge of {unit}: its retained input could not be synced: {e}") from None
         self._before_commit = synced
+        hashed = False
         try:
             versions, retries, applied = self._logged_shards(model, order, unit, combine_for, max_retries)
             if versions is None:
@@ -344,19 +345,22 @@ class LoggedMerging:
                 # call changed nothing, and its intent names nothing.
                 self.call(lambda: self.r.hdel(self.mlog_key(model), unit))  # type: ignore[attr-defined]
                 inp.discard()
+            if out.applied:
+                from boinc_dl.server.assimilator.snapshot import after_merge
+
+                after_merge(self, model)  # type: ignore[arg-type]
+            if inp.retained is not None:
+                # The input is hashed once the merge is done (or has failed): its SHA-256
+                # (about 10-15 ms of CPU for 20 MB) then no longer competes with the
+                # merge for the machine's cores. The sync, which every commit needs,
+                # started before the validation; the hash only completes the log entry
+                # (a replay checks the size where it is missing).
+                inp.retained.then_record(add_sha)  # from the hashing thread, once hashed
+            hashed = True
         finally:
             self._before_commit = None
-            if inp.retained is not None:
-                # The input is hashed once the merge is acknowledged (or has failed): its
-                # SHA-256 (about 10-15 ms of CPU for 20 MB) then no longer competes with
-                # the merge for the machine's cores. The sync, which the acknowledgement
-                # needs, started before the validation; the hash only completes the log
-                # entry (a replay checks the size where it is missing).
-                inp.retained.then_record(add_sha)  # from the hashing thread, once hashed
-        if out.applied:
-            from boinc_dl.server.assimilator.snapshot import after_merge
-
-            after_merge(self, model)  # type: ignore[arg-type]
+            if inp.retained is not None and not hashed:
+                inp.retained.then_record(add_sha)
         return out
 
     def _logged_shards(self, model: str, order: list[int], unit: str,
