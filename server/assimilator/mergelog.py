@@ -258,8 +258,6 @@ class LoggedMerging:
                       order: list[int], record: dict[str, Any], epoch: int | None, source: Path,
                       max_retries: int) -> Any:
         """Steps 1-4 of the module doc; returns a MergeOutcome."""
-        from boinc_dl.server.assimilator.merging import MergeOutcome
-
         token = os.urandom(8).hex()
         d = self.durable_dir()
         assert d is not None
@@ -269,6 +267,20 @@ class LoggedMerging:
             # A full or failing disk: not the result's fault. Transient for the job
             # system (it keeps the result and tries again), as an unreachable Redis is.
             raise StoreUnavailable(f"merge of {unit}: cannot retain its input in {d}: {e}") from None
+        try:
+            return self._merge_retained(model, unit, combine_for, order, record, epoch, max_retries, token, d, inp)
+        finally:
+            if inp.retained is not None:
+                # Whatever happened (a failure before the merge got to hashing its input
+                # too): the hashing thread does not wait for this merge any longer.
+                inp.retained.release()
+
+    def _merge_retained(self, model: str, unit: str, combine_for: Callable[[int], Callable[[np.ndarray], Any]],
+                        order: list[int], record: dict[str, Any], epoch: int | None, max_retries: int,
+                        token: str, d: Path, inp: LoggedInput) -> Any:
+        """Steps 2-4 of the module doc, once the input is retained; returns a MergeOutcome."""
+        from boinc_dl.server.assimilator.merging import MergeOutcome
+
         self._step("retained")
         intent = {"rule": record["rule"], "params": record.get("rule_params") or {},
                   "f": inp.path.name[len(unit) + 1:-len(".h5")], "bytes": inp.size}

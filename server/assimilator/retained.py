@@ -115,6 +115,12 @@ class RetainedInput:
         self._handed.set()
         self._go.set()
 
+    def release(self) -> None:
+        """Let the thread hash the file and finish now, recording the SHA-256 only if
+        :meth:`then_record` was called (the merge that retained it is over)."""
+        self._handed.set()
+        self._go.set()
+
     def discard(self) -> None:
         """Remove the retained name (its merge was not logged: rejected, a duplicate)."""
         self._discarded = True
