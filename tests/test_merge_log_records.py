@@ -338,3 +338,36 @@ def _raise_at(step: str) -> Callable[[str], None]:
         if name == step:
             raise KeyboardInterrupt
     return hook
+
+
+def test_a_log_of_per_shard_marks_is_still_read(env, monkeypatch) -> None:
+    """Merges logged the way the first cut of the log did on one Redis (each shard's
+    version and the unit's mark logged in the shard's hash: what a cluster still does),
+    then merges logged by commit records: a restarted Redis rebuilds from both, bit for
+    bit, and a merge cut short in the old format finds its shards marked."""
+    srv, tmp = env
+    store = new_job(srv.url, tmp / "job", units=5)
+    old = JobStore(connect(srv.url), "lj")
+    monkeypatch.setattr(old, "cluster", True)  # per-shard COMMIT_LOGGED, as a cluster commits
+    monkeypatch.setattr(old, "_client_for", lambda key: old.r)
+    for i in range(2):
+        assert merge_file(old, result_file(tmp / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
+    assert store.r.hget(store._shard_keys("0", 0)[1], "v") == b"2"  # logged per shard
+    assert not any(k[:1].isdigit() for k in store.r.hkeys(store.mrec_key("0")))  # no commit record
+    cut = JobStore(connect(srv.url), "lj", on_shard_applied=_dies_after(1))
+    monkeypatch.setattr(cut, "cluster", True)
+    monkeypatch.setattr(cut, "_client_for", lambda key: cut.r)
+    path = result_file(tmp / "r", "lj", "u2", 2)
+    with pytest.raises(KeyboardInterrupt):
+        merge_file(cut, path, "u2")
+    new = _restart(srv)
+    assert merge_file(new, path, "u2") == "merged"  # the shard u2 committed is skipped
+    assert merge_file(new, result_file(tmp / "r", "lj", "u3", 3), "u3") == "merged"
+    expected = np.linspace(-1, 1, N, dtype=np.float32)
+    for s in range(4):
+        merge_into(expected, np.random.default_rng(s).standard_normal(N).astype(np.float32), ALPHA)
+    assert new.snapshot("0").flat.tobytes() == expected.tobytes()
+    again = _restart(srv)
+    report = ensure_live(again, "0")
+    assert report is not None and report.merges == 4
+    assert again.snapshot("0").flat.tobytes() == expected.tobytes()
