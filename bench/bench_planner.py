@@ -34,7 +34,11 @@ a calibration run, are then predicted and measured (the run's pipeline epoch tim
 local-backend plan (``boinc-dl plan SPEC``, :mod:`boinc_dl.server.planner.local`) and
 the fleet model with a planner-only fleet file for this machine (``--fleet``).
 
-    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3] [--repeats 2] [--keep DIR]
+    python bench/bench_planner.py --generated 12 [--seed 11] [--epochs 3] [--repeats 2] [--keep DIR] [--cal-runs 3]
+
+``--cal-runs K`` calibrates each model size from K 1-slot runs pooled (``boinc-dl plan
+--calibrate RUN1 --calibrate RUN2 ...``) and also scores the plan calibrated from the
+first of them alone (``local1``) against the same measurements.
 
 ``--combine DIR DIR ...`` reports several ``--keep`` invocations of one seed as repeats
 (each invocation short enough to run alone). With ``--repeats R`` each configuration is measured R times (in rounds: all once, then
@@ -318,7 +322,7 @@ def _gen_run(work: Path, label: str, c: dict, epochs: int) -> dict:
 
 
 def main_generated(args: argparse.Namespace) -> None:
-    from boinc_dl.server.planner.calibrate import read_calibration
+    from boinc_dl.server.planner.calibrate import read_calibration, read_calibrations
     from boinc_dl.server.planner.fleetfile import parse_fleet
     from boinc_dl.server.planner.local import LocalCandidate, background_load, predict, this_machine
     from boinc_dl.server.planner.prices import TablePriceBook
@@ -332,29 +336,35 @@ def main_generated(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bdl-plan-gen-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        cals = {}
+        cals, cals1 = {}, {}
         for h in sorted({c["hidden"] for c in configs}):
             # The calibration run: 1 worker x --cal-slots slots, P = 1, 4 units per epoch.
             cal_cfg = {"hidden": h, "workers": 1, "slots": args.cal_slots, "assimilators": 1, "units": 4}
-            # At rest too: CPU seconds per unit are not load-free here. Calibrated right
-            # after another run (seed 11, 2026-11-26) they read ~30% above the same units'
-            # a few minutes later, and every plan over-predicted by 15-41%.
-            time.sleep(3.0)
-            cal_busy = background_load()
-            for _ in range(30):  # wait (up to ~1 min) for the machine to be at rest
-                if cal_busy < 0.2:
-                    break
-                time.sleep(1.0)
+            dirs = []
+            for k in range(args.cal_runs):
+                # At rest too: CPU seconds per unit are not load-free here. Calibrated right
+                # after another run (seed 11, 2026-11-26) they read ~30% above the same units'
+                # a few minutes later, and every plan over-predicted by 15-41%.
+                time.sleep(3.0)
                 cal_busy = background_load()
-            m = _gen_run(work, f"cal-h{h}" if args.cal_slots == 1 else f"cal{args.cal_slots}-h{h}", cal_cfg, 2)
-            cals[h] = read_calibration(m["run_dir"])  # what `boinc-dl plan --calibrate RUN_DIR` reads
-            emit("planner_gen_calibration", hidden=h, slots=args.cal_slots, units=cals[h].units,
-                 background=round(cal_busy, 2),
-                 first_step_s=round(cals[h].first_step_s, 4),
-                 compute_us_per_example=round(cals[h].compute_per_example_s * 1e6, 2),
-                 overhead_s=round(cals[h].overhead_s, 4), merge_ms=round((cals[h].merge_s or 0) * 1e3, 2),
-                 commit_ms=round((cals[h].commit_s or 0) * 1e3, 3), eval_s=round(cals[h].eval_s, 3),
-                 median_unit_wall_s=round(cals[h].wall_s, 3), measured_epoch_s=m["epoch_s"])
+                for _ in range(30):  # wait (up to ~1 min) for the machine to be at rest
+                    if cal_busy < 0.2:
+                        break
+                    time.sleep(1.0)
+                    cal_busy = background_load()
+                name = f"cal-h{h}" if args.cal_slots == 1 else f"cal{args.cal_slots}-h{h}"
+                m = _gen_run(work, name + (f"-{k}" if k else ""), cal_cfg, 2)
+                dirs.append(m["run_dir"])
+                one = read_calibration(m["run_dir"])  # what `boinc-dl plan --calibrate RUN_DIR` reads
+                emit("planner_gen_calibration", hidden=h, slots=args.cal_slots, run=k, units=one.units,
+                     background=round(cal_busy, 2),
+                     first_step_s=round(one.first_step_s, 4),
+                     compute_us_per_example=round(one.compute_per_example_s * 1e6, 2),
+                     overhead_s=round(one.overhead_s, 4), merge_ms=round((one.merge_s or 0) * 1e3, 2),
+                     commit_ms=round((one.commit_s or 0) * 1e3, 3), eval_s=round(one.eval_s, 3),
+                     median_unit_wall_s=round(one.wall_s, 3), measured_epoch_s=m["epoch_s"])
+            cals1[h] = read_calibration(dirs[0])
+            cals[h] = read_calibrations(dirs)  # `--calibrate RUN1 --calibrate RUN2 ...`: pooled
         for i, c in enumerate(configs):
             label = f"g{i:02d}-h{c['hidden']}-C{c['workers']}T{c['slots']}P{c['assimilators']}-u{c['units']}"
             cal = cals[c["hidden"]]
@@ -367,6 +377,8 @@ def main_generated(args: argparse.Namespace) -> None:
             busy = background_load()
             local = predict(cal, cand, replace(machine_, background=busy), epochs=args.epochs, params=params, n_train=n_train,
                             local_epochs=local_epochs, timeout_s=60.0)
+            local1 = predict(cals1[c["hidden"]], cand, replace(machine_, background=busy), epochs=args.epochs,
+                             params=params, n_train=n_train, local_epochs=local_epochs, timeout_s=60.0)
             # The fleet model with a planner-only fleet file for this machine (the issue's path).
             ff = parse_fleet({"types": {"c6i.xlarge": {"speed": 1.0, "cores": machine_.cores, "max_count": 3,
                                                  "preempt_p": 0.0, "bandwidth_mbps": 1e6}},
@@ -382,6 +394,7 @@ def main_generated(args: argparse.Namespace) -> None:
                                             c["units"]), "simulation").pred
             m = _gen_run(work, label, c, args.epochs)  # predicted first, then measured
             rows.append({"label": label, **c, "local_s": round(local.pred.epoch_s, 3), "local_bound": local.bound,
+                         **({"local1_s": round(local1.pred.epoch_s, 3)} if args.cal_runs > 1 else {}),
                          "fleet_s": round(fleet.epoch_s, 3), "background": round(busy, 2), "runs": [m]})
         # Repeats in rounds (every configuration once, then again), so that a slow drift
         # of the machine shows in each configuration's spread.
@@ -421,7 +434,7 @@ def report_generated(rows: list[dict], args: argparse.Namespace, wall_s: float) 
         return abs(meas[i] - meas[j]) > tie * min(meas[i], meas[j])
 
     summary = {}
-    for key in ("local", "fleet"):
+    for key in ("local", "fleet", *(("local1",) if all("local1_s" in r for r in rows) else ())):
         pred = [r[f"{key}_s"] for r in rows]
         mape = statistics.fmean(abs(p / m - 1) for p, m in zip(pred, meas, strict=True))
         pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2) if beyond(i, j)]
@@ -437,13 +450,16 @@ def report_generated(rows: list[dict], args: argparse.Namespace, wall_s: float) 
     emit("planner_generated", configs=len(rows), seed=args.seed, epochs=args.epochs, repeats=repeats,
          noise_floor=round(floor, 4), median_spread=round(statistics.median(r["spread"] for r in rows), 4),
          max_spread=round(max(r["spread"] for r in rows), 4),
-         local=summary["local"], fleet=summary["fleet"], after_the_fact_mape=round(att, 4),
+         local=summary["local"], fleet=summary["fleet"],
+         **({"local_first_calibration_only": summary["local1"]} if "local1" in summary else {}),
+         after_the_fact_mape=round(att, 4),
          bench_wall_s=round(wall_s, 1), load=os.getloadavg(), **machine())
     print(f"{'configuration':36s} {'measured':>9s} {'spread':>7s} {'local plan':>11s} {'err':>6s} "
           f"{'fleet model':>11s} {'err':>6s}")
     for r in rows:
+        first = f"   first calibration alone {r['local1_s']:.3f}s" if "local1_s" in r else ""
         print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['spread']:7.1%} {r['local_s']:10.3f}s "
-              f"{r['local_err']:+6.0%} {r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}")
+              f"{r['local_err']:+6.0%} {r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}{first}")
     for key, v in summary.items():
         print(f"{key}: MAPE {v['mape']:.1%}, Spearman {v['spearman']}, {v['pairs_ordered']} of "
               f"{v['pairs_beyond_noise']} pairs beyond noise ordered ({v['pairs_ordered_10pct']} of "
@@ -480,6 +496,8 @@ def main() -> None:
     ap.add_argument("--generated", type=int, default=0, help="instead: N seeded configurations of real units, "
                     "calibrated from 1-slot runs' units.csv (module docstring)")
     ap.add_argument("--cal-slots", type=int, default=1, help="--generated: slots of the calibration runs (1 worker)")
+    ap.add_argument("--cal-runs", type=int, default=1, help="--generated: calibration runs per model size, pooled "
+                    "(the first one's plan alone is scored too, as local1)")
     ap.add_argument("--keep", default="", help="--generated: keep the runs (specs, run directories) in this directory")
     ap.add_argument("--combine", nargs="+", default=[], help="instead: report --keep directories of the same "
                     "--generated seed as repeats (the first one's predictions, the median measured)")

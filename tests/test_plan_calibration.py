@@ -117,6 +117,41 @@ def test_plan_with_no_fleet_and_no_past_run_calibrates_here(past_run):
     assert "recommended (*)" in out.stdout
 
 
+def test_several_runs_pool_their_units_and_their_epoch_closes(tmp_path):
+    """``--calibrate RUN1 --calibrate RUN2``: the medians over every run's units (a run
+    that read high moves the calibration less), each run's first epoch close its own."""
+    from boinc_dl.server.planner.calibrate import read_calibrations
+
+    header = "unit,train_s,wall_s,train_cpu_s,cpu_s,examples_seen,first_step_cpu_s"
+    for k, (per_ex, evals) in enumerate([(100e-6, (0.30, 0.10, 0.12)), (130e-6, (0.50, 0.14, 0.16)),
+                                         (110e-6, (0.40, 0.11, 0.11))]):
+        run = tmp_path / f"run{k}"
+        run.mkdir()
+        train = 0.05 + per_ex * 1000
+        (run / "units.csv").write_text("\n".join(
+            [header] + [f"u{i},{train},{train + 0.1},{train},{train + 0.08},1000,0.05" for i in range(4)]) + "\n")
+        (run / "epochs.csv").write_text("epoch,eval_s\n" + "".join(f"{e + 1},{v}\n" for e, v in enumerate(evals)))
+    runs = [tmp_path / f"run{k}" for k in range(3)]
+    cal = read_calibrations(runs)
+    assert cal.units == 12 and cal.compute_per_example_s == pytest.approx(110e-6)
+    assert cal.first_step_s == pytest.approx(0.05) and cal.overhead_s == pytest.approx(0.08)
+    # each run's closes: (0.11, +0.19), (0.15, +0.35), (0.11, +0.29): their medians
+    assert cal.eval_s == pytest.approx(0.11) and cal.first_eval_extra_s == pytest.approx(0.29)
+    assert "3 runs" in cal.source
+    assert read_calibrations(runs[:1]) == read_calibration(runs[0])
+    with pytest.raises(CalibrationError, match="without units.csv"):
+        read_calibrations([runs[0], tmp_path])
+
+
+def test_plan_pools_several_past_runs(past_run, tmp_path):
+    work, run = past_run
+    shutil.copytree(run, tmp_path / "again")
+    out = boinc_dl("plan", "spec.yaml", "--calibrate", "run", "--calibrate", str(tmp_path / "again"),
+                   cwd=work, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "calibration: 16 merged units of 2 runs" in " ".join(out.stdout.split())
+
+
 @pytest.mark.parametrize("content, msg", [
     (b"", "not a run's units.csv"),
     (b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe garbage", "not text"),

@@ -157,6 +157,32 @@ def test_sigkilled_run_leaves_no_redis_and_shows_as_crashed(tmp_path: Path) -> N
     assert "crashed" in st.stdout and "creating epoch" not in st.stdout
 
 
+def _job_recorded(run_dir: Path) -> bool:
+    """Whether the run's private Redis holds the job's record yet (read from its AOF,
+    so as not to race the run for its Redis)."""
+    aof = run_dir / "redis"
+    return any(b"created_at" in f.read_bytes() for f in aof.rglob("*.aof*") if f.is_file()) if aof.exists() else False
+
+
+def test_run_sigkilled_before_its_first_heartbeat_shows_as_crashed(tmp_path: Path) -> None:
+    """Killed in start-up, right after the job's record was written and before the run's
+    first heartbeat (its slots are still starting): ``status`` must say crashed, not
+    running for ever (the record and its owner are written in one commit)."""
+    run_dir = tmp_path / "run"
+    proc = _start(tmp_path, _spec(tmp_path, epochs=20), run_dir)
+    _wait_for(lambda: _job_recorded(run_dir), 300, proc, "the job's record")
+    family = _family(proc.pid)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert _survivors(family) == []
+    st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir), "--json"], cwd=tmp_path, env=ENV,
+                        capture_output=True, text=True, timeout=120)
+    assert st.returncode == 0, st.stderr
+    state = json.loads(st.stdout)
+    assert state["status"] == "crashed", state
+    assert "--resume" in state["reason"]
+
+
 def test_a_job_in_which_every_unit_fails_ends_failed_fast(tmp_path: Path) -> None:
     """A learning rate that makes every unit diverge: the job fails after the first few
     units with their error on the console and exit 1, instead of "done"."""

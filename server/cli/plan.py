@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from boinc_dl.server.cli.app import console, err_console, fail
+from boinc_dl.server.cli.app import console, err_console, error_line, fail
 from boinc_dl.server.common.errors import BoincDLError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
@@ -71,9 +71,17 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
                              "without it, plan the local backend on this machine")] = None,
          deadline: Annotated[str | None, typer.Option(help="finish within, e.g. 8h")] = None,
          budget: Annotated[float | None, typer.Option(help="spend at most, USD")] = None,
-         calibrate: Annotated[Path | None, typer.Option(
-             "--calibrate", help="a past run's directory or units.csv to calibrate from (default: run one "
-                                 "short calibration here when the plan needs a unit time)")] = None,
+         calibrate: Annotated[list[Path] | None, typer.Option(
+             "--calibrate", metavar="<path>",
+             help="a past run's directory or units.csv to calibrate from; repeat it to pool "
+                                 "several runs (default: run one short calibration here when the plan needs a "
+                                 "unit time)")] = None,
+         project: Annotated[Path | None, typer.Option(
+             "--project", help="a BOINC project directory: calibrate from the job's records there (its merge "
+                               "records in the project's Redis, or --calibrate's units.csv, and the host-side "
+                               "times of BOINC's result table)")] = None,
+         job: Annotated[str | None, typer.Option(
+             "--job", help="with --project: the job whose records calibrate (default: the spec's name)")] = None,
          history: Annotated[Path | None, typer.Option(hidden=True, help="old name of --calibrate")] = None,
          prices: Annotated[Path | None, typer.Option(help="price table YAML (default: the shipped one)")] = None,
          plot: Annotated[Path | None, typer.Option("--plot", help="write the time-vs-cost plot here")] = None,
@@ -86,7 +94,7 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     from boinc_dl.server.common.spec import load_spec
     from boinc_dl.server.common.spec_defaults import derive
     from boinc_dl.server.fleet.config import load_planner_fleet
-    from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
+    from boinc_dl.server.planner.calibrate import CalibrationError, read_calibrations
     from boinc_dl.server.planner.fleetfile import FleetFileError
     from boinc_dl.server.planner.local import EXPECTED_ERROR_FLEET, fmt_s
     from boinc_dl.server.planner.model import Workload
@@ -106,7 +114,11 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
 
     if fleet is not None and (deadline is None) == (budget is None):
         raise typer.BadParameter("give exactly one of --deadline and --budget")
-    source = calibrate or history
+    sources = list(calibrate or ([history] if history is not None else []))
+    if project is None and len(sources) == 1 and _is_boinc_project(sources[0]):
+        project, sources = sources[0], []  # --calibrate PROJECT_DIR: the same as --project PROJECT_DIR
+    if job is not None and project is None:
+        raise typer.BadParameter("--job names a job of a BOINC project: give --project too")
     try:
         spec = load_spec(spec_file)
         ff = load_planner_fleet(fleet) if fleet is not None else None
@@ -118,14 +130,18 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         spec, _ = derive(spec, n_train, slots)  # n_subsets, local_epochs: never the raw None
         cal = None
         needs_unit = ff is None or any("unit_s" not in row for row in ff.types.values())
-        if source is None and needs_unit:
+        if project is not None:
+            cal = boinc_calibration(project, job or spec.name, sources)
+        elif not sources and needs_unit:
             console.print("calibrating: two epochs of the spec's real units on this host (1 slot); "
                           "--calibrate RUN_DIR reuses a past run instead")
             cal = calibration_run(spec, spec_file)
-        elif source is not None:
-            cal = read_calibration(source)
+        elif sources:
+            cal = read_calibrations(sources)
         if cal is not None:
             console.print(f"calibration: {cal.describe()}")
+        if cal is not None and cal.boinc is not None:
+            _print_boinc(cal.boinc, fleet=ff is not None)
     except (BoincDLError, FleetFileError, CalibrationError) as e:
         if isinstance(e, BoincDLError):
             fail(e)
@@ -189,7 +205,8 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     console.print(f"prices: {book.source()}")
     console.print(f"model: closed form for all {len(scored)} candidates; simulation for the best ones; "
                   f"merge {costs.merge_s * 1e3:.1f} ms ({'calibrated' if cal and cal.merge_s is not None else 'estimated from the model size' if 'merge_s' not in ff.costs else 'fleet file'}), "
-                  f"staging {costs.stage_s:.3f} s per unit "
+                  f"staging {costs.stage_s:.3f} s per unit{_stage_from(ff, cal)}, "
+                  f"dispatch {costs.dispatch_s:.3f} s per unit{_dispatch_from(ff, cal)} "
                   f"(median unit {statistics.median(h.unit_s for h in hosts):.3f} s)")
     console.print(f"expected error: about ±{EXPECTED_ERROR_FLEET:.0%} of the epoch time (the planner bench's "
                   "MAPE with separate hosts, bench/README.md; a real fleet adds its own spread; for this "
@@ -199,6 +216,104 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
             scored = [*scored, replace(res.best)]
         out = plot_plan(plot, scored, res.best, f"{spec.name}: predicted time vs cost", goal.deadline_s, goal.budget)
         console.print(f"plot: {out}")
+
+
+def _is_boinc_project(path: Path) -> bool:
+    """A BOINC project directory (config.xml) rather than a run directory (units.csv)."""
+    return path.is_dir() and (path / "config.xml").is_file() and not (path / "units.csv").is_file()
+
+
+def boinc_calibration(project_dir: Path, job: str, units: list[Path]):
+    """Calibrate from a BOINC job's own records: the per-unit merge records (the job's
+    store in the project's Redis, or ``units`` -- run directories or units.csv files
+    written from them, pooled) for the client's and the assimilator's durations, and
+    BOINC's result table for the host side (elapsed and CPU time, sent and received
+    times, per host).
+
+    Exit status 3 when BOINC's database cannot be reached (as for Redis: try again); a
+    project, job or table without what is needed is a clear error (exit status 2)."""
+    from dataclasses import replace
+
+    from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, credentials
+    from boinc_dl.server.backends.boinc.project import BoincProject
+    from boinc_dl.server.planner.boinc_times import boinc_times
+    from boinc_dl.server.planner.calibrate import (
+        CalibrationError,
+        calibration_from_rows,
+        epoch_evals,
+        read_calibrations,
+        read_unit_rows,
+    )
+
+    proj = BoincProject(project_dir).require()
+    if units:
+        cal = read_calibrations(units)
+        rows: list = [r for u in units for r in read_unit_rows(u)]
+    else:
+        from boinc_dl.server.assimilator.connection import connect
+        from boinc_dl.server.assimilator.store import JobStore
+        from boinc_dl.server.run.outputs import collect_history
+
+        # The one home of a job's per-unit rows: what a run writes to units.csv, read
+        # here from the store the project's assimilators write to (never its URL in the
+        # output: it may carry a password).
+        hist = collect_history(JobStore(connect(proj.redis_url()), job).require())
+        rows = hist["units"]
+        cal = calibration_from_rows(rows, f"job {job}'s merge records in the project's Redis",
+                                    *epoch_evals(hist["epochs"]))
+    args = credentials(proj)  # a config.xml without <db_name>: exit 2, like any bad input
+    db_where = f"BOINC's result table ({args['database']} at {args.get('unix_socket') or args['host']})"
+    try:
+        with BoincDB.connect(proj) as db:
+            results = db.job_result_timings(f"{job}__")
+    except BoincDBError as e:
+        error_line(str(e))  # pymysql's messages carry brackets: no console markup
+        raise typer.Exit(3) from None
+    try:
+        times = boinc_times(results, rows, job, f"job {job}'s workunits in {db_where}")
+    except ValueError as e:
+        raise CalibrationError(str(e)) from None
+    return replace(cal, boinc=times)
+
+
+def _print_boinc(times, fleet: bool) -> None:
+    """What BOINC's result table said, per host too, and where the plan uses it."""
+    from boinc_dl.server.planner.boinc_times import HOSTS_SHOWN
+
+    console.print(f"BOINC: {times.describe()}")
+    console.print(f"BOINC hosts: {times.spread()}")
+    t = Table(title="BOINC's results per host (medians)")
+    for col in ("host", "results", "elapsed", "host-side overhead", "network and queue"):
+        t.add_column(col)
+    for h in times.hosts[:HOSTS_SHOWN]:
+        t.add_row(str(h.hostid), str(h.results), f"{h.elapsed_s:.3f} s",
+                  "-" if h.overhead_s is None else f"{h.overhead_s:.3f} s", f"{h.network_queue_s:.3f} s")
+    if len(times.hosts) > HOSTS_SHOWN:
+        t.add_row(f"... {len(times.hosts) - HOSTS_SHOWN} more", "", "", "", "")
+    console.print(t)
+    if not fleet:
+        console.print("BOINC's host-side times go into a fleet plan (--fleet): the local backend planned "
+                      "here runs no wrapper and moves nothing over a network")
+
+
+def _stage_from(ff, cal) -> str:
+    """Where the staging per unit came from, for the model line."""
+    if "stage_s" in ff.costs:
+        return " (fleet file)"
+    if cal is None:
+        return " (estimated from the model size)"
+    if cal.boinc is not None and cal.boinc.overhead_s is not None:
+        return (f" (the app's own {cal.overhead_s:.3f} s outside training + BOINC's host-side "
+                f"{cal.boinc.overhead_s:.3f} s)")
+    return " (the app's own time outside training, calibrated)"
+
+
+def _dispatch_from(ff, cal) -> str:
+    if "dispatch_s" in ff.costs:
+        return " (fleet file)"
+    if cal is not None and cal.boinc is not None:
+        return " (BOINC's network and queue time: received - sent - elapsed)"
+    return " (default)"
 
 
 def _bound(planner, s) -> str:

@@ -7,6 +7,8 @@
   from it too) behind a small ``PriceBook`` interface;
 * :mod:`.search` — candidates, cost, exact search and the greedy / genetic baselines;
 * :mod:`.calibrate` — unit and merge times from a run's ``units.csv``;
+* :mod:`.boinc_times` — a BOINC job's host side (wrapper overhead, network and queue
+  time, per host) from BOINC's result table beside its merge records;
 * :mod:`.fleetfile` — the planner's fleet schema (a planner-only file, or the
   ``planner:`` section of the fleet controller's ``fleet.yaml``);
 * :mod:`.plot` — the time-versus-cost plot with its Pareto front.

@@ -42,9 +42,12 @@ from __future__ import annotations
 import csv
 import itertools
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from boinc_dl.server.planner.boinc_times import BoincTimes
 
 MAX_ROWS = 1_000_000  # a units.csv is ours, but bound what we read all the same
 MAX_BYTES = 256 << 20
@@ -74,6 +77,13 @@ class Calibration:
     first_unit_extra_s: float = 0.0  # the first unit's extra wall time (a slot's first unit traces the model)
     eval_s: float = 0.0  # the generator's evaluation of the server weights when it closes an epoch
     first_eval_extra_s: float = 0.0  # ... and the extra of the first one (it loads the model)
+    boinc: BoincTimes | None = None  # a BOINC job's host side, from BOINC's result table
+
+    @property
+    def host_overhead_s(self) -> float:
+        """Per unit on a host, around the app (BOINC's elapsed time - the app's wall
+        time: wrapper, container start); 0 where unknown (not a BOINC calibration)."""
+        return (self.boinc.overhead_s or 0.0) if self.boinc is not None else 0.0
 
     def unit_compute_s(self, examples: float) -> float:
         """Training seconds of a unit of ``examples`` examples alone on one slot: its first
@@ -94,11 +104,13 @@ class Calibration:
                 f"({'CPU' if self.cpu_clock else 'wall'} time; median unit wall {self.wall_s:.3f} s as run); {srv}{ev}")
 
 
-def _float(v: str | None, hi: float = 1e7) -> float | None:
-    """A finite number in [0, hi) from a CSV field, else None."""
+def _float(v: Any, hi: float = 1e7) -> float | None:
+    """A finite number in [0, hi) from a CSV field (or a record's number), else None."""
+    if isinstance(v, bool):
+        return None
     try:
         x = float(v) if v not in (None, "") else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return x if x is not None and x == x and 0 <= x < hi else None
 
@@ -147,11 +159,48 @@ def _rows(p: Path) -> Iterable[dict[str, str]]:
 def read_calibration(path: Path | str) -> Calibration:
     """Calibrate from a run directory or its ``units.csv`` (rows of failed units skipped)."""
     p = units_csv_path(path)
+    ev, ev_first = _epoch_evals(p.parent / "epochs.csv")
+    return calibration_from_rows(_rows(p), str(p), ev, ev_first)
+
+
+def read_calibrations(paths: Sequence[Path | str]) -> Calibration:
+    """Calibrate from several past runs of the spec's model at once: the medians over all
+    their merged units, and over the runs for the epoch closes (each run's first close
+    is its own). The units of one run agree closely (their per-example CPU within ~10%
+    here); what moves a calibration is the run, by ~30% from one run to the next on a
+    shared machine (docs/planner.md): several runs pool that out, more rows of one do not."""
+    if len(paths) == 1:
+        return read_calibration(paths[0])
+    if not paths:
+        raise CalibrationError("no run to calibrate from")
+    rows: list[dict[str, str]] = []
+    evals: list[tuple[float, float]] = []
+    for path in paths:
+        p = units_csv_path(path)
+        rows += itertools.islice(_rows(p), MAX_ROWS - len(rows))
+        evals.append(_epoch_evals(p.parent / "epochs.csv"))
+    timed = [e for e in evals if e != (0.0, 0.0)] or [(0.0, 0.0)]
+    return calibration_from_rows(rows, f"{len(paths)} runs ({', '.join(str(x) for x in paths)})",
+                                 statistics.median(e[0] for e in timed), statistics.median(e[1] for e in timed))
+
+
+def read_unit_rows(path: Path | str) -> list[dict[str, str]]:
+    """The rows of a run directory's (or a path's) ``units.csv``, checked as
+    :func:`read_calibration` checks them (at most ``MAX_ROWS``)."""
+    return list(itertools.islice(_rows(units_csv_path(path)), MAX_ROWS))
+
+
+def calibration_from_rows(rows: Iterable[Mapping[str, Any]], source: str, eval_s: float = 0.0,
+                          first_eval_extra_s: float = 0.0) -> Calibration:
+    """Calibrate from a job's per-unit merge records: the rows of its ``units.csv``
+    (strings), or the same records read from the job's store (numbers; a BOINC job's,
+    ``server.run.outputs.collect_history``). ``eval_s`` and ``first_eval_extra_s`` are
+    the epoch closes' evaluation (:func:`epoch_evals`). At most ``MAX_ROWS`` rows are read."""
     per_ex, over, train, wall, examples = [], [], [], [], []
     merge, commit, validate, first = [], [], [], []
     timed: list[tuple[float, float]] = []  # (merge time, unit wall) to find the first unit
     cpu_rows = 0
-    for row in _rows(p):
+    for row in itertools.islice(rows, MAX_ROWS):
         if row.get("failed"):
             continue
         g = {k: _float(row.get(k)) for k in ("train_s", "wall_s", "train_cpu_s", "cpu_s", "examples_seen",
@@ -191,29 +240,33 @@ def read_calibration(path: Path | str) -> Calibration:
         if g["commit_s"] is not None:
             commit.append(g["commit_s"])
     if not train:
-        raise CalibrationError(f"{p}: no merged unit with recorded train_s and wall_s: nothing to calibrate from")
+        raise CalibrationError(f"{source}: no merged unit with recorded train_s and wall_s: nothing to calibrate from")
     if not per_ex:
-        raise CalibrationError(f"{p}: no merged unit says how many examples it trained on (examples_seen)")
+        raise CalibrationError(f"{source}: no merged unit says how many examples it trained on (examples_seen)")
     first_extra = max(0.0, min(timed)[1] - statistics.median(wall)) if len(timed) > 1 else 0.0
-    ev, ev_first = _epoch_evals(p.parent / "epochs.csv")
-    return Calibration(str(p), len(train), statistics.median(per_ex), statistics.median(over),
+    return Calibration(source, len(train), statistics.median(per_ex), statistics.median(over),
                        statistics.median(train), statistics.median(wall), statistics.median(examples),
                        _median(merge), _median(commit), _median(validate), cpu_rows * 2 > len(train),
                        statistics.median(first) if len(first) * 2 > len(train) else 0.0,
-                       first_extra, ev, ev_first)
+                       first_extra, eval_s, first_eval_extra_s)
 
 
 def _epoch_evals(p: Path) -> tuple[float, float]:
-    """(median evaluation at an epoch's close, the first one's extra) from the run's
-    ``epochs.csv`` beside its units.csv (the generator's own clock); (0, 0) without it."""
+    """:func:`epoch_evals` of the run's ``epochs.csv`` beside its units.csv; (0, 0) without it."""
     if not p.is_file() or p.stat().st_size > MAX_BYTES:
         return 0.0, 0.0
     try:
         with p.open(newline="", encoding="utf-8") as f:
-            evals = [x for x in (_float(r.get("eval_s")) for r in itertools.islice(csv.DictReader(f), MAX_ROWS))
-                     if x is not None]
+            return epoch_evals(list(itertools.islice(csv.DictReader(f), MAX_ROWS)))
     except (OSError, UnicodeDecodeError, csv.Error):
         return 0.0, 0.0
+
+
+def epoch_evals(rows: Iterable[Mapping[str, Any]]) -> tuple[float, float]:
+    """(median evaluation at an epoch's close, the first one's extra) from a job's epoch
+    records (``epochs.csv``'s rows, or the store's; the generator's own clock); (0, 0)
+    when none recorded one."""
+    evals = [x for x in (_float(r.get("eval_s")) for r in itertools.islice(rows, MAX_ROWS)) if x is not None]
     if not evals:
         return 0.0, 0.0
     rest = statistics.median(evals[1:]) if len(evals) > 1 else evals[0]

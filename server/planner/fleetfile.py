@@ -90,14 +90,23 @@ class FleetFile:
         the generator's ``create_s`` per unit (default 0) and Redis' ``commit_s`` per merge,
         served one at a time (default: the calibration's, else 0: not modelled). The
         clients are other machines, so their staging is theirs, not the server's: the
-        calibration's per-unit overhead outside training, else an estimate."""
+        calibration's per-unit overhead outside training, else an estimate.
+
+        A BOINC job's calibration (``cal.boinc``, from BOINC's result table) adds what
+        BOINC measured around the app: its host-side overhead per unit (the wrapper, a
+        container's start) to the staging, and the network and queue time of each unit
+        (turnaround - elapsed) as its dispatch latency (default 0.05 s without it)."""
         c = self.costs
         cal_merge = getattr(cal, "merge_s", None)
         m = float(c["merge_s"]) if "merge_s" in c else cal_merge if cal_merge is not None else \
             merge_estimate_s(model_bytes)
         cal_stage = getattr(cal, "overhead_s", None)
+        if cal_stage is not None:
+            cal_stage += getattr(cal, "host_overhead_s", 0.0)
         stage = float(c.get("stage_s", cal_stage if cal_stage is not None else 0.02 + 2 * model_bytes / 500e6))
-        dispatch, cores = float(c.get("dispatch_s", 0.05)), int(c.get("server_cores", 2))
+        boinc = getattr(cal, "boinc", None)
+        dispatch = float(c.get("dispatch_s", boinc.network_queue_s if boinc is not None else 0.05))
+        cores = int(c.get("server_cores", 2))
         if c.get("speedup"):
             speed = {int(k): float(v) for k, v in c["speedup"].items()}
             speed.setdefault(1, 1.0)

@@ -94,9 +94,17 @@ class CounterSync:
                 self.pushed[k] += delta
 
 
+def owner_fields() -> dict[str, Any]:
+    """The job-meta fields that say this process owns the job and is alive now (read by
+    ``status``). Written with the job's creation and with every status change to
+    ``running``, so that a run killed before its first heartbeat shows as crashed, not
+    as running for ever."""
+    return {"owner_pid": os.getpid(), "owner_host": socket.gethostname(), "heartbeat_at": time.time()}
+
+
 def record_heartbeat(store: JobStore) -> None:
     """Say that this process owns the running job and is alive now (read by ``status``)."""
-    store.set_meta(owner_pid=os.getpid(), owner_host=socket.gethostname(), heartbeat_at=time.time())
+    store.set_meta(**owner_fields())
 
 
 def stop_reason(e: KeyboardInterrupt) -> tuple[str, int]:

@@ -24,6 +24,7 @@ from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
     drive,
+    owner_fields,
     print_derived,
     start_local_backend,
     stop_reason,
@@ -211,12 +212,12 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
         opts = local_options(spec, backend_opts)
         prepare_job(spec, store, run_dir, resume=resume, search_path=search_path,
-                    slots=int(opts["workers"]) * int(opts["slots"]))
+                    slots=int(opts["workers"]) * int(opts["slots"]), owner=owner_fields())
         spec = effective_spec(spec, store)
         print_derived(console, store)
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
         if store.meta().get("status") not in ("done", "failed", "cancelled"):
-            store.set_meta(status="running", reason="")
+            store.set_meta(status="running", reason="", **owner_fields())
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
             gen.recover(resubmit_in_progress=True)

@@ -28,6 +28,7 @@ from boinc_dl.server.run.lifecycle import (
     RunWatch,
     drive,
     earlier_summary,
+    owner_fields,
     print_derived,
     start_local_backend,
     stop_reason,
@@ -146,14 +147,14 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         console.print(f"[bold]boinc-dl[/] preparing job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
         opts = local_options(spec, backend_opts)
         files = prepare_job(spec, store, run_dir, resume=resume, search_path=search_path,
-                            slots=int(opts["workers"]) * int(opts["slots"]))
+                            slots=int(opts["workers"]) * int(opts["slots"]), owner=owner_fields())
         spec = effective_spec(spec, store)
         print_derived(console, store)
         if store.meta().get("status") in ("done", "failed", "cancelled") and resume:
             console.print(f"job {spec.name} already {store.meta()['status']}: writing its outputs")
             earlier = earlier_summary(run_dir)
         else:
-            store.set_meta(status="running", reason="")
+            store.set_meta(status="running", reason="", **owner_fields())
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = VCASGDWorkGenerator(store, spec, run_dir, backend)
             # A restarted run's job system is new: units in flight before are resubmitted.

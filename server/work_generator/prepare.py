@@ -129,7 +129,7 @@ def build_initial_model(spec: JobSpec, files: JobFiles, search_path: Path | None
 
 def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = False,
                 search_path: Path | None = None, slots: int | None = None,
-                exists_message: str | None = None) -> JobFiles:
+                exists_message: str | None = None, owner: dict[str, Any] | None = None) -> JobFiles:
     """Create the job's shared files and Redis record; with ``resume``, reuse them.
 
     The defaults ``spec`` leaves out that depend on the data and the hosts
@@ -139,7 +139,9 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
 
     A job that already exists in Redis is :class:`JobExists` unless ``resume`` (then
     missing files are rebuilt from the spec, deterministically); ``exists_message`` is
-    the line to say so (default: ``boinc-dl run``'s three ways on).
+    the line to say so (default: ``boinc-dl run``'s three ways on). ``owner``: meta
+    fields written in the same commit as the job's record (the process that runs it),
+    so that no moment exists in which the job is "running" without an owner to check.
     """
     from boinc_dl.server.common.keras_model import get_flat, model_fingerprint
 
@@ -169,7 +171,7 @@ def prepare_job(spec: JobSpec, store: JobStore, job_dir: Path, resume: bool = Fa
             "job_dir": str(files.job_dir), "epoch": 1,
             "derived": json.dumps([c.__dict__ for c in chosen], default=str),
             # where the model builder module lives (MOP builds one model per configuration later)
-            "search_path": str(search_path or "")}
+            "search_path": str(search_path or ""), **(owner or {})}
     if spec.mode == "mop":
         # One model per configuration: the MOP generator builds them (a configuration that
         # cannot be built fails alone). A builder that cannot even be imported fails them

@@ -182,12 +182,13 @@ def scheduler_reply_delay(project: BoincProject) -> float:
 
 
 def report(project: BoincProject, result: str, success: bool = True, now: float | None = None,
-           elapsed_s: float = 0.0) -> None:
-    """The host reports the result after ``elapsed_s`` of run time (a late report is
-    accepted, as BOINC does)."""
+           elapsed_s: float = 0.0, cpu_s: float = 0.0) -> None:
+    """The host reports the result after ``elapsed_s`` of run time and ``cpu_s`` of CPU
+    time (a late report is accepted, as BOINC does)."""
     now = int(now if now is not None else time.time())
     _exec(project, "UPDATE result SET server_state = 5, outcome = %s, received_time = %s, validate_state = 0, "
-                   "elapsed_time = %s WHERE name = %s", (1 if success else 3, now, elapsed_s, result))
+                   "elapsed_time = %s, cpu_time = %s WHERE name = %s",
+          (1 if success else 3, now, elapsed_s, cpu_s, result))
 
 
 def validate(project: BoincProject, result: str) -> None:

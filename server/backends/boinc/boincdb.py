@@ -118,6 +118,25 @@ class ResultHost:
     userid: int
 
 
+@dataclass(frozen=True)
+class ResultTiming:
+    """How long one returned result took, by BOINC's account: the host's elapsed (wall)
+    and CPU seconds of the task as the client reported them, and the server's clock when
+    the result was sent and received (whole seconds). Values are as stored: a host
+    reports ``elapsed_time`` and ``cpu_time`` itself, so readers must bound them."""
+
+    name: str
+    workunit: str
+    hostid: int
+    outcome: int
+    validate_state: int
+    sent_time: float | None
+    received_time: float | None
+    elapsed_time: float | None
+    cpu_time: float | None
+    canonical: bool  # the workunit's canonical result (the one BOINC assimilated)
+
+
 @dataclass
 class WorkunitState:
     """A workunit and its results, as BOINC sees them."""
@@ -157,6 +176,17 @@ class WorkunitState:
     def live(self) -> bool:
         """BOINC may still send or run an instance (worth cancelling)."""
         return self.error_mask == 0 and self.assimilate_state == ASSIMILATE_INIT
+
+
+def like_prefix(prefix: str) -> str:
+    """A ``LIKE`` pattern for names starting with ``prefix`` (its ``\\``, ``%`` and ``_``
+    escaped: job names may contain ``_``, and unit names join the job with ``__``)."""
+    return prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
+def _opt_float(v: Any) -> float | None:
+    """A column's number as a float (NULL: None); range checks are the reader's."""
+    return None if v is None else float(v)
 
 
 def credentials(project: BoincProject) -> dict[str, Any]:
@@ -303,6 +333,21 @@ class BoincDB:
                           "AND r.elapsed_time > 0 AND r.flops_estimate > 0 ORDER BY r.id DESC LIMIT %s",
                           (like, RESULT_OUTCOME_SUCCESS, int(limit)), limit=limit)
         return [(float(r["elapsed_time"]), float(r["flops_estimate"])) for r in rows]
+
+    def job_result_timings(self, wu_prefix: str, limit: int = 20_000) -> list[ResultTiming]:
+        """The returned results (``server_state`` over, any outcome) of the workunits whose
+        names start with ``wu_prefix``, newest first, at most ``limit``: their hosts,
+        outcomes and times (elapsed, CPU, sent, received). One query on the ``workunit``
+        name index (a ``LIKE 'prefix%'``), joined to ``result`` by its ``workunitid`` key."""
+        rows = self.query("SELECT r.name, w.name AS workunit, r.hostid, r.outcome, r.validate_state, r.sent_time, "
+                          "r.received_time, r.elapsed_time, r.cpu_time, (w.canonical_resultid = r.id) AS canonical "
+                          "FROM result r JOIN workunit w ON w.id = r.workunitid "
+                          "WHERE w.name LIKE %s AND r.server_state = %s ORDER BY r.id DESC LIMIT %s",
+                          (like_prefix(wu_prefix), RESULT_SERVER_STATE_OVER, int(limit)), limit=limit)
+        return [ResultTiming(str(r["name"]), str(r["workunit"]), int(r["hostid"] or 0), int(r["outcome"] or 0),
+                             int(r["validate_state"] or 0), _opt_float(r["sent_time"]),
+                             _opt_float(r["received_time"]), _opt_float(r["elapsed_time"]),
+                             _opt_float(r["cpu_time"]), bool(r["canonical"])) for r in rows]
 
     def active_hosts(self, active_within_s: float = 86400.0) -> list[HostRow]:
         """Hosts that contacted the scheduler within ``active_within_s``, with their

@@ -46,6 +46,7 @@ SCHEMA = (
         received_time INTEGER NOT NULL DEFAULT 0,
         name VARCHAR(254) NOT NULL UNIQUE,
         elapsed_time DOUBLE NOT NULL DEFAULT 0,
+        cpu_time DOUBLE NOT NULL DEFAULT 0,
         flops_estimate DOUBLE NOT NULL DEFAULT 0,
         KEY (workunitid)
     )""",
