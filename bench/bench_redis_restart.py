@@ -77,8 +77,9 @@ def recovery(merges: int, params: int) -> None:
     """The ``--recovery-merges`` measurement (module doc)."""
     import numpy as np
 
-    from bench.bench_assimilation import aof_size, resnet_like_shapes
+    from bench.bench_assimilation import aof_size, log_bytes, resnet_like_shapes
     from boinc_dl.server.assimilator import snapshot as snaps
+    from boinc_dl.server.assimilator.aof_sync import aof_files
     from boinc_dl.server.assimilator.connection import connect
     from boinc_dl.server.assimilator.recovery import ensure_live
     from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
@@ -101,6 +102,8 @@ def recovery(merges: int, params: int) -> None:
         store.init_weights("0", rng.standard_normal(fp.n_params).astype(np.float32))
         snaps.take(store, "0")
         aof0 = aof_size(tmp / "redis")
+        aof0_incr = sum(p.stat().st_size for p in aof_files(tmp / "redis")
+                        if p.name == "appendonly.aof" or p.name.endswith(".incr.aof"))
         base = rng.standard_normal(fp.n_params).astype(np.float32)
         t0 = time.perf_counter()
         for i in range(merges):
@@ -115,6 +118,8 @@ def recovery(merges: int, params: int) -> None:
             if (i + 1) % 100 == 0:
                 print(f"  {i + 1} merges ({time.perf_counter() - t0:.0f} s)", flush=True)
         per_merge = (aof_size(tmp / "redis") - aof0) / merges
+        log_per_merge = log_bytes(tmp / "redis", {store.mlog_key("0").encode(), store.mrec_key("0").encode()},
+                                  aof0_incr)[0] / merges
         inputs = sum(f.stat().st_size for f in (tmp / "job" / "durable" / "inputs" / "0").iterdir())
         before = store.snapshot("0").flat.tobytes()
         t_kill = time.perf_counter()
@@ -131,12 +136,14 @@ def recovery(merges: int, params: int) -> None:
     assert report is not None
     total = t_done - t_kill
     print(f"{merges} logged merges of {fp.n_params:,} parameters since the last snapshot: AOF growth "
-          f"{per_merge:,.0f} bytes per merge; retained inputs {inputs / 1e9:.2f} GB")
+          f"{per_merge:,.0f} bytes per merge, of which the merge log {log_per_merge:,.0f} (goal < 1 KB); "
+          f"retained inputs {inputs / 1e9:.2f} GB")
     print(f"SIGKILL -> weights served again: {total:.1f} s (Redis restart {t_up - t_kill:.2f} s, replay of "
           f"{report.merges} merges {report.seconds:.1f} s = {report.seconds / (inputs / 1e9):.1f} s per GB of "
           f"retained input, {report.seconds / report.merges * 1000:.0f} ms per merge); bitwise identical: "
           f"{before == after}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    emit("recovery", merges=merges, params=fp.n_params, aof_bytes_per_merge=per_merge, input_gb=inputs / 1e9,
+    emit("recovery", merges=merges, params=fp.n_params, aof_bytes_per_merge=per_merge,
+         log_bytes_per_merge=log_per_merge, input_gb=inputs / 1e9,
          kill_to_served_s=total, redis_restart_s=t_up - t_kill, replay_s=report.seconds,
          replay_s_per_gb=report.seconds / (inputs / 1e9), replay_ms_per_merge=report.seconds / report.merges * 1000,
          bitwise_identical=before == after, load=os.getloadavg(), **machine())

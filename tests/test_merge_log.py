@@ -24,6 +24,7 @@ from boinc_dl.server.assimilator import retained
 from boinc_dl.server.assimilator import snapshot as snaps
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into
+from boinc_dl.server.assimilator.mergelog import parse_records
 from boinc_dl.server.assimilator.recovery import RecoveryError, ensure_live
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
@@ -73,6 +74,12 @@ def merge_file(store: JobStore, path: Path, unit: str) -> str:
 def log_entry(store: JobStore, unit: str) -> dict:
     """The unit's entry in the model's merge log."""
     return json.loads(store.r.hget(store.mlog_key("0"), unit))
+
+
+def input_sha(store: JobStore, unit: str) -> str | None:
+    """The SHA-256 the log records for the unit's input (None until hashed)."""
+    v = store.r.hget(store.mrec_key("0"), f"s:{unit}")
+    return v.decode() if v is not None else None
 
 
 def retained_path(store: JobStore, job_dir: Path, unit: str) -> Path:
@@ -133,10 +140,12 @@ def test_logged_merges_keep_the_bytes_out_of_the_aof_and_come_back_bitwise(env) 
     entry = log_entry(store, "u7")
     assert entry["rule"] == "merge" and entry["params"]["rule"]["name"] == "paper"
     assert entry["params"]["rule"]["alpha"] == ALPHA and entry["params"]["scale"] == 1.0
-    assert len(entry["sha256"]) == 64  # added by the worker's hashing thread
-    # The versions u7 produced: its mark in every shard, the shard's log entry.
+    assert len(input_sha(store, "u7") or "") == 64  # added by the worker's hashing thread
+    # The versions u7 produced: its mark in every shard, and the commit records that log them.
     marks = [int(store.r.hget(store._shard_keys("0", i)[1], "u:u7")) for i in range(4)]
     assert all(1 <= v <= 40 for v in marks)
+    records, _ = parse_records(store.r.hgetall(store.mrec_key("0")))
+    assert [records[i][marks[i]] for i in range(4)] == ["u7"] * 4
     assert retained_path(store, tmp / "job", "u7").is_file()
     after_store = _restart(srv)
     after = after_store.snapshot("0")
@@ -237,7 +246,7 @@ def test_a_damaged_input_is_refused(env) -> None:
     for i in range(2):
         assert merge_file(store, result_file(tmp / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
     retained._finish_pending()  # the SHA-256 is recorded off the merge's critical path
-    assert len(log_entry(store, "u0")["sha256"]) == 64
+    assert len(input_sha(store, "u0") or "") == 64
     path = retained_path(store, tmp / "job", "u0")
     data = bytearray(path.read_bytes())
     data[-100] ^= 0xFF

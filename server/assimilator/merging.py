@@ -266,7 +266,9 @@ class ShardMerging(LoggedMerging):
         holds a copy likely current: it is alone on the model, or a snapshot just read
         the shard (then the bytes are read only if the tag moved)."""
         wkey, mkey = self._shard_keys(model, i)
-        cmds: list[tuple[Any, ...]] = [("WATCH", wkey, mkey), ("HMGET", mkey, "tag", field, "v", "bv")]
+        # The server's run id rides along: an epoch tag is live only on the server it names.
+        cmds: list[tuple[Any, ...]] = [("WATCH", wkey, mkey), ("EVAL", sh.RUN_ID_SCRIPT, 0),
+                                       ("HMGET", mkey, "tag", field, "v", "bv")]
         key = (model, i)
         if not (key in self._cache and (self._alone.get(model) or key in self._from_snapshot)):
             cmds.append(("GET", wkey))
@@ -283,13 +285,13 @@ class ShardMerging(LoggedMerging):
         if pending is None:
             pending = held.run(self._read_cmds(model, i, field))  # before the cache entry goes
         cached, from_snapshot = self._take_cached(model, i)
-        (tag, mark, v, bv), w = pending[1], (pending[2] if len(pending) > 2 else None)
+        rid, (tag, mark, v, bv), w = pending[1], pending[2], (pending[3] if len(pending) > 3 else None)
         if mark is not None:
             held.run([("UNWATCH",)])
             if cached is not None:
                 self._cache[(model, i)] = cached
             return "skipped", None
-        if not sh.is_live(tag, v, bv):
+        if not self._live(tag, v, bv, rid):
             held.run([("UNWATCH",)])
             return "dead", None
         if tag is None:
@@ -334,9 +336,10 @@ class ShardMerging(LoggedMerging):
         Returns the shards now done (applied here, or already carrying the unit), an
         empty set when the per-shard path must take over, None when rejected."""
         keys = [k for i in shards for k in self._shard_keys(model, i)]
-        heads = held.run([("WATCH", *keys), *[("HMGET", self._shard_keys(model, i)[1], "tag", field, "v", "bv")
-                                               for i in shards]])[1:]
-        if any(mark is not None or tag != self._cache[(model, i)][0] or not sh.is_live(tag, v, bv)
+        rid, *heads = held.run([("WATCH", *keys), ("EVAL", sh.RUN_ID_SCRIPT, 0),
+                                *[("HMGET", self._shard_keys(model, i)[1], "tag", field, "v", "bv")
+                                  for i in shards]])[1:]
+        if any(mark is not None or tag != self._cache[(model, i)][0] or not self._live(tag, v, bv, rid)
                for i, (tag, mark, v, bv) in zip(shards, heads, strict=True)):
             held.run([("UNWATCH",)])
             return set()

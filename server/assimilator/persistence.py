@@ -2,8 +2,9 @@
 
 boinc-dl's guarantee "no acknowledged merge is lost when Redis dies" (docs/fault-tolerance.md)
 holds only with an append-only file written before each reply: it holds the merge log
-(each shard's version and marks, each merge's intent; the shard bytes themselves are
-rebuilt from snapshots and retained inputs) and the job's bookkeeping. So ``appendonly
+(each merge's intent, its input's SHA-256 and its commit records, or on a cluster each
+shard's version and marks; the shard bytes themselves are rebuilt from snapshots and
+retained inputs) and the job's bookkeeping. So ``appendonly
 yes`` with ``appendfsync no`` (plus :mod:`boinc_dl.server.assimilator.aof_sync` flushing
 it once a second) or ``always``, which the log's small writes now make affordable.
 Redis's usual ``everysec`` replies before it writes while its previous fsync is slow, and
@@ -104,7 +105,7 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     if pct and (pct < _MIN_REWRITE_PERCENTAGE or min_size < _MIN_REWRITE_BYTES):
         rewrite = " and ".join(f"{k} {v}" for k, v in RECOMMENDED.items() if k.startswith("auto-aof"))
         found.append(Finding(name, "note", f"the AOF is rewritten at {pct}% growth, {min_size >> 20} MB at least: "
-                                           "fine for logged merges (a few KB each); byte-logged ones (eventual "
+                                           "fine for logged merges (2-3 KB each); byte-logged ones (eventual "
                                            "mode, jobs without a directory) append the whole model, and then "
                                            f"that is a rewrite every few merges. Set {rewrite} for those"))
     return found

@@ -1,22 +1,26 @@
 """Rebuilding shards after a restart of Redis: newest snapshot + the merge log, replayed.
 
 A durable merge (:mod:`boinc_dl.server.assimilator.mergelog`) keeps a shard's bytes out
-of the append-only file, so a Redis that restarts has each such shard's version and
-marks (logged) but not its bytes. Such a shard is "not live" (``shards.is_live``): every
-read and merge that meets one calls :func:`ensure_live`, which, under a lock in Redis
-(one process rebuilds, the others wait), for every shard not live:
+of the append-only file, so a Redis that restarts has each such shard's log (commit
+records on one Redis, logged marks and version on a cluster) but not its bytes. Such a
+shard is "not live" (``shards.is_live``: an epoch tag of another server process, or
+``bv < v``): every read and merge that meets one calls :func:`ensure_live`, which, under
+a lock in Redis (one process rebuilds, the others wait), for every shard not live:
 
 1. takes the newest base: the snapshot's copy of the shard at its version (a file,
    :mod:`~boinc_dl.server.assimilator.snapshot`), or the bytes Redis loaded itself (an
    AOF rewrite's copy, or the logged bytes of a merge of the old kind) at ``bv``;
-2. lists the merges the shard's log holds after the base (marks ``u:<unit> -> version``),
-   which must be every version from the base's to the shard's ``v``;
+2. lists the merges the shard's log holds after the base (the commit records' versions
+   for this shard, or its marks ``u:<unit> -> version``), which must be every version from
+   the base's to the newest the log names;
 3. replays them in version order: each merge's input is read from its retained file
    (SHA-256 checked against the one its intent records; the size where the process
    that hashed it died first), and its registered rule (:mod:`~boinc_dl.server.assimilator.rules`)
    recomputes the shard with the same float ops in the same order: the bytes are
    identical to the ones that were lost;
-4. writes the shard back (unlogged, only if its version did not move).
+4. writes the shard back (unlogged, only if its version did not move), with the marks of
+   every merge the records list for it (a merge interrupted before the restart must find
+   the shards it committed).
 
 Each input file is read once and kept while a shard still needs it, so a replay reads
 the log's inputs once. In a Redis Cluster a restarted master's shards are rebuilt from
@@ -42,7 +46,7 @@ import numpy as np
 from boinc_dl.server.assimilator import rules
 from boinc_dl.server.assimilator import shards as sh
 from boinc_dl.server.assimilator import snapshot as snaps
-from boinc_dl.server.assimilator.mergelog import input_rel
+from boinc_dl.server.assimilator.mergelog import input_rel, parse_records
 from boinc_dl.server.assimilator.retained import sha256_of
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.paths import confined
@@ -86,12 +90,15 @@ def dead_shards(store: JobStore, model: str) -> list[int]:
 
     def read() -> list[Any]:
         if store.cluster:
-            return [store.r.hmget(k, "tag", "v", "bv") for k in keys]
+            # A cluster writes no epoch tags (its shards' logged ``v`` marks them instead).
+            return [(*store.r.hmget(k, "tag", "v", "bv"), None) for k in keys]
         p = store.r.pipeline(transaction=False)
+        p.eval(sh.RUN_ID_SCRIPT, 0)
         for k in keys:
             p.hmget(k, "tag", "v", "bv")
-        return p.execute()
-    return [i for i, (tag, v, bv) in enumerate(store.call(read)) if not sh.is_live(tag, v, bv)]
+        rid, *heads = p.execute()
+        return [(*h, rid) for h in heads]
+    return [i for i, (tag, v, bv, rid) in enumerate(store.call(read)) if not store._live(tag, v, bv, rid)]
 
 
 def ensure_live(store: JobStore, model: str) -> Report | None:
@@ -150,35 +157,46 @@ def rebuild(store: JobStore, model: str, dead: list[int], renew: Callable[[], No
     chains: dict[int, list[str]] = {}
     state: dict[int, np.ndarray] = {}
     target: dict[int, int] = {}
+    read_v: dict[int, bytes] = {}
+    # One Redis: the commit records (shard -> version -> unit) and the inputs' SHA-256;
+    # a cluster keeps its records as marks in each shard's own hash (read below).
+    records, rec_shas = parse_records(store.call(lambda: store.r.hgetall(store.mrec_key(model))))
     for i in dead:
         wkey, mkey = store._shard_keys(model, i)
         raw = store.call(lambda mkey=mkey: store.r.hgetall(mkey))
-        v = int(raw.get(b"v", b"0"))
+        read_v[i] = raw.get(b"v", b"0")
+        # The shard's log: its logged marks (a cluster; on one Redis, the marks an AOF
+        # rewrite's copy kept) and the commit records; both name the same unit for a version.
+        log_of = {**_marks(raw), **records.get(i, {})}
+        snap_v = m.versions[i] if m is not None and m.shards == lay.shards else -1
+        # The version the shard reached: what its log says (a cluster logs ``v``; one Redis
+        # logs a record per commit, of which those a snapshot covers may be truncated).
+        v = max([int(read_v[i]), snap_v, *log_of])
         base_v, base = -1, None
         bv = raw.get(b"bv")
         if bv is not None and int(bv) <= v:
             w = store.call(lambda wkey=wkey: store.r.get(wkey))
             if w is not None:
                 base_v, base, rep.bases[i] = int(bv), np.frombuffer(w, np.float32).copy(), f"redis@{int(bv)}"
-        if m is not None and m.shards == lay.shards and base_v < m.versions[i] <= v:
+        if base_v < snap_v <= v:
             if snap is None:
                 try:
-                    snap = snaps.load(store, m)
+                    snap = snaps.load(store, m)  # type: ignore[arg-type]
                 except (OSError, ValueError) as e:
-                    raise RecoveryError(f"{store.job}/{model}: snapshot {m.file} unreadable: {e}") from None
-            base_v, base, rep.bases[i] = m.versions[i], np.array(snap[lay.bounds(i)]), f"snapshot@{m.versions[i]}"
+                    raise RecoveryError(f"{store.job}/{model}: snapshot {m.file} unreadable: {e}") from None  # type: ignore[union-attr]
+            base_v, base, rep.bases[i] = snap_v, np.array(snap[lay.bounds(i)]), f"snapshot@{snap_v}"
         if base is None:
             raise RecoveryError(f"{store.job}/{model}: shard {i} has neither a snapshot nor bytes in Redis to "
                                 "start from")
-        marks = _marks(raw)
-        missing = [x for x in range(base_v + 1, v + 1) if x not in marks]
+        missing = [x for x in range(base_v + 1, v + 1) if x not in log_of]
         if missing:
             raise RecoveryError(f"{store.job}/{model}: shard {i}'s log lacks version(s) {missing[:5]} between "
                                 f"its base {base_v} and {v}")
-        chains[i] = [marks[x] for x in range(base_v + 1, v + 1)]
+        chains[i] = [log_of[x] for x in range(base_v + 1, v + 1)]
         state[i], target[i] = base, v
     units = sorted({u for c in chains.values() for u in c})
     intents, shas = _intents(store, model, units)
+    shas = {**rec_shas, **shas}
     fp = store.fingerprint(model)
     d = store.durable_dir()
     refs: dict[str, int] = {}
@@ -214,7 +232,10 @@ def rebuild(store: JobStore, model: str, dead: list[int], renew: Callable[[], No
     restore = store._script("restore_shard", sh.RESTORE_SHARD)
     for i in dead:
         wkey, mkey = store._shard_keys(model, i)
-        args = [target[i], sh.new_tag(), sh.as_bytes(state[i])]
+        # The marks of every merge the records list for this shard (idempotency: a merge
+        # interrupted before the restart must find the shards it already committed).
+        marks = [a for ver, u in sorted(records.get(i, {}).items()) for a in (f"u:{u}", ver)]
+        args = [read_v[i], target[i], sh.new_tag(), "0" if store.cluster else "1", sh.as_bytes(state[i]), *marks]
         if not int(store.call(lambda wkey=wkey, mkey=mkey, args=args: restore(keys=[wkey, mkey], args=args))):
             raise RecoveryError(f"{store.job}/{model}: shard {i} changed while it was rebuilt")
         store._cache.pop((model, i), None)
@@ -270,7 +291,9 @@ def rule_combine(store: JobStore, model: str, unit: str, intent: dict[str, Any],
     if d is None:
         raise RecoveryError(f"{store.job}: no durable dir to read merge inputs from")
     intent = {**intent, "unit": unit, "input": input_rel(model, unit, intent)}
-    wc = _load_input(d, intent, intent.get("sha256"), store.fingerprint(model), lay.n, f"{store.job}/{model}")
+    sha = intent.get("sha256") or store.call(lambda: store.r.hget(store.mrec_key(model), f"s:{unit}"))
+    wc = _load_input(d, intent, sha.decode() if isinstance(sha, bytes) else sha, store.fingerprint(model), lay.n,
+                     f"{store.job}/{model}")
     rule, params = str(intent["rule"]), intent.get("params") or {}
 
     def combine_for(i: int) -> Callable[[np.ndarray], np.ndarray]:

@@ -14,10 +14,11 @@ first given a second name in the job's retained area, ``<durable dir>/inputs/<mo
 A background thread then ``fdatasync`` calls on the file and its directory, overlapping the
 validation and the merge; the merge waits for that before it is acknowledged
 (:meth:`RetainedInput.wait_synced`), so an acknowledged merge never names an input that
-a crash of the machine could take back. The same thread then computes the file's
-SHA-256, off the merge's critical path, and hands it to the merge's ``then_record``
-callback (which completes the merge's log entry with it); a process that exits first
-waits for its threads (``atexit``). The retained file is removed when a snapshot covers
+a crash of the machine could take back. Once the merge is acknowledged (or has
+failed) the same thread computes the file's SHA-256, so that the hash does not compete
+with the merge for the CPU, and hands it to the merge's ``then_record`` callback (which
+records it in the merge's log); a process that exits first hashes what it retained
+and waits for its threads (``atexit``). The retained file is removed when a snapshot covers
 its merge (:mod:`boinc_dl.server.assimilator.snapshot`).
 """
 
@@ -53,9 +54,14 @@ class RetainedInput:
         self._synced = threading.Event()
         self._hashed = threading.Event()
         self._handed = threading.Event()
+        # Set when the hash may start: the merge is acknowledged (``then_record``), or
+        # someone waits for the hash (``sha256``), or the process exits.
+        self._go = threading.Event()
+        self._discarded = False
         self._then: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._settle, name="bdl-retain", daemon=True)
         _pending.add(self._thread)
+        _inputs.add(self)
         self._thread.start()
 
     def _settle(self) -> None:
@@ -69,7 +75,8 @@ class RetainedInput:
         except BaseException as e:  # noqa: BLE001 - reported by wait_synced()
             self._error = e
         self._synced.set()
-        if self._error is None:
+        self._go.wait(300)
+        if self._error is None and not self._discarded:
             try:
                 self._sha = sha256_of(self.path)
             except OSError as e:  # removed meanwhile (discarded): nothing to record
@@ -94,18 +101,29 @@ class RetainedInput:
     def sha256(self) -> str:
         """Block until the file is hashed; its SHA-256 (hex)."""
         self.wait_synced()
+        self._go.set()
         self._hashed.wait()
         if self._sha is None:
             raise OSError(f"retained input {self.path}: {self._error}")
         return self._sha
 
     def then_record(self, fn: Callable[[str], None] | None) -> None:
-        """Once hashed, call ``fn(sha256)`` from the thread (None: nothing to record)."""
-        self._then = fn
+        """Hash the file now, then call ``fn(sha256)`` from the thread (None: nothing to
+        record). Nothing is recorded for a discarded file."""
+        if not self._discarded:
+            self._then = fn
         self._handed.set()
+        self._go.set()
+
+    def release(self) -> None:
+        """Let the thread hash the file and finish now, recording the SHA-256 only if
+        :meth:`then_record` was called (the merge that retained it is over)."""
+        self._handed.set()
+        self._go.set()
 
     def discard(self) -> None:
         """Remove the retained name (its merge was not logged: rejected, a duplicate)."""
+        self._discarded = True
         self.then_record(None)
         try:
             self.path.unlink()
@@ -145,10 +163,14 @@ def retain(source: Path, durable_dir: Path, model: str, unit: str, max_bytes: in
 # Threads still hashing: a short-lived process (BOINC's script) finishes them at exit,
 # so that its merges' log entries get their SHA-256.
 _pending: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_inputs: weakref.WeakSet[RetainedInput] = weakref.WeakSet()
 
 
 @atexit.register
 def _finish_pending() -> None:
+    for inp in list(_inputs):
+        inp._go.set()  # a merge that never got to its end: hash what it retained all the same
+        inp._handed.set()  # (with nothing to record it for, if the merge never said)
     for t in list(_pending):
         t.join(60)
 

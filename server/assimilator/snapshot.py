@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator.mergelog import input_rel
+from boinc_dl.server.assimilator.mergelog import input_rel, parse_records
 from boinc_dl.server.assimilator.retained import sha256_of, sync_dir
 from boinc_dl.server.common.paths import confined
 
@@ -160,17 +160,32 @@ def truncate(store: JobStore, model: str, m: Manifest) -> int:
     candidates = [u for u, a, f in zip(units, done, failed, strict=True) if a is not None or f is not None]
     if not candidates:
         return 0
-    fields = [f"u:{u}" for u in candidates]
     covered = set(candidates)
-    for i in range(m.shards):
-        mkey = store._shard_keys(model, i)[1]
-        marks = store.call(lambda mkey=mkey: store.r.hmget(mkey, fields))
-        for u, v in zip(candidates, marks, strict=True):
-            if v is not None and _int(v) > m.versions[i]:
+    rec_raw = store.call(lambda: store.r.hgetall(store.mrec_key(model)))
+    records, _shas = parse_records(rec_raw)
+    for i, by_version in records.items():
+        # One Redis: a commit record names each version it produced.
+        for v, u in by_version.items():
+            if v > m.versions[i]:
                 covered.discard(u)
+    if store.cluster:
+        # A cluster's log entries are the marks in each shard's own hash.
+        fields = [f"u:{u}" for u in candidates]
+        for i in range(m.shards):
+            mkey = store._shard_keys(model, i)[1]
+            marks = store.call(lambda mkey=mkey: store.r.hmget(mkey, fields))
+            for u, v in zip(candidates, marks, strict=True):
+                if v is not None and _int(v) > m.versions[i]:
+                    covered.discard(u)
     if not covered:
         return 0
     drop = sorted(covered)
+    # Their commit records and input hashes go with their intents (the records first: a
+    # record whose intent is gone would stop a replay, an intent without records is only
+    # a merge that committed nothing yet).
+    rec_fields = [k for k in rec_raw if k.decode().partition(":")[2] in covered]
+    if rec_fields:
+        store.call(lambda: store.r.hdel(store.mrec_key(model), *rec_fields))
     store.call(lambda: store.r.hdel(key, *drop))
     d = store.durable_dir()
     assert d is not None
@@ -214,6 +229,7 @@ def _int(v: Any) -> int:
 
 # ---- the background trigger -------------------------------------------------------------
 _running: dict[tuple[str, str], threading.Thread] = {}
+_merges: dict[tuple[str, str], int] = {}  # logged merges this process made, per (job, model)
 _running_lock = threading.Lock()
 
 
@@ -236,11 +252,19 @@ def due(store: JobStore, model: str) -> bool:
 
 def after_merge(store: JobStore, model: str) -> threading.Thread | None:
     """Start a snapshot of ``model`` in the background if one is due and none runs in
-    this process. Returns the thread (tests join it)."""
+    this process. Returns the thread (tests join it).
+
+    Whether one is due is asked of Redis at this process's first merge and then at every
+    (threshold / 20)-th: every tenth with the default 200 (a round trip saved on the
+    others; the log grows by a twentieth of its bound more at most per process, and the
+    age trigger fires a few merges late)."""
     key = (store.job, model)
     with _running_lock:
         t = _running.get(key)
         if t is not None and t.is_alive():
+            return None
+        _merges[key] = _merges.get(key, 0) + 1
+        if _merges[key] % max(1, every_merges() // 20) and _merges[key] > 1:
             return None
         if not due(store, model):
             return None

@@ -9,13 +9,17 @@ Keys of job J:
 ``bdl:J:layout``               hash model -> JSON {n, shards}: how M's weights are cut
 ``bdl:J:s:{J/M/i}:w``          shard i of model M's server weights (float32 bytes)
 ``bdl:J:s:{J/M/i}:m``          hash: shard i's tag, version and per-unit "applied" marks
+``bdl:J:mlog:M``               hash unit -> the intent of a durable merge of M (merge log)
+``bdl:J:mrec:M``               hash: M's commit records (``<shard>:<unit>`` -> ``i:v,...``)
+                               and its inputs' SHA-256 (``s:<unit>``): the merge log, one Redis
 ``bdl:J:v:M``                  weights version of model M (number of merged units)
 ``bdl:J:units``                hash unit -> JSON (epoch, subset/partition, model, state)
 ``bdl:J:assimilated``          hash unit -> JSON merge record (the idempotency mark)
 ``bdl:J:failed``               hash unit -> reason, units given up on for good
 ``bdl:J:epoch:E``              hash: created, assimilated, failed, started_at, ...
 ``bdl:J:epochs``               hash E -> JSON epoch summary (validation accuracy ...)
-``bdl:J:metrics``              stream: one entry per merge, rejection, epoch end
+``bdl:J:metrics``              stream: one entry per merge (its record: ``assimilated``),
+                               give-up, epoch end
 ``bdl:J:rejections``           stream: rejected results with their reasons
 ``bdl:J:unit_state``           hash unit -> created, in_progress, assimilated, failed, cancelled
 ``bdl:J:counters``             hash: counters (rejected, superseded calls, ...)
@@ -715,7 +719,9 @@ class JobStore(ShardMerging):
         return dict(sorted((int(k), json.loads(v)) for k, v in raw.items()))
 
     def metrics(self, kind: str | None = None) -> Iterator[dict[str, Any]]:
-        """All metric stream entries (optionally of one kind), oldest first."""
+        """All metric stream entries (optionally of one kind), oldest first. A merge's
+        entry names its unit; its record is the unit's in ``assimilated`` (entries of
+        earlier releases carry it themselves)."""
         last = "-"
         while True:
             rows = self.call(lambda last=last: self.r.xrange(self.k("metrics"), min=last, count=1000))
@@ -723,12 +729,16 @@ class JobStore(ShardMerging):
                 rows = rows[1:]
             if not rows:
                 return
-            for _rid, f in rows:
-                k = f[b"kind"].decode()
-                if kind is None or k == kind:
-                    d = json.loads(f.get(b"data", b"{}"))
-                    d.setdefault("unit", f.get(b"unit", b"").decode())
-                    yield {"kind": k, **d}
+            wanted = [(rid, f) for rid, f in rows if kind is None or f[b"kind"].decode() == kind]
+            refs = sorted({f[b"unit"] for _rid, f in wanted
+                           if f[b"kind"] == b"merge" and b"data" not in f and b"unit" in f})
+            records = dict(zip(refs, self.call(lambda refs=refs: self.r.hmget(self.k("assimilated"), refs)),
+                               strict=True)) if refs else {}
+            for _rid, f in wanted:
+                raw = f.get(b"data") or records.get(f.get(b"unit", b"")) or b"{}"
+                d = json.loads(raw)
+                d.setdefault("unit", f.get(b"unit", b"").decode())
+                yield {"kind": f[b"kind"].decode(), **d}
             last = rows[-1][0].decode()
 
     def delete(self) -> None:
