@@ -171,3 +171,18 @@ def test_restart_from_a_barrier_state_catches_up(tmp_path, redis_server, monkeyp
     assert store.r.hexists(store.k("mop_model_results"), f"1:{target}")
     new.step()
     assert [u for u in backend.submitted if "_e0002_" in u] and all(target in u for u in backend.submitted)
+
+
+def test_a_finished_assignment_is_logged_once_across_a_restart(redis_client) -> None:
+    """The generator logs a finished assignment before it saves the scheduler state that
+    says so; killed in between, its restart sees the same completion again. The log (the
+    run's ``history.json`` schedule) must still hold it once."""
+    from boinc_dl.server.assimilator.store import JobStore
+    from boinc_dl.server.work_generator.mop.state import MopState
+
+    st = MopState(JobStore(redis_client, "sel"))
+    rec = {"model": "m0", "partition": 1, "attempt": 0, "epoch": 2}
+    assert st.log_assignment("sel__m0_e0002_p1", rec) is True
+    assert st.log_assignment("sel__m0_e0002_p1", rec) is False  # the restart's second sight
+    assert st.log_assignment("sel__m1_e0002_p1", {**rec, "model": "m1"}) is True
+    assert [r["model"] for r in st.schedule_log()] == ["m0", "m1"]

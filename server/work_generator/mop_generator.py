@@ -240,7 +240,7 @@ class MOPWorkGenerator:
             if d is not None:
                 ok = self.sched.complete(a.model, a.partition, a.attempt, a.epoch)
                 changed |= ok
-                self.state.log_assignment(a.to_json())
+                self.state.log_assignment(name, a.to_json())
                 if ok and self.pipelined and self.sched.model_finished(a.model):
                     self._model_epoch_end(a.model, a.epoch)
             elif f is not None:

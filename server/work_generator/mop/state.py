@@ -7,6 +7,7 @@ Keys of job J (through the job store's namespace; one slot in a Redis Cluster):
                             status, parent, reason)
 ``bdl:J:mop_sched``         the scheduler's state (JSON; written with the units it issued)
 ``bdl:J:mop_log``           list: every finished assignment, in order (reproducibility)
+``bdl:J:mop_logged``        hash unit -> 1: the units already in ``mop_log`` (once each)
 ``bdl:J:mop_model_results`` hash ``"<epoch>:<model>"`` -> a model's end-of-epoch metrics
 ``bdl:J:mop_results``       hash epoch -> every model's metrics of a closed epoch
 ==========================  ============================================================
@@ -22,6 +23,14 @@ from typing import Any
 
 from boinc_dl.server.assimilator.store import JobStore
 
+# Append a finished assignment to the log unless its unit is there already: the log is
+# written before the scheduler's state that says the assignment finished, so a generator
+# killed in between finds the assignment in flight again after its restart.
+LOG_ONCE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 1 then redis.call('RPUSH', KEYS[2], ARGV[2]) return 1 end
+return 0
+"""
+
 
 class MopState:
     """The MOP state of one job."""
@@ -31,6 +40,7 @@ class MopState:
         self.configs_key = store.k("configs")
         self.sched_key = store.k("mop_sched")
         self.log_key = store.k("mop_log")
+        self.logged_key = store.k("mop_logged")
         self.model_results_key = store.k("mop_model_results")
         self.results_key = store.k("mop_results")
 
@@ -70,8 +80,11 @@ class MopState:
             self.store.call(lambda: self._r.set(self.sched_key, text))
 
     # ---- the finished-assignment log --------------------------------------------------------------
-    def log_assignment(self, record: dict[str, Any]) -> None:
-        self.store.call(lambda: self._r.rpush(self.log_key, json.dumps(record)))
+    def log_assignment(self, unit: str, record: dict[str, Any]) -> bool:
+        """Append ``unit``'s finished assignment to the log, once: False when it is there
+        already (a restarted generator seeing the same completion again)."""
+        text = json.dumps(record)
+        return bool(self.store.call(lambda: self._r.eval(LOG_ONCE, 2, self.logged_key, self.log_key, unit, text)))
 
     def schedule_log(self) -> list[dict[str, Any]]:
         return [json.loads(x) for x in self.store.call(lambda: self._r.lrange(self.log_key, 0, -1))]
