@@ -50,9 +50,11 @@ def demote_host(project: BoincProject, store: JobStore, result: str, reason: str
             return None  # a re-delivered result: its host was handled already
         todo = [result] + [r for r in store.pending_host_demotions(RETRY_PER_CALL) if r != result]
     except StoreUnavailable as e:
-        log.warning("host of refused result %s not demoted: Redis unavailable (%s)", result, e)
-        return None
+        # BOINC's database is what the scheduler reads: demote the host all the same.
+        log.warning("Redis unavailable (%s): the demotion of the host of %s goes unrecorded", e, result)
+        todo = [result]
     done: TrustReset | None = None
+    handled = False  # whether ``result`` itself went through
     try:
         with BoincDB.connect(project, writable=True) as db:
             for name in todo:
@@ -60,12 +62,14 @@ def demote_host(project: BoincProject, store: JobStore, result: str, reason: str
                 reset = db.reset_consecutive_valid(name)
                 _record(store, name, why, reset, error=None)
                 if name == result:
-                    done = reset
+                    done, handled = reset, True
     except BoincDBError as e:
-        log.warning("host of refused result %s not demoted (BOINC's database: %s); "
-                    "retried with the job's next refused result", result, e)
-        if done is None:
+        if not handled:
+            log.warning("host of refused result %s not demoted (BOINC's database: %s); "
+                        "retried with the job's next refused result", result, e)
             _record(store, result, reason, None, error=str(e))
+        else:  # the others stay pending for the next call
+            log.warning("pending host demotions not retried (BOINC's database: %s)", e)
     return done
 
 
