@@ -151,3 +151,21 @@ def test_database_down_the_refusal_stands_and_the_demotion_waits(boinc) -> None:
     assert hav(project, 9, 1_000_001) == 0 and hav(project, 7) == 0
     assert store.pending_host_demotions() == [] and store.counters()["hosts_demoted"] == 2
     assert store.host_demotion(r1)["done"] and "NaN" in store.host_demotion(r1)["reason"]
+
+
+def test_update_over_the_hard_cap_costs_its_host_trust(boinc) -> None:
+    """``validation.max_update_norm`` judges the host's update: its refusal demotes."""
+    from tests.conftest import tiny_spec
+
+    project, store, spec, e = boinc
+    capped = tiny_spec(units={"timeout_s": 90, "max_error_results": 3, "max_total_results": 6},
+                       validation={"max_update_norm": 1.0})
+    store.r.set(store.k("spec"), capped.model_dump_json())
+    far, near = unit(spec, 0), unit(spec, 1)
+    r_far, r_near = returned(project, far, 7), returned(project, near, 8)
+    assimilate(project, e, make_result(project.upload_dir, r_far, spec.name, far, np.ones(N), upload=project))
+    assimilate(project, e, make_result(project.upload_dir, r_near, spec.name, near, np.full(N, 0.1),
+                                       upload=project))
+    assert "max_update_norm" in store.failed()[far] and store.is_assimilated(near)
+    assert hav(project, 7) == 0 and hav(project, 8) == 12
+    assert "max_update_norm" in store.host_demotion(r_far)["reason"]
