@@ -1,4 +1,4 @@
-"""Read-only access to a BOINC project's database (MariaDB/MySQL), bounded and parametrized.
+"""Access to a BOINC project's database (MariaDB/MySQL), bounded and parametrized.
 
 BOINC alone knows when a result was *sent* (``result.sent_time``), when it is due
 (``result.report_deadline = sent_time + workunit.delay_bound``, ``sched/sched_send.cpp``)
@@ -233,8 +233,9 @@ def credentials(project: BoincProject) -> dict[str, Any]:
 
 
 class BoincDB:
-    """A read-only connection to one project's database; use as a context manager or
-    call :meth:`close`. Each method is one bounded query (chunked for long name lists)."""
+    """A connection to one project's database, read-only unless opened ``writable`` (for
+    :meth:`reset_consecutive_valid` alone); use as a context manager or call
+    :meth:`close`. Each method is one bounded query (chunked for long name lists)."""
 
     def __init__(self, project: BoincProject, timeout_s: float = 5.0, writable: bool = False):
         import pymysql
