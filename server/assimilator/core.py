@@ -34,6 +34,9 @@ class AssimilationOutcome:
     version: int = 0
     reason: str = ""
     retries: int = 0
+    host_fault: bool = False
+    """A rejection that judges the host's work (:class:`ResultRejected`'s ``host_fault``):
+    the job system may withdraw the host's trust (BOINC: ``backends/boinc/hosttrust.py``)."""
 
 
 def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
@@ -114,7 +117,8 @@ def assimilate_valid(
     }
     if rejected or plan is None:
         store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
-        return AssimilationOutcome("rejected", unit, store.version(model), rejected[0])
+        # Both checks judge the update the host computed: a refusal the host answers for.
+        return AssimilationOutcome("rejected", unit, store.version(model), rejected[0], host_fault=True)
     record.update(plan.record(), trusted=trusted)
     # The held-out loss check, last before the merge (it needs the clip scale and the base;
     # an untrusted result waits here for the work generator's verdict, outside any Redis

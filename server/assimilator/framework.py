@@ -220,14 +220,19 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         expected = expected_of(store, unit)
         _prefetch(store, unit, expected.model, paths, spec.units.max_upload_bytes)
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        res = validate_result(paths, expected, spec.units.max_upload_bytes)
+        try:
+            res = validate_result(paths, expected, spec.units.max_upload_bytes)
+        except ResultRejected as e:
+            # The checks of the file's content against what the unit issued (format,
+            # fingerprint, embedded names, NaN): what the host computed is wrong.
+            raise ResultRejected(e.reason, host_fault=True) from None
         # The validation's own duration, on this assimilator's clock, for the merge record.
         timing = {"validate_s": round(time.perf_counter() - t0, 6),
                   "validate_cpu_s": round(time.thread_time() - cpu0, 6)}
         out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery),
                                timing=timing, result=delivery.result)
     except ResultRejected as e:
-        return reject(store, delivery, unit, e.reason)
+        return reject(store, delivery, unit, e.reason, host_fault=e.host_fault)
     finally:
         store.release_inputs()  # a retained copy no merge logged (rejected, duplicate)
     if out.status == "rejected":
@@ -245,10 +250,12 @@ def _prefetch(store: JobStore, unit: str, model: str, paths: Sequence[Path], max
     store.prefetch_input(unit, model, weights, max_bytes)
 
 
-def reject(store: JobStore, delivery: Delivery, unit: str, reason: str) -> AssimilationOutcome:
-    """Record a rejected result of ``unit`` (and give the unit up when the result was final)."""
+def reject(store: JobStore, delivery: Delivery, unit: str, reason: str, host_fault: bool = False) -> AssimilationOutcome:
+    """Record a rejected result of ``unit`` (and give the unit up when the result was final);
+    ``host_fault``: the refusal judges the host's work (:class:`ResultRejected`)."""
     store.record_rejection(unit, delivery.result, reason)
-    return _settle_rejection(store, delivery, unit, AssimilationOutcome("rejected", unit, reason=reason))
+    return _settle_rejection(store, delivery, unit,
+                             AssimilationOutcome("rejected", unit, reason=reason, host_fault=host_fault))
 
 
 def _settle_rejection(store: JobStore, delivery: Delivery, unit: str,

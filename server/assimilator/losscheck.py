@@ -167,7 +167,7 @@ def gate(store: JobStore, spec: JobSpec, *, unit: str, model: str, epoch: int, r
     if verdict is None:
         verdict = _ask(store, spec, rid, request, weights)
     if not verdict.get("ok"):
-        raise ResultRejected(str(verdict.get("reason") or "held-out loss check failed"))
+        raise ResultRejected(str(verdict.get("reason") or "held-out loss check failed"), host_fault=True)
     return verdict
 
 

@@ -572,13 +572,17 @@ class DescentCheck:
 class HostReputation:
     """Which results to replicate, from each host id's run of valid results.
 
-    BOINC's rule (``sched/sched_send.cpp`` ``set_trust``, ``sched/validate_util.cpp``
-    ``is_valid``): a host app version with ``consecutive_valid < threshold`` (BOINC's
+    BOINC's rule (``sched/sched_send.cpp`` ``set_trust``, ``sched/validator.cpp``
+    ``is_valid`` and ``is_invalid``): a host app version with ``consecutive_valid < threshold`` (BOINC's
     ``CONS_VALID_UNREPLICATED``, 10) gets replicated jobs; at or above it, a job is sent
     unreplicated with probability ``1 - 1/consecutive_valid`` (spot checks never stop).
     ``consecutive_valid`` grows only with results that *were replicated* and validated
     (an unreplicated result proves nothing); an invalid result (replica disagreed, a
-    failed descent check) or a timed-out one resets it to 0.
+    failed descent check) or a timed-out one resets it to 0, and so does a result the
+    assimilator refuses for the host's work (the held-out loss check, the hard update
+    cap): on BOINC, :mod:`boinc_dl.server.backends.boinc.hosttrust` writes that reset
+    into BOINC's ``host_app_version`` row, since BOINC's validator had called the result
+    valid.
 
     Redis state: one hash per job, host id -> consecutive valid count (HINCRBY on a
     confirmed result, HSET 0 on an invalid one). The host id is BOINC's (the scheduler's

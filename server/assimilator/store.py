@@ -21,6 +21,9 @@ Keys of job J:
 ``bdl:J:metrics``              stream: one entry per merge (its record: ``assimilated``),
                                give-up, epoch end
 ``bdl:J:rejections``           stream: rejected results with their reasons
+``bdl:J:host_demotions``       hash result -> JSON: the job system's host whose trust a refusal of
+                               that result withdrew (BOINC's ``consecutive_valid`` reset), or why not yet
+``bdl:J:host_demotions:pending``  set: refused results whose host is still to be demoted (DB unreachable)
 ``bdl:J:unit_state``           hash unit -> created, in_progress, assimilated, failed, cancelled
 ``bdl:J:counters``             hash: counters (rejected, superseded calls, ...)
 ``bdl:J:fingerprints``         hash model -> its fingerprint (tensor names, shapes, dtypes)
@@ -457,6 +460,51 @@ class JobStore(ShardMerging):
         script = self._script("reject", self._REJECT)
         keys = [self._token_key(), self.k("rejections"), self.k("counters")]
         self.call(lambda: script(keys=keys, args=[TOKEN_TTL_S, json.dumps(entry)]))
+
+    # A demotion's record replaces the result's earlier one (a retry's outcome is the
+    # latest word); ``hosts_demoted`` counts a result once, the first time its host's
+    # trust is withdrawn.
+    _DEMOTE = """
+    local old = redis.call('HGET', KEYS[1], ARGV[1])
+    redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+    if ARGV[3] == '1' then
+      redis.call('SREM', KEYS[2], ARGV[1])
+      if ARGV[4] == '1' and not (old and cjson.decode(old)['demoted']) then
+        redis.call('HINCRBY', KEYS[3], 'hosts_demoted', 1)
+      end
+    else
+      redis.call('SADD', KEYS[2], ARGV[1])
+      redis.call('HINCRBY', KEYS[3], 'host_demotions_failed', 1)
+    end
+    return 1
+    """
+
+    def record_host_demotion(self, result: str, entry: dict[str, Any], done: bool, demoted: bool) -> None:
+        """Record what became of the host of refused result ``result``: handled (``done``;
+        ``demoted`` when its trust was withdrawn, counted once per result in
+        ``hosts_demoted``), or still to do (kept in the pending set for a later try;
+        ``host_demotions_failed`` counts the failed tries). Recording the same outcome
+        again changes nothing but the record's time and the failure count."""
+        data = json.dumps({**entry, "result": result, "done": bool(done), "demoted": bool(done and demoted),
+                           "t": time.time()})
+        script = self._script("demote", self._DEMOTE)
+        keys = [self.k("host_demotions"), self.k("host_demotions", "pending"), self.k("counters")]
+        self.call(lambda: script(keys=keys, args=[result, data, "1" if done else "0", "1" if demoted else "0"]))
+
+    def host_demotion(self, result: str) -> dict[str, Any] | None:
+        """The record of the demotion of refused result ``result``'s host, if any."""
+        raw = self.call(lambda: self.r.hget(self.k("host_demotions"), result))
+        return json.loads(raw) if raw else None
+
+    def host_demotions(self) -> dict[str, dict[str, Any]]:
+        """Result name -> the record of its host's demotion (see :meth:`record_host_demotion`)."""
+        rows = self.call(lambda: self.r.hgetall(self.k("host_demotions")))
+        return {k.decode(): json.loads(v) for k, v in rows.items()}
+
+    def pending_host_demotions(self, count: int = 8) -> list[str]:
+        """Up to ``count`` refused results whose host is still to be demoted."""
+        rows = self.call(lambda: self.r.srandmember(self.k("host_demotions", "pending"), count))
+        return sorted(r.decode() for r in rows or [])
 
     def rejections(self, count: int = 20) -> list[dict[str, Any]]:
         rows = self.call(lambda: self.r.xrevrange(self.k("rejections"), count=count))

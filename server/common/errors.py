@@ -36,11 +36,19 @@ class WeightsFormatError(BoincDLError):
 
 
 class ResultRejected(BoincDLError):
-    """A result failed validation; ``reason`` says why (recorded in Redis)."""
+    """A result failed validation; ``reason`` says why (recorded in Redis).
 
-    def __init__(self, reason: str):
+    ``host_fault``: the refusal judges what the host computed (its file's content, an
+    update over the hard cap, the held-out loss check), so it costs the host its trust
+    where the job system keeps one (BOINC's ``host_app_version.consecutive_valid``).
+    False for refusals that say nothing about the host: a unit the job's records do not
+    know, files the server cannot read, an error of the assimilator itself.
+    """
+
+    def __init__(self, reason: str, host_fault: bool = False):
         super().__init__(reason)
         self.reason = reason
+        self.host_fault = host_fault
 
 
 class JobExists(BoincDLError):

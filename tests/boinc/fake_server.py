@@ -17,9 +17,17 @@ boinc-dl reads (``db/boinc_db_types.h`` for the values):
   ``bin/start`` removes it), every request is answered "project down" with a
   ``request_delay`` of config.xml's ``<maintenance_delay>`` (3600 when unset,
   ``sched/sched_main.cpp``); otherwise the ``request_delay`` of ``min_sendwork_interval``.
+* adaptive replication (:func:`send`, ``sched/sched_send.cpp``): a workunit of target
+  1 of an app whose ``target_nresults`` is above 1 is sent unreplicated only to a host
+  app version BOINC trusts (``set_trust``: at least 10 ``consecutive_valid``, then with
+  probability ``1 - 1/consecutive_valid``); otherwise its ``target_nresults`` and
+  ``min_quorum`` become the app's and the transitioner adds the replicas.
 * :func:`report`: the host reports; success waits for the validator, an error is over.
 * :func:`validate`: the validator marks the result valid, the workunit gets its
   canonical result and becomes ready to assimilate; :func:`assimilated` marks it done.
+  A valid result of a replicated workunit adds one to its host app version's
+  ``consecutive_valid``, an invalid one (:func:`judge`) sets it to 0 (``is_valid`` and
+  ``is_invalid``, ``sched/validator.cpp``).
 * :func:`time_out`: the transitioner times out results past their deadline
   (``NO_REPLY``) and creates a new UNSENT instance (``sched/transitioner.cpp``).
 * :func:`file_deleter`: removes the input files (not ``<no_delete/>``) and uploaded outputs
@@ -29,6 +37,7 @@ boinc-dl reads (``db/boinc_db_types.h`` for the values):
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -97,12 +106,74 @@ def _already_has(project: BoincProject, wu_id: int, hostid: int, userid: int) ->
     return n > 0
 
 
+#: ``CONS_VALID_UNREPLICATED`` (``sched/sched_config.h``).
+CONS_VALID_UNREPLICATED = 10
+
+
+def gavid(app_version_id: int, appid: int) -> int:
+    """``host_app_version.app_version_id`` of a result (``generalized_app_version_id``,
+    ``sched/sched_util.h``): anonymous-platform versions (negative) get a pseudo-id."""
+    return appid * 1_000_000 - app_version_id if app_version_id < 0 else app_version_id
+
+
+def trusted(project: BoincProject, hostid: int, app_version_id: int, appid: int = 1,
+            rng: random.Random | None = None) -> bool:
+    """``set_trust``: whether the scheduler sends this host app version unreplicated work."""
+    r = rows(project, "SELECT consecutive_valid FROM host_app_version WHERE host_id = %s AND app_version_id = %s",
+             (hostid, gavid(app_version_id, appid)))
+    n = int(r[0]["consecutive_valid"]) if r else 0
+    if n < CONS_VALID_UNREPLICATED:
+        return False
+    return (rng or random).random() > 1.0 / n
+
+
+def _replicate_if_untrusted(project: BoincProject, wu_id: int, hostid: int, app_version_id: int, now: int,
+                            rng: random.Random | None) -> None:
+    """Adaptive replication when a result is sent (``sched/sched_send.cpp``), and the
+    transitioner's pass that creates the replicas the new target asks for."""
+    w = rows(project, "SELECT w.name, w.appid, w.target_nresults, a.target_nresults AS app_target FROM workunit w "
+                      "JOIN app a ON a.id = w.appid WHERE w.id = %s", (wu_id,))
+    if not w or not (int(w[0]["target_nresults"]) == 1 and int(w[0]["app_target"]) > 1):
+        return
+    if trusted(project, hostid, app_version_id, int(w[0]["appid"]), rng):
+        return
+    target = int(w[0]["app_target"])
+    _exec(project, "UPDATE workunit SET target_nresults = %s, min_quorum = %s, transition_time = %s WHERE id = %s",
+          (target, target, now, wu_id))
+    n = rows(project, "SELECT COUNT(*) AS n FROM result WHERE workunitid = %s", (wu_id,))[0]["n"]
+    for i in range(n, target):
+        _exec(project, "INSERT INTO result (create_time, workunitid, server_state, appid, name) "
+                       "VALUES (%s, %s, 2, %s, %s)", (now, wu_id, int(w[0]["appid"]), f"{w[0]['name']}_{i}"))
+
+
+def _count_validation(project: BoincProject, result_id: int, valid: bool) -> None:
+    """The validator's update of the result's host app version (``is_valid``: one more
+    consecutive valid result when the workunit was replicated; ``is_invalid``: 0)."""
+    r = rows(project, "SELECT r.hostid, r.appid, r.app_version_id, w.target_nresults, a.target_nresults AS app_target "
+                      "FROM result r JOIN workunit w ON w.id = r.workunitid LEFT JOIN app a ON a.id = w.appid "
+                      "WHERE r.id = %s", (result_id,))
+    if not r:
+        return
+    x = r[0]
+    key = (int(x["hostid"]), gavid(int(x["app_version_id"]), int(x["appid"])))
+    if not valid:
+        _exec(project, "UPDATE host_app_version SET consecutive_valid = 0 WHERE host_id = %s AND app_version_id = %s",
+              key)
+    elif not (int(x["target_nresults"]) == 1 and int(x["app_target"] or 0) > 1):  # not is_unreplicated(wu)
+        _exec(project, "UPDATE host_app_version SET consecutive_valid = consecutive_valid + 1 "
+                       "WHERE host_id = %s AND app_version_id = %s", key)
+
+
 def send(project: BoincProject, wu_names: list[str], hostid: int = 1, now: float | None = None,
-         flops: float = 4e9, userid: int | None = None) -> list[str]:
+         flops: float = 4e9, userid: int | None = None, app_version_id: int = 0,
+         rng: random.Random | None = None) -> list[str]:
     """Send one UNSENT result of each named workunit (in the order given), to a host the
     scheduler believes does ``flops`` per second, of user ``userid`` (default: a user of
-    its own, ``hostid``); the results' names. A workunit of which config.xml forbids this
-    host or user a second result is skipped."""
+    its own, ``hostid``), to run app version ``app_version_id`` (as the scheduler records
+    it: an ``app_version`` id, or for an anonymous-platform host a negative number naming
+    the resource type); the results' names. A workunit of which config.xml forbids this
+    host or user a second result is skipped; one of an app with adaptive replication goes
+    out replicated unless the host app version is trusted (``rng`` draws the spot check)."""
     now = int(now if now is not None else time.time())
     userid = hostid if userid is None else userid
     sent = []
@@ -113,8 +184,9 @@ def send(project: BoincProject, wu_names: list[str], hostid: int = 1, now: float
         if not r or _already_has(project, int(r[0]["workunitid"]), hostid, userid):
             continue
         _exec(project, "UPDATE result SET server_state = 4, sent_time = %s, report_deadline = %s, hostid = %s, "
-                       "userid = %s, flops_estimate = %s WHERE id = %s",
-              (now, now + int(r[0]["delay_bound"]), hostid, userid, flops, r[0]["id"]))
+                       "userid = %s, flops_estimate = %s, app_version_id = %s WHERE id = %s",
+              (now, now + int(r[0]["delay_bound"]), hostid, userid, flops, app_version_id, r[0]["id"]))
+        _replicate_if_untrusted(project, int(r[0]["workunitid"]), hostid, app_version_id, now, rng)
         sent.append(r[0]["name"])
     return sent
 
@@ -195,6 +267,7 @@ def validate(project: BoincProject, result: str) -> None:
     """The result is valid and canonical; the workunit is ready for the assimilator."""
     r = rows(project, "SELECT id, workunitid FROM result WHERE name = %s", (result,))[0]
     _exec(project, "UPDATE result SET validate_state = 1 WHERE id = %s", (r["id"],))
+    _count_validation(project, int(r["id"]), valid=True)
     _exec(project, "UPDATE workunit SET canonical_resultid = %s, assimilate_state = 1 WHERE id = %s "
                    "AND canonical_resultid = 0", (r["id"], r["workunitid"]))
 
@@ -260,7 +333,9 @@ def judge(project: BoincProject, result: str, init_exit: int) -> tuple[int, int]
         _exec(project, "UPDATE result SET validate_state = 3 WHERE id = %s", (r["id"],))
     if init_exit == 0:
         _exec(project, "UPDATE result SET validate_state = 1 WHERE id = %s", (r["id"],))
+        _count_validation(project, int(r["id"]), valid=True)
     elif init_exit != 3:
         _exec(project, "UPDATE result SET outcome = 6, validate_state = 2 WHERE id = %s", (r["id"],))
+        _count_validation(project, int(r["id"]), valid=False)
     out = rows(project, "SELECT outcome, validate_state FROM result WHERE id = %s", (r["id"],))[0]
     return int(out["outcome"]), int(out["validate_state"])

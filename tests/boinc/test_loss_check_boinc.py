@@ -33,7 +33,7 @@ from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weig
 from boinc_dl.server.common.workunit import WEIGHTS_IN
 from boinc_dl.server.work_generator.prepare import JobFiles
 from tests.boinc.conftest import REPO, run_script, script_env
-from tests.boinc.fake_server import _exec, rows
+from tests.boinc.fake_server import _exec, rows, send
 
 pytestmark = pytest.mark.slow
 
@@ -206,7 +206,14 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
     assert store.assimilated().keys() == play.seen and not store.rejections()
     roles = ["honest", "labelflip", "ipm"] * 2
     wus = play.new_workunits(len(roles))
+    # BOINC trusts both hosts (12 consecutive valid results each): their jobs go out unreplicated
+    honest_host, attacker = 11, 12
+    for host in (honest_host, attacker):
+        _exec(play.project, "INSERT INTO host_app_version (host_id, app_version_id, consecutive_valid) "
+                            "VALUES (%s, 5, 12)", (host,))
     for i, (wu, role) in enumerate(zip(wus, roles, strict=True)):
+        host = honest_host if role == "honest" else attacker
+        assert send(play.project, [wu["name"]], hostid=host, app_version_id=5, rng=random.Random(0))
         paths = play.upload(wu, play.weights_for(wu["name"], role, i), trusted=False)
         play.assimilate_until_handled(wu, paths)
     merged, failed = store.assimilated(), store.failed()
@@ -218,6 +225,12 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
             assert wu["name"] not in merged and "raises the loss" in failed[wu["name"]], (role, merged.get(wu["name"]))
     reasons = [r["reason"] for r in store.rejections(50)]
     assert len(reasons) == 4 and all("held-out loss check" in r for r in reasons)
+    # each refusal cost the attacker BOINC's trust (its next jobs are replicated); the
+    # honest host keeps its run
+    trust = {r["host_id"]: r["consecutive_valid"]
+             for r in rows(play.project, "SELECT host_id, consecutive_valid FROM host_app_version")}
+    assert trust == {honest_host: 12, attacker: 0}
+    assert store.counters()["hosts_demoted"] == 4 and "host_demotions_failed" not in store.counters()
     # only the trusted results fed the statistic: untrusted ones, honest or not, never do
     assert len(store.trusted_values("0", lc.STAT, 64)) == N_TRUSTED
     assert store.loss_pending_count() == 0 and not list(lc.spool_dir(play.files.job_dir).iterdir())

@@ -1,4 +1,4 @@
-"""Read-only access to a BOINC project's database (MariaDB/MySQL), bounded and parametrized.
+"""Access to a BOINC project's database (MariaDB/MySQL), bounded and parametrized.
 
 BOINC alone knows when a result was *sent* (``result.sent_time``), when it is due
 (``result.report_deadline = sent_time + workunit.delay_bound``, ``sched/sched_send.cpp``)
@@ -8,7 +8,9 @@ reads those facts here instead of guessing them from workunit creation times.
 * Credentials come from the project's ``config.xml`` (``db_name``, ``db_host``,
   ``db_user``, ``db_passwd``, optional ``db_port`` and ``db_socket``), as BOINC's own
   tools read them (``sched/sched_config.cpp``). ``db_host`` may be ``host:port``.
-* Every session is read-only (``SET SESSION TRANSACTION READ ONLY``), every query is
+* Every session is read-only (``SET SESSION TRANSACTION READ ONLY``) except one opened
+  with ``writable=True`` for the single write boinc-dl makes, what BOINC's validator does
+  to the host of an invalid result (:meth:`BoincDB.reset_consecutive_valid`); every query is
   parametrized, has a row limit and runs under connect/read timeouts, so a slow or
   unreachable database degrades boinc-dl (logged, retried next pass) instead of
   hanging a daemon.
@@ -137,6 +139,24 @@ class ResultTiming:
     canonical: bool  # the workunit's canonical result (the one BOINC assimilated)
 
 
+@dataclass(frozen=True)
+class TrustReset:
+    """A host app version whose ``consecutive_valid`` was set to 0: the host (from the
+    result's row), the ``host_app_version.app_version_id`` (BOINC's generalized id) and
+    the count before (None: the host has no ``host_app_version`` row, nothing to reset)."""
+
+    hostid: int
+    app_version_id: int
+    before: int | None
+
+
+def generalized_app_version_id(app_version_id: int, appid: int) -> int:
+    """``host_app_version.app_version_id`` for a result's ``app_version_id``: the id itself,
+    or for an anonymous-platform version (a negative id naming the resource type) the
+    pseudo-id ``appid * 1000000 - app_version_id`` (``sched/sched_util.h``)."""
+    return appid * 1_000_000 - app_version_id if app_version_id < 0 else app_version_id
+
+
 @dataclass
 class WorkunitState:
     """A workunit and its results, as BOINC sees them."""
@@ -213,27 +233,31 @@ def credentials(project: BoincProject) -> dict[str, Any]:
 
 
 class BoincDB:
-    """A read-only connection to one project's database; use as a context manager or
-    call :meth:`close`. Each method is one bounded query (chunked for long name lists)."""
+    """A connection to one project's database, read-only unless opened ``writable`` (for
+    :meth:`reset_consecutive_valid` alone); use as a context manager or call
+    :meth:`close`. Each method is one bounded query (chunked for long name lists)."""
 
-    def __init__(self, project: BoincProject, timeout_s: float = 5.0):
+    def __init__(self, project: BoincProject, timeout_s: float = 5.0, writable: bool = False):
         import pymysql
 
         self._pymysql = pymysql
+        self.writable = writable
         args = credentials(project)
         try:
             self.conn = pymysql.connect(**args, connect_timeout=timeout_s, read_timeout=timeout_s,
                                         write_timeout=timeout_s, autocommit=True, charset="utf8mb4")
-            with self.conn.cursor() as c:
-                c.execute("SET SESSION TRANSACTION READ ONLY")
+            if not writable:
+                with self.conn.cursor() as c:
+                    c.execute("SET SESSION TRANSACTION READ ONLY")
         except pymysql.MySQLError as e:
             where = args.get("unix_socket") or f"{args['host']}:{args.get('port', 3306)}"
             raise BoincDBError(f"cannot read BOINC's database {args['database']} at {where}: {e}") from None
 
     @classmethod
-    def connect(cls, project: BoincProject, timeout_s: float = 5.0) -> BoincDB:
-        """Open a read-only session with the credentials of the project's config.xml."""
-        return cls(project, timeout_s)
+    def connect(cls, project: BoincProject, timeout_s: float = 5.0, writable: bool = False) -> BoincDB:
+        """Open a session with the credentials of the project's config.xml (read-only
+        unless ``writable``: only :meth:`reset_consecutive_valid` needs that)."""
+        return cls(project, timeout_s, writable)
 
     def __enter__(self) -> BoincDB:
         return self
@@ -257,6 +281,36 @@ class BoincDB:
                 return list(c.fetchmany(limit))
         except self._pymysql.MySQLError as e:
             raise BoincDBError(f"query on BOINC's database failed: {e}") from None
+
+    def reset_consecutive_valid(self, result: str) -> TrustReset | None:
+        """What BOINC's validator does to the host of an invalid result (``is_invalid`` in
+        ``sched/validator.cpp``): set the ``consecutive_valid`` of the result's host app
+        version to 0, so that BOINC's scheduler replicates the host's next jobs until it
+        earns its trust again (``set_trust``, ``sched/sched_send.cpp``). The host and app
+        version come from BOINC's ``result`` row named ``result``; None when BOINC has no
+        such result or it was never sent to a host. Idempotent: a second call sets 0 again.
+
+        BOINC's ``is_invalid`` also lowers the row's ``max_jobs_per_day`` by one; that is
+        left alone here, because a re-delivered result would lower it twice."""
+        if not self.writable:
+            raise BoincDBError("reset_consecutive_valid needs a session opened with writable=True")
+        rows = self.query("SELECT hostid, appid, app_version_id FROM result WHERE name = %s", (result,), limit=1)
+        if not rows or not int(rows[0]["hostid"] or 0):
+            return None
+        hostid = int(rows[0]["hostid"])
+        avid = generalized_app_version_id(int(rows[0]["app_version_id"] or 0), int(rows[0]["appid"] or 0))
+        # host_app_version's unique key is (host_id, app_version_id) (db/constraints.sql): one row.
+        have = self.query("SELECT consecutive_valid FROM host_app_version WHERE host_id = %s AND app_version_id = %s",
+                          (hostid, avid), limit=1)
+        if not have:
+            return TrustReset(hostid, avid, None)
+        try:
+            with self.conn.cursor() as c:
+                c.execute("UPDATE host_app_version SET consecutive_valid = 0 WHERE host_id = %s AND app_version_id = %s",
+                          (hostid, avid))
+        except self._pymysql.MySQLError as e:
+            raise BoincDBError(f"update of BOINC's host_app_version failed: {e}") from None
+        return TrustReset(hostid, avid, int(have[0]["consecutive_valid"]))
 
     def workunits(self, names: Iterable[str]) -> dict[str, WorkunitState]:
         """Workunits by name, each with its results (names BOINC does not know are absent)."""

@@ -25,6 +25,7 @@ from boinc_dl.server.assimilator.core import AssimilationOutcome
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
+from boinc_dl.server.backends.boinc.hosttrust import demote_host
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common import bounded, diskfaults
@@ -187,6 +188,10 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
                 keep_result(project, store, out.unit, copies, weights=project.settings.keep_weights)
             except OSError as e:  # merged already: a copy the server cannot write is not the host's fault
                 log.warning("result %s merged, its files not kept: %s", result, e)
+        if out.status == "rejected" and out.host_fault and result:
+            # BOINC's validator called the result valid; the refusal must cost the host
+            # the trust an invalid result would have (BOINC's adaptive replication).
+            demote_host(project, store, result, out.reason)
         return out
     finally:
         # The working copies go; a durable merge has already given the weights copy a

@@ -1,7 +1,7 @@
 """The fake project's BOINC database in a real MariaDB (test double, not BOINC code).
 
 Only the columns of BOINC's ``workunit``, ``result``, ``host``, ``platform``, ``app`` and
-``app_version`` tables that boinc-dl reads, with BOINC's names and meanings (``db/schema.sql``, ``db/boinc_db_types.h``).
+``app_version`` tables that boinc-dl reads (``host_app_version`` whole), with BOINC's names and meanings (``db/schema.sql``, ``db/boinc_db_types.h``).
 The fake tools write here when ``<project>/fake_mariadb`` exists; the database and its
 credentials are those of the project's ``config.xml``, as for BOINC's own tools.
 """
@@ -41,6 +41,8 @@ SCHEMA = (
         file_delete_state INTEGER NOT NULL DEFAULT 0,
         hostid INTEGER NOT NULL DEFAULT 0,
         userid INTEGER NOT NULL DEFAULT 0,
+        appid INTEGER NOT NULL DEFAULT 1,
+        app_version_id INTEGER NOT NULL DEFAULT 0,
         report_deadline INTEGER NOT NULL DEFAULT 0,
         sent_time INTEGER NOT NULL DEFAULT 0,
         received_time INTEGER NOT NULL DEFAULT 0,
@@ -71,7 +73,8 @@ SCHEMA = (
         create_time INTEGER NOT NULL,
         name VARCHAR(191) NOT NULL,
         deprecated SMALLINT NOT NULL DEFAULT 0,
-        user_friendly_name VARCHAR(254) NOT NULL
+        user_friendly_name VARCHAR(254) NOT NULL,
+        target_nresults SMALLINT NOT NULL DEFAULT 0
     )""",
     """CREATE TABLE app_version (
         id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
@@ -82,8 +85,29 @@ SCHEMA = (
         deprecated TINYINT NOT NULL DEFAULT 0,
         plan_class VARCHAR(128) NOT NULL DEFAULT ''
     )""",
+    # All of BOINC's columns (db/schema.sql) and its unique key (db/constraints.sql):
+    # the scheduler creates the row, the validator counts consecutive_valid up and
+    # resets it for an invalid result, and boinc-dl resets it for a refused one.
+    """CREATE TABLE host_app_version (
+        host_id INTEGER NOT NULL,
+        app_version_id INTEGER NOT NULL,
+        pfc_n DOUBLE NOT NULL DEFAULT 0,
+        pfc_avg DOUBLE NOT NULL DEFAULT 0,
+        et_n DOUBLE NOT NULL DEFAULT 0,
+        et_avg DOUBLE NOT NULL DEFAULT 0,
+        et_var DOUBLE NOT NULL DEFAULT 0,
+        et_q DOUBLE NOT NULL DEFAULT 0,
+        max_jobs_per_day INTEGER NOT NULL DEFAULT 0,
+        n_jobs_today INTEGER NOT NULL DEFAULT 0,
+        turnaround_n DOUBLE NOT NULL DEFAULT 0,
+        turnaround_avg DOUBLE NOT NULL DEFAULT 0,
+        turnaround_var DOUBLE NOT NULL DEFAULT 0,
+        turnaround_q DOUBLE NOT NULL DEFAULT 0,
+        consecutive_valid INTEGER NOT NULL DEFAULT 0,
+        UNIQUE KEY hap (host_id, app_version_id)
+    )""",
 )
-TABLES = ("workunit", "result", "host", "platform", "app", "app_version")
+TABLES = ("workunit", "result", "host", "platform", "app", "app_version", "host_app_version")
 
 
 def enabled(project: Path) -> bool:
