@@ -154,3 +154,19 @@ def test_check_shows_each_jobs_merge_log_and_snapshot_truncates_it(tmp_path: Pat
         res = runner.invoke(app, ["redis", "check", "--redis-url", srv.url], env={"COLUMNS": "250"})
         row = next(line for line in res.output.splitlines() if " lj " in line)
         assert " 0 " in row and "min ago" in row
+
+
+def test_check_fails_where_scripts_cannot_call_info(tmp_path: Path) -> None:
+    """The shard scripts read the server's run id with INFO: a Redis that renames INFO away
+    (as some managed ones do) would fail every merge, and the installed ``boinc-dl redis
+    check`` says so with exit 1; a Redis with INFO passes that check."""
+    with EmbeddedRedis(tmp_path / "r", appendfsync="always", extra_args=["--rename-command", "INFO", ""]) as srv:
+        r = connect(srv.url)
+        found = check_persistence(r)
+        res = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "redis", "check", "--redis-url", srv.url],
+                             capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert [f.severity for f in found] == ["error"], found
+    assert "cannot call INFO" in found[0].message
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "cannot call INFO" in res.stdout and "Traceback" not in res.stderr
+    assert _findings(tmp_path / "ok", appendfsync="always") == []

@@ -73,6 +73,23 @@ def read_settings(client: Any) -> dict[str, dict[str, str] | str]:
     return out
 
 
+def script_access(client: Any) -> dict[str, str | None]:
+    """Per node, None when a Lua script may call ``INFO`` there, else the error. boinc-dl's
+    shard scripts read the server's run id with it (a shard whose bytes are not in the
+    AOF is tagged with the run id that wrote it: a restarted Redis has a new one), so
+    a Redis that renames ``INFO`` away or denies it to this user fails every merge."""
+    from boinc_dl.server.assimilator.shards import RUN_ID_SCRIPT
+
+    out: dict[str, str | None] = {}
+    for name, node in _nodes(client):
+        try:
+            rid = node.eval(RUN_ID_SCRIPT, 0)
+            out[name] = None if rid else "INFO gave no run_id"
+        except redis.ResponseError as e:
+            out[name] = str(e)
+    return out
+
+
 def _text(v: Any) -> str:
     return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
 
@@ -111,10 +128,18 @@ def check_node(name: str, s: dict[str, str]) -> list[Finding]:
     return found
 
 
-def findings(settings: dict[str, dict[str, str] | str]) -> list[Finding]:
-    """Findings for every node of :func:`read_settings`' answer; a node whose settings
-    could not be read gives a warning that says what to check by hand."""
+def findings(settings: dict[str, dict[str, str] | str],
+             scripts: dict[str, str | None] | None = None) -> list[Finding]:
+    """Findings for every node of :func:`read_settings`' answer (and of
+    :func:`script_access`'s, when given); a node whose settings could not be read gives a
+    warning that says what to check by hand."""
     found: list[Finding] = []
+    for name, err in (scripts or {}).items():
+        if err is not None:
+            found.append(Finding(name, "error", f"a script cannot call INFO here ({err}): boinc-dl's merges read "
+                                                "the server's run id in their scripts (to tell the shards a "
+                                                "restart emptied), so every merge fails. Let scripts run INFO "
+                                                "(do not rename it; an ACL user needs +info)"))
     for name, s in settings.items():
         if isinstance(s, str):
             found.append(Finding(name, "warning", f"could not read the persistence settings ({s}); check by hand "
@@ -127,4 +152,4 @@ def findings(settings: dict[str, dict[str, str] | str]) -> list[Finding]:
 
 def check_persistence(client: Any) -> list[Finding]:
     """Findings for every node of ``client`` (a plain or a cluster client)."""
-    return findings(read_settings(client))
+    return findings(read_settings(client), script_access(client))

@@ -31,11 +31,13 @@ def check(
         SETTINGS,
         findings,
         read_settings,
+        script_access,
     )
 
     try:
         r = connect(redis_url_for(redis_url, project))
         settings = read_settings(r)
+        scripts = script_access(r)
     except BoincDLError as e:
         fail(e)
         return
@@ -45,7 +47,7 @@ def check(
         table.add_row(key, *("?" if isinstance(s, str) else s.get(key, "") for s in settings.values()),
                       RECOMMENDED.get(key, ""))
     console.print(table)
-    found = findings(settings)
+    found = findings(settings, scripts)
     colour = {"error": "red", "warning": "yellow", "note": "cyan"}
     for f in found:
         console.print(f"[{colour[f.severity]}]{f.severity}[/]: {f.node}: {f.message}", highlight=False)
