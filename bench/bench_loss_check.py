@@ -21,6 +21,15 @@ so both see the same model, machine load and Redis. Reported:
 * the final validation accuracy.
 
     flock /tmp/cpu.lock python bench/bench_loss_check.py [--epochs 6] [--D 8]
+
+With ``--attack labelflip|zeros`` it measures poisoning on the same path instead: a
+share ``--attackers`` of the units (never replicated: the worst case) return a model
+trained on shifted labels (``y + 1``) or all zeros; every untrusted result goes through
+one spec, the check on or off (``--check``); reported are the final accuracy and the
+attacker results merged of those sent. Run it with ``--attack none`` for the clean
+baseline of the same seed.
+
+    flock /tmp/cpu.lock python bench/bench_loss_check.py --attack labelflip --check on
 """
 
 from __future__ import annotations
@@ -65,7 +74,14 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=20, help="first results replicated (trusted)")
     ap.add_argument("--replicated", type=float, default=0.2, help="share of later results replicated")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--attack", choices=["none", "labelflip", "zeros"], default=None,
+                    help="measure poisoning instead of the check's cost")
+    ap.add_argument("--attackers", type=float, default=0.1, help="share of units an attacker returns")
+    ap.add_argument("--check", choices=["on", "off"], default="on", help="with --attack: the loss check")
     args = ap.parse_args()
+    if args.attack is not None:
+        poisoning(args)
+        return
 
     os.environ.setdefault("BDL_THREADS", "1")
     from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
@@ -190,6 +206,111 @@ def main() -> None:
               f"{row['checker_forward_median_ms']} ms; honest refused {refused}/{checked} "
               f"({row['honest_refused_pct']}%); final accuracy {row['final_val_acc']}")
         emit("loss_check", **row)
+    finally:
+        srv.kill()
+
+
+def poisoning(args: argparse.Namespace) -> None:
+    """Final accuracy under a share of attacker results, through the real merge path."""
+    os.environ.setdefault("BDL_THREADS", "1")
+    from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
+
+    tf = configure_tf(threads=1)
+    work = Path(tempfile.mkdtemp(prefix="bench-poison."))
+    srv = EmbeddedRedis(work / "redis").start()
+    try:
+        spec = parse_spec({
+            "name": "bench-poison", "model": "models:mlp",
+            "model_args": {"input_dim": 64, "hidden": 64, "n_classes": 10}, "dataset": {"name": "digits"},
+            "training": {"epochs": args.epochs, "batch_size": 16, "local_epochs": 2, "learning_rate": 0.002},
+            "vcasgd": {"n_subsets": args.subsets, "window": args.D},
+            "validation": {"loss_check": args.check == "on"},
+            "seed": args.seed,
+        })
+        store = JobStore(connect(srv.url), spec.name)
+        job_dir = work / "job"
+        files = prepare_job(spec, store, job_dir, search_path=ROOT / "examples")
+        store.set_meta(job_dir=str(job_dir))
+        spec = spec_from_json(store.spec_json())
+        fp = store.fingerprint("0")
+        stop = threading.Event()
+        checker = LossChecker(lambda: connect(srv.url), lambda: {spec.name: job_dir}, stop, idle_s=0.5)
+        threading.Thread(target=checker.run, daemon=True).start()
+        while not store.loss_checker_alive():
+            time.sleep(0.05)
+        model = tf.keras.models.load_model(files.model, compile=False)
+        data = []
+        for k in range(args.subsets):
+            with np.load(files.shard(k)) as z:
+                data.append((z["x"], z["y"]))
+        with np.load(files.val) as z:
+            xv, yv = z["x"], z["y"]
+        rng = np.random.default_rng(args.seed)
+        arng = np.random.default_rng(args.seed + 1000)  # the attack's draws: the same honest units either way
+
+        def issue(uid: int) -> tuple[str, int, str]:
+            e, k = uid // args.subsets + 1, int(rng.integers(args.subsets))
+            flat, version = store.get_weights("0")
+            base = files.weights("0", version)
+            if not base.exists():
+                write_weights(base, WeightsFile(flat, fp, job=spec.name, model="0", base_version=version))
+            unit = f"{spec.name}__m0_e{e:04d}_s{uid:04d}"
+            store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
+                                       "files": {WEIGHTS_IN: str(base)}}, e)
+            return unit, k, str(base)
+
+        total = args.epochs * args.subsets
+        inflight: deque[tuple[str, int, str]] = deque(issue(i) for i in range(min(args.D, total)))
+        nxt = len(inflight)
+        done = sent = merged_bad = honest_refused = honest_untrusted = 0
+        while inflight:
+            unit, k, base = inflight.popleft()
+            bad = args.attack != "none" and done >= args.warm and arng.random() < args.attackers
+            set_flat(model, read_weights(base, fp).flat)
+            if bad and args.attack == "zeros":
+                flat = np.zeros(fp.n_params, np.float32)
+            else:
+                x, y = data[k]
+                if bad:  # labelflip: a model trained on shifted labels
+                    y = (y + 1) % 10
+                model.compile(optimizer=tf.keras.optimizers.Adam(0.002), loss="sparse_categorical_crossentropy")
+                model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=True)
+                flat = get_flat(model).astype(np.float32)
+            out = work / "results" / unit
+            out.mkdir(parents=True)
+            write_weights(out / "weights_out.h5", WeightsFile(flat, fp, job=spec.name, model="0", unit=unit,
+                                                              examples_seen=len(data[k][0])))
+            trusted = not bad and (done < args.warm or rng.random() < args.replicated)
+            if not trusted and done >= args.warm:
+                while len(store.trusted_values("0", lc.STAT, 64)) < spec.validation.loss_check_min_trusted \
+                        and args.check == "on":
+                    time.sleep(0.01)
+            res = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, files=[out / "weights_out.h5"],
+                                             final=True, trusted=trusted), spec=spec)
+            done += 1
+            if bad:
+                sent += 1
+                merged_bad += res.status == "merged"
+            elif not trusted:
+                honest_untrusted += 1
+                honest_refused += res.status == "rejected"
+            if nxt < total:
+                inflight.append(issue(nxt))
+                nxt += 1
+        flat, version = store.get_weights("0")
+        set_flat(model, flat)
+        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        _, acc = model.evaluate(xv, yv, verbose=0)
+        stop.set()
+        row = {"dataset": "digits", "attack": args.attack, "attackers": args.attackers, "check": args.check,
+               "D": args.D, "subsets": args.subsets, "epochs": args.epochs, "results": total,
+               "attacker_sent": sent, "attacker_merged": merged_bad, "honest_untrusted": honest_untrusted,
+               "honest_refused": honest_refused, "final_val_acc": round(float(acc), 4), "seed": args.seed,
+               "load": [round(x, 2) for x in os.getloadavg()], **machine()}
+        print(f"digits, {args.attack} from {args.attackers:.0%} of units, check {args.check}: attacker results "
+              f"merged {merged_bad}/{sent}, honest refused {honest_refused}/{honest_untrusted}, "
+              f"final accuracy {row['final_val_acc']}")
+        emit("loss_check_poisoning", **row)
     finally:
         srv.kill()
 
