@@ -236,7 +236,7 @@ def poisoning(args: argparse.Namespace) -> None:
         stop = threading.Event()
         checker = LossChecker(lambda: connect(srv.url), lambda: {spec.name: job_dir}, stop, idle_s=0.5)
         threading.Thread(target=checker.run, daemon=True).start()
-        while not store.loss_checker_alive():
+        while args.check == "on" and not store.loss_checker_alive():  # (no check: it serves no job)
             time.sleep(0.05)
         model = tf.keras.models.load_model(files.model, compile=False)
         data = []
