@@ -66,6 +66,67 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.quantile(np.asarray(xs), q)) if xs else float("nan")
 
 
+class Job:
+    """One bench job on a private Redis: its files, store, spec, the checker thread (with
+    ``check``), a Keras model, the subsets, the validation split and the unit issuer."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, srv: EmbeddedRedis, name: str, check: bool):
+        from boinc_dl.server.common.keras_model import configure_tf
+
+        self.tf = configure_tf(threads=1)
+        self.args = args
+        spec = parse_spec({
+            "name": name, "model": "models:mlp",
+            "model_args": {"input_dim": 64, "hidden": 64, "n_classes": 10}, "dataset": {"name": "digits"},
+            "training": {"epochs": args.epochs, "batch_size": 16, "local_epochs": 2, "learning_rate": 0.002},
+            "vcasgd": {"n_subsets": args.subsets, "window": args.D},
+            "validation": {"loss_check": check},
+            "seed": args.seed,
+        })
+        self.store = JobStore(connect(srv.url), spec.name)
+        job_dir = work / "job"
+        self.files = prepare_job(spec, self.store, job_dir, search_path=ROOT / "examples")
+        self.store.set_meta(job_dir=str(job_dir))
+        self.spec = spec_from_json(self.store.spec_json())
+        self.fp = self.store.fingerprint("0")
+        self.stop = threading.Event()
+        checker = LossChecker(lambda: connect(srv.url), lambda: {spec.name: job_dir}, self.stop, idle_s=0.5)
+        threading.Thread(target=checker.run, daemon=True).start()
+        while check and not self.store.loss_checker_alive():  # (without the check it serves no job)
+            time.sleep(0.05)
+        self.model = self.tf.keras.models.load_model(self.files.model, compile=False)
+        self.data = []
+        for k in range(args.subsets):
+            with np.load(self.files.shard(k)) as z:
+                self.data.append((z["x"], z["y"]))
+        with np.load(self.files.val) as z:
+            self.xv, self.yv = z["x"], z["y"]
+        self.rng = np.random.default_rng(args.seed)
+
+    def issue(self, uid: int) -> tuple[str, int, str]:
+        """Register unit ``uid`` (a random subset) from the current weights: (unit, subset, base file)."""
+        e, k = uid // self.args.subsets + 1, int(self.rng.integers(self.args.subsets))
+        flat, version = self.store.get_weights("0")
+        base = self.files.weights("0", version)
+        if not base.exists():
+            write_weights(base, WeightsFile(flat, self.fp, job=self.spec.name, model="0", base_version=version))
+        unit = f"{self.spec.name}__m0_e{e:04d}_s{uid:04d}"
+        self.store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
+                                        "files": {WEIGHTS_IN: str(base)}}, e)
+        return unit, k, str(base)
+
+    def final_accuracy(self) -> tuple[float, int]:
+        """(validation accuracy of the server weights, their version); stops the checker."""
+        from boinc_dl.server.common.keras_model import set_flat
+
+        flat, version = self.store.get_weights("0")
+        set_flat(self.model, flat)
+        self.model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        _, acc = self.model.evaluate(self.xv, self.yv, verbose=0)
+        self.stop.set()
+        return float(acc), version
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=6)
@@ -84,50 +145,16 @@ def main() -> None:
         return
 
     os.environ.setdefault("BDL_THREADS", "1")
-    from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
+    from boinc_dl.server.common.keras_model import get_flat, set_flat
 
-    tf = configure_tf(threads=1)
     work = Path(tempfile.mkdtemp(prefix="bench-losscheck."))
     srv = EmbeddedRedis(work / "redis").start()
     try:
-        spec = parse_spec({
-            "name": "bench-losscheck", "model": "models:mlp",
-            "model_args": {"input_dim": 64, "hidden": 64, "n_classes": 10}, "dataset": {"name": "digits"},
-            "training": {"epochs": args.epochs, "batch_size": 16, "local_epochs": 2, "learning_rate": 0.002},
-            "vcasgd": {"n_subsets": args.subsets, "window": args.D},
-            "seed": args.seed,
-        })
-        store = JobStore(connect(srv.url), spec.name)
-        job_dir = work / "job"
-        files = prepare_job(spec, store, job_dir, search_path=ROOT / "examples")
-        store.set_meta(job_dir=str(job_dir))
-        spec_on = spec_from_json(store.spec_json())
+        job = Job(args, work, srv, "bench-losscheck", check=True)
+        tf, store, spec_on, fp, model, data, issue = job.tf, job.store, job.spec, job.fp, job.model, job.data, job.issue
+        spec = spec_on
         spec_off = spec_on.model_copy(update={"validation": spec_on.validation.model_copy(update={"loss_check": False})})
-        fp = store.fingerprint("0")
-
-        stop = threading.Event()
-        checker = LossChecker(lambda: connect(srv.url), lambda: {spec.name: job_dir}, stop, idle_s=0.5)
-        threading.Thread(target=checker.run, daemon=True).start()
-        while not store.loss_checker_alive():
-            time.sleep(0.05)
-
-        model = tf.keras.models.load_model(files.model, compile=False)
-        shards = [np.load(files.shard(k)) for k in range(args.subsets)]
-        data = [(z["x"], z["y"]) for z in shards]
-        with np.load(files.val) as z:
-            xv, yv = z["x"], z["y"]
-        rng = np.random.default_rng(args.seed)
-
-        def issue(uid: int) -> tuple[str, int, str]:
-            e, k = uid // args.subsets + 1, int(rng.integers(args.subsets))
-            flat, version = store.get_weights("0")
-            base = files.weights("0", version)
-            if not base.exists():
-                write_weights(base, WeightsFile(flat, fp, job=spec.name, model="0", base_version=version))
-            unit = f"{spec.name}__m0_e{e:04d}_s{uid:04d}"
-            store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
-                                       "files": {WEIGHTS_IN: str(base)}}, e)
-            return unit, k, str(base)
+        rng = job.rng
 
         total = args.epochs * args.subsets
         inflight: deque[tuple[str, int, str]] = deque(issue(i) for i in range(min(args.D, total)))
@@ -181,11 +208,7 @@ def main() -> None:
                 inflight.append(issue(nxt))
                 nxt += 1
         wall = time.perf_counter() - t_start
-        flat, version = store.get_weights("0")
-        set_flat(model, flat)
-        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        _, acc = model.evaluate(xv, yv, verbose=0)
-        stop.set()
+        acc, version = job.final_accuracy()
         bound_n = len(store.trusted_values("0", lc.STAT, 64))
         med_on, med_off = statistics.median(t_on), statistics.median(t_off)
         row = {
@@ -213,51 +236,15 @@ def main() -> None:
 def poisoning(args: argparse.Namespace) -> None:
     """Final accuracy under a share of attacker results, through the real merge path."""
     os.environ.setdefault("BDL_THREADS", "1")
-    from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
+    from boinc_dl.server.common.keras_model import get_flat, set_flat
 
-    tf = configure_tf(threads=1)
     work = Path(tempfile.mkdtemp(prefix="bench-poison."))
     srv = EmbeddedRedis(work / "redis").start()
     try:
-        spec = parse_spec({
-            "name": "bench-poison", "model": "models:mlp",
-            "model_args": {"input_dim": 64, "hidden": 64, "n_classes": 10}, "dataset": {"name": "digits"},
-            "training": {"epochs": args.epochs, "batch_size": 16, "local_epochs": 2, "learning_rate": 0.002},
-            "vcasgd": {"n_subsets": args.subsets, "window": args.D},
-            "validation": {"loss_check": args.check == "on"},
-            "seed": args.seed,
-        })
-        store = JobStore(connect(srv.url), spec.name)
-        job_dir = work / "job"
-        files = prepare_job(spec, store, job_dir, search_path=ROOT / "examples")
-        store.set_meta(job_dir=str(job_dir))
-        spec = spec_from_json(store.spec_json())
-        fp = store.fingerprint("0")
-        stop = threading.Event()
-        checker = LossChecker(lambda: connect(srv.url), lambda: {spec.name: job_dir}, stop, idle_s=0.5)
-        threading.Thread(target=checker.run, daemon=True).start()
-        while args.check == "on" and not store.loss_checker_alive():  # (no check: it serves no job)
-            time.sleep(0.05)
-        model = tf.keras.models.load_model(files.model, compile=False)
-        data = []
-        for k in range(args.subsets):
-            with np.load(files.shard(k)) as z:
-                data.append((z["x"], z["y"]))
-        with np.load(files.val) as z:
-            xv, yv = z["x"], z["y"]
-        rng = np.random.default_rng(args.seed)
+        job = Job(args, work, srv, "bench-poison", check=args.check == "on")
+        tf, store, spec, fp, model, data, issue = job.tf, job.store, job.spec, job.fp, job.model, job.data, job.issue
+        rng = job.rng
         arng = np.random.default_rng(args.seed + 1000)  # the attack's draws: the same honest units either way
-
-        def issue(uid: int) -> tuple[str, int, str]:
-            e, k = uid // args.subsets + 1, int(rng.integers(args.subsets))
-            flat, version = store.get_weights("0")
-            base = files.weights("0", version)
-            if not base.exists():
-                write_weights(base, WeightsFile(flat, fp, job=spec.name, model="0", base_version=version))
-            unit = f"{spec.name}__m0_e{e:04d}_s{uid:04d}"
-            store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
-                                       "files": {WEIGHTS_IN: str(base)}}, e)
-            return unit, k, str(base)
 
         total = args.epochs * args.subsets
         inflight: deque[tuple[str, int, str]] = deque(issue(i) for i in range(min(args.D, total)))
@@ -297,11 +284,7 @@ def poisoning(args: argparse.Namespace) -> None:
             if nxt < total:
                 inflight.append(issue(nxt))
                 nxt += 1
-        flat, version = store.get_weights("0")
-        set_flat(model, flat)
-        model.compile(loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-        _, acc = model.evaluate(xv, yv, verbose=0)
-        stop.set()
+        acc, _version = job.final_accuracy()
         row = {"dataset": "digits", "attack": args.attack, "attackers": args.attackers, "check": args.check,
                "D": args.D, "subsets": args.subsets, "epochs": args.epochs, "results": total,
                "attacker_sent": sent, "attacker_merged": merged_bad, "honest_untrusted": honest_untrusted,
