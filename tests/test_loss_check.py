@@ -321,3 +321,45 @@ def test_held_out_batch_is_a_fixed_seeded_sample(tmp_path: Path) -> None:
     assert a[0].shape == (64, 2) and np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert not np.array_equal(a[0], held_out_batch(tmp_path / "val.npz", 64, 4)[0])
     assert len(held_out_batch(tmp_path / "val.npz", 10_000, 3)[0]) == 500
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=lambda a: a.name)
+def test_every_hostile_upload_is_refused_before_the_check_sees_it(job, tmp_path: Path, attack) -> None:
+    """The whole hostile corpus, delivered untrusted with the check on and a trusted bound
+    in force: each file is refused by validation, for the host's fault, before anything is
+    handed to the checker (no spool file, no request) and before any shard changes."""
+    store, spec, fp, job_dir = job
+    seed_trusted(store)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    d = tmp_path / "up"
+    d.mkdir()
+    attack.build(d / "weights_out.h5", fp, store.job, "u2", secrets)
+    out = deliver(store, spec, "u2", [d / "weights_out.h5"])
+    assert out.status == "rejected", (attack.name, out)
+    assert store.version("0") == 0 and "u2" not in store.assimilated()
+    assert store.loss_queue_length() == 0 and store.loss_pending_count() == 0
+    spool = lc.spool_dir(job_dir)
+    assert not spool.exists() or not list(spool.iterdir())
+
+
+def test_a_patient_attacker_cannot_move_the_bound(job, tmp_path: Path) -> None:
+    """Many untrusted results, each raising the held-out loss just inside the bound in
+    force: the ones that pass are merged, but the bound is fed by trusted results only,
+    so it is the same after 24 of them as before (it does not ratchet up)."""
+    store, spec, fp, job_dir = job
+    seed_trusted(store)
+    before = lc.bound_of(store, spec, "0", 1)
+    trusted_before = store.trusted_values("0", lc.STAT, 64)
+    assert before is not None
+    with checker_running(store, spec, job_dir):
+        outs = []
+        for i in range(24):
+            unit = f"p{i}"
+            store.register_unit(unit, {**store.unit_info("u0"), "shard": i % 4}, 1)
+            # a uniform value v moves the numpy loss from 1 to (v - 1)^2: just under the bound
+            v = 1.0 - float(np.sqrt(1.0 + 0.95 * max(before, 0.0)))
+            outs.append(deliver(store, spec, unit, result(tmp_path, store, fp, unit, v)))
+    assert lc.bound_of(store, spec, "0", 1) == before
+    assert store.trusted_values("0", lc.STAT, 64) == trusted_before
+    assert {o.status for o in outs} <= {"merged", "rejected"} and any(o.status == "merged" for o in outs)
