@@ -43,11 +43,18 @@ import csv
 import itertools
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from boinc_dl.server.planner.boinc_times import BoincTimes
+from boinc_dl.server.planner.contention import (
+    ALONE_BELOW,
+    MIN_CROWDED,
+    Contention,
+    fit_contention,
+    mean_concurrency,
+)
 
 MAX_ROWS = 1_000_000  # a units.csv is ours, but bound what we read all the same
 MAX_BYTES = 256 << 20
@@ -78,6 +85,8 @@ class Calibration:
     eval_s: float = 0.0  # the generator's evaluation of the server weights when it closes an epoch
     first_eval_extra_s: float = 0.0  # ... and the extra of the first one (it loads the model)
     boinc: BoincTimes | None = None  # a BOINC job's host side, from BOINC's result table
+    #: CPU per unit as a function of the units running at once (g = 0: not calibrated)
+    contention: Contention = field(default_factory=Contention)
 
     @property
     def host_overhead_s(self) -> float:
@@ -101,7 +110,8 @@ class Calibration:
                 f"{self.first_step_s:.3f} s first step + "
                 f"{self.compute_per_example_s * 1e6:.1f} us/example x {self.examples_per_unit:,.0f} examples = "
                 f"{self.unit_compute_s(self.examples_per_unit):.3f} s + {self.overhead_s:.3f} s overhead per unit "
-                f"({'CPU' if self.cpu_clock else 'wall'} time; median unit wall {self.wall_s:.3f} s as run); {srv}{ev}")
+                f"({'CPU' if self.cpu_clock else 'wall'} time; median unit wall {self.wall_s:.3f} s as run); {srv}{ev}; "
+                f"{self.contention.describe()}")
 
 
 def _float(v: Any, hi: float = 1e7) -> float | None:
@@ -175,9 +185,10 @@ def read_calibrations(paths: Sequence[Path | str]) -> Calibration:
         raise CalibrationError("no run to calibrate from")
     rows: list[dict[str, str]] = []
     evals: list[tuple[float, float]] = []
-    for path in paths:
+    for i, path in enumerate(paths):
         p = units_csv_path(path)
-        rows += itertools.islice(_rows(p), MAX_ROWS - len(rows))
+        # Tagged with their run: concurrency is counted within one run.
+        rows += ({**r, "_run": str(i)} for r in itertools.islice(_rows(p), MAX_ROWS - len(rows)))
         evals.append(_epoch_evals(p.parent / "epochs.csv"))
     timed = [e for e in evals if e != (0.0, 0.0)] or [(0.0, 0.0)]
     return calibration_from_rows(rows, f"{len(paths)} runs ({', '.join(str(x) for x in paths)})",
@@ -195,60 +206,123 @@ def calibration_from_rows(rows: Iterable[Mapping[str, Any]], source: str, eval_s
     """Calibrate from a job's per-unit merge records: the rows of its ``units.csv``
     (strings), or the same records read from the job's store (numbers; a BOINC job's,
     ``server.run.outputs.collect_history``). ``eval_s`` and ``first_eval_extra_s`` are
-    the epoch closes' evaluation (:func:`epoch_evals`). At most ``MAX_ROWS`` rows are read."""
-    per_ex, over, train, wall, examples = [], [], [], [], []
-    merge, commit, validate, first = [], [], [], []
-    timed: list[tuple[float, float]] = []  # (merge time, unit wall) to find the first unit
-    cpu_rows = 0
-    for row in itertools.islice(rows, MAX_ROWS):
-        if row.get("failed"):
-            continue
-        g = {k: _float(row.get(k)) for k in ("train_s", "wall_s", "train_cpu_s", "cpu_s", "examples_seen",
-                                             "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s",
-                                             "first_step_cpu_s")}
-        if g["train_s"] is None or g["wall_s"] is None or g["wall_s"] < g["train_s"]:
-            continue
-        train.append(g["train_s"])
-        wall.append(g["wall_s"])
-        t_merge = _float(row.get("t"), 1e12)  # a Unix time
-        if t_merge is not None:
-            timed.append((t_merge, g["wall_s"]))
-        ex = g["examples_seen"]
-        # CPU seconds where recorded (they do not stretch when cores are shared), never
-        # more than the wall time they were measured in (a multi-threaded slot).
-        if g["train_cpu_s"] is not None and g["cpu_s"] is not None:
-            cpu_rows += 1
-            t = min(g["train_cpu_s"], g["train_s"]) if g["train_cpu_s"] > 0 else g["train_s"]
-            f0 = g["first_step_cpu_s"]
-            if f0 is not None and 0 < f0 <= t:  # the first step apart: per unit, not per example
-                first.append(f0)
-                t -= f0
-            over.append(max(0.0, min(g["cpu_s"], g["wall_s"]) - min(g["train_cpu_s"], g["cpu_s"])))
-        else:
-            t = g["train_s"]
-            over.append(g["wall_s"] - g["train_s"])
-        if ex:
-            per_ex.append(t / ex)
-            examples.append(ex)
-        v = g["validate_cpu_s"] if g["validate_cpu_s"] is not None else g["validate_s"]
-        m = g["merge_cpu_s"]
-        if m is None and g["merge_s"] is not None:  # wall time: its Redis waits are commit_s's
-            m = max(0.0, g["merge_s"] - (g["commit_s"] or 0.0))
-        if v is not None and m is not None:
-            validate.append(v)
-            merge.append(v + m)
-        if g["commit_s"] is not None:
-            commit.append(g["commit_s"])
-    if not train:
+    the epoch closes' evaluation (:func:`epoch_evals`). At most ``MAX_ROWS`` rows are read.
+
+    The per-unit costs come from the units that ran alone (mean concurrency under
+    ``ALONE_BELOW``: a 1-slot run's), where there are at least three; the units that ran
+    beside others then calibrate the contention term (:mod:`.contention`). Rows may carry
+    ``_run`` (which pooled run they came from): concurrency is counted within a run and
+    a host only."""
+    units = [u for u in (_unit(r) for r in itertools.islice(rows, MAX_ROWS)) if u is not None]
+    if not units:
         raise CalibrationError(f"{source}: no merged unit with recorded train_s and wall_s: nothing to calibrate from")
+    _set_concurrency(units)
+    alone = [u for u in units if u.running is not None and u.running < ALONE_BELOW]
+    base = alone if len(alone) >= MIN_CROWDED else units
+    per_ex = [u.per_ex for u in base if u.per_ex is not None]
     if not per_ex:
         raise CalibrationError(f"{source}: no merged unit says how many examples it trained on (examples_seen)")
-    first_extra = max(0.0, min(timed)[1] - statistics.median(wall)) if len(timed) > 1 else 0.0
-    return Calibration(source, len(train), statistics.median(per_ex), statistics.median(over),
-                       statistics.median(train), statistics.median(wall), statistics.median(examples),
-                       _median(merge), _median(commit), _median(validate), cpu_rows * 2 > len(train),
-                       statistics.median(first) if len(first) * 2 > len(train) else 0.0,
-                       first_extra, eval_s, first_eval_extra_s)
+    first = [u.first for u in base if u.first is not None]
+    timed = [(u.t_merge, u.wall) for u in base if u.t_merge is not None]
+    wall = statistics.median(u.wall for u in base)
+    first_extra = max(0.0, min(timed)[1] - wall) if len(timed) > 1 else 0.0
+    cal = Calibration(source, len(units), statistics.median(per_ex), statistics.median(u.over for u in base),
+                      statistics.median(u.train for u in base), wall,
+                      statistics.median(u.examples for u in base if u.examples),
+                      _median([u.merge for u in base if u.merge is not None]),
+                      _median([u.commit for u in base if u.commit is not None]),
+                      _median([u.validate for u in base if u.validate is not None]),
+                      sum(u.cpu is not None for u in units) * 2 > len(units),
+                      statistics.median(first) if len(first) * 2 > len(base) else 0.0,
+                      first_extra, eval_s, first_eval_extra_s)
+    return replace(cal, contention=_fit(cal, units, base is alone))
+
+
+@dataclass
+class _Unit:
+    """One merged unit's numbers, as the calibration uses them."""
+
+    train: float
+    wall: float
+    over: float  # CPU (else wall) seconds outside the training steps
+    per_ex: float | None  # training CPU (else wall) seconds per example, the first step apart
+    examples: float | None
+    first: float | None  # CPU of the first training step
+    cpu: float | None  # CPU seconds of the whole unit (at most its wall time)
+    merge: float | None
+    validate: float | None
+    commit: float | None
+    t_merge: float | None  # when it merged (a Unix time)
+    end_lag: float  # validation + merge wall time: the client finished this long before t_merge
+    group: tuple[str, str]  # (run, host): concurrency is counted within one
+    running: float | None = None  # units running at once during it, time-averaged (itself included)
+
+
+def _unit(row: Mapping[str, Any]) -> _Unit | None:
+    """A merged unit of a row, or None (a failed unit, no durations)."""
+    if row.get("failed"):
+        return None
+    g = {k: _float(row.get(k)) for k in ("train_s", "wall_s", "train_cpu_s", "cpu_s", "examples_seen",
+                                         "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s",
+                                         "first_step_cpu_s")}
+    if g["train_s"] is None or g["wall_s"] is None or g["wall_s"] < g["train_s"]:
+        return None
+    ex = g["examples_seen"]
+    first = cpu = None
+    # CPU seconds where recorded (they do not stretch when cores are shared), never
+    # more than the wall time they were measured in (a multi-threaded slot).
+    if g["train_cpu_s"] is not None and g["cpu_s"] is not None:
+        t = min(g["train_cpu_s"], g["train_s"]) if g["train_cpu_s"] > 0 else g["train_s"]
+        f0 = g["first_step_cpu_s"]
+        if f0 is not None and 0 < f0 <= t:  # the first step apart: per unit, not per example
+            first = f0
+            t -= f0
+        over = max(0.0, min(g["cpu_s"], g["wall_s"]) - min(g["train_cpu_s"], g["cpu_s"]))
+        cpu = min(g["cpu_s"], g["wall_s"])
+    else:
+        t = g["train_s"]
+        over = g["wall_s"] - g["train_s"]
+    v = g["validate_cpu_s"] if g["validate_cpu_s"] is not None else g["validate_s"]
+    m = g["merge_cpu_s"]
+    if m is None and g["merge_s"] is not None:  # wall time: its Redis waits are commit_s's
+        m = max(0.0, g["merge_s"] - (g["commit_s"] or 0.0))
+    both = v is not None and m is not None
+    return _Unit(g["train_s"], g["wall_s"], over, t / ex if ex else None, ex or None, first, cpu,
+                 (v or 0.0) + (m or 0.0) if both else None, v if both else None, g["commit_s"],
+                 _float(row.get("t"), 1e12), (g["validate_s"] or 0.0) + (g["merge_s"] or 0.0),
+                 (str(row.get("_run", "")), str(row.get("host", ""))[:200]))
+
+
+def _set_concurrency(units: list[_Unit]) -> None:
+    """Each unit's time-averaged count of units running at once, within its run and host:
+    its client interval is the wall time that ended when its validation began."""
+    groups: dict[tuple[str, str], list[_Unit]] = {}
+    for u in units:
+        groups.setdefault(u.group, []).append(u)
+    for us in groups.values():
+        ivs = [(u.t_merge - u.end_lag - u.wall, u.t_merge - u.end_lag) if u.t_merge is not None else None
+               for u in us]
+        for u, k in zip(us, mean_concurrency(ivs), strict=True):
+            u.running = k
+
+
+def _fit(cal: Calibration, units: list[_Unit], from_alone: bool) -> Contention:
+    """The contention term: each crowded unit's CPU against what its size costs alone.
+    A slot's first unit (it traces the model: a first step ~5x the others') is left out."""
+    if not from_alone:
+        return Contention(note="no units that ran alone to compare with (calibrate from a 1-slot run "
+                               "too): contention not modelled (g = 0)")
+    typical_first = cal.first_step_s or None
+    samples = []
+    for u in units:
+        if u.running is None or u.cpu is None or u.examples is None:
+            continue
+        if typical_first and u.first is not None and u.first > 2.5 * typical_first:
+            continue
+        alone = cal.unit_compute_s(u.examples) + cal.overhead_s
+        if alone > 0:
+            samples.append((u.running, u.cpu / alone))
+    return fit_contention(samples)
 
 
 def _epoch_evals(p: Path) -> tuple[float, float]:
