@@ -135,7 +135,7 @@ def local_model(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epo
                         cpu_cores=machine.cores, merge_shared_s=merge * SHARED_MERGE_RATIO, colocated=True,
                         commit_s=cal.commit_s or 0.0, background=machine.background,
                         epoch_close_s=cal.eval_s, first_close_extra_s=cal.first_eval_extra_s,
-                        first_unit_extra_s=cal.first_unit_extra_s)
+                        first_unit_extra_s=cal.first_unit_extra_s, contention=cal.contention.g)
     # The whole unit is CPU work on the shared cores (stage_s, colocated): nothing of it a delay.
     host = HostType("this machine", unit_s=0.0, cores=1 << 20, bandwidth_mbps=1e15)
     cfg = Config(((host, cand.workers),), cand.slots, cand.assimilators, window=window, timeout_s=timeout_s)
@@ -145,9 +145,11 @@ def local_model(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epo
 def bound_of(cfg: Config, costs: ServerCosts) -> str:
     """What limits the rate: the slots, the shared cores (mostly the clients' CPU), or the
     parameter servers (P merges, Redis' one commit at a time)."""
-    slots = cfg.total_slots / (costs.stage_s + costs.dispatch_s)
+    # Every slot busy: each unit's CPU stretched by the contention of all of them.
+    stage = costs.stage_s * (1 + costs.contention * (cfg.total_slots - 1))
+    slots = cfg.total_slots / (stage + costs.dispatch_s)
     m = costs.merge_cpu_s(cfg.assimilators)
-    cores = max(0.1, (costs.cpu_cores or 1) - costs.background) / (costs.stage_s + m + costs.commit_s)
+    cores = max(0.1, (costs.cpu_cores or 1) - costs.background) / (stage + m + costs.commit_s)
     servers = min(cfg.assimilators / (m + costs.commit_s), 1 / costs.commit_s if costs.commit_s > 0 else math.inf)
     if servers < min(slots, cores):
         return "servers"

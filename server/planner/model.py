@@ -150,6 +150,9 @@ class ServerCosts:
     #: Simulation only: CPU seconds a slot's first unit spends on top of the others
     #: (it traces the model).
     first_unit_extra_s: float = 0.0
+    #: Simulation only, colocated slots: g of the contention term: while k units run at
+    #: once, each needs 1 + g (k - 1) times its CPU seconds (server/planner/contention.py).
+    contention: float = 0.0
 
     def speedup(self, p: int) -> float:
         if self.sharing:

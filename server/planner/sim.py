@@ -18,7 +18,9 @@ backend and BOINC alike):
   creation of each unit (``create_s``) is CPU work there too, one unit at a time;
 * preemption: a unit's first instance is lost with its host type's probability, at a
   uniform 10-90% of its run; the slot is out for ``respawn_s`` and the unit is re-issued
-  at its deadline (dispatch + t_o), or ``notice_s`` after the loss with notices.
+  at its deadline (dispatch + t_o), or ``notice_s`` after the loss with notices;
+* contention (``ServerCosts.contention``, colocated slots): while k units run at once
+  each needs ``1 + g (k - 1)`` times its CPU seconds (:mod:`.contention`).
 
 Random parts (server choice, losses) are averaged over ``reps`` seeded runs.
 """
@@ -66,6 +68,7 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     m = costs.merge_cpu_s(cfg.assimilators) if sharing else merge_service_s(cfg, costs)
     cores = float(costs.cpu_cores or 1.0)
     background = costs.background if sharing else 0.0  # other work's busy threads on the cores
+    contention = costs.contention if sharing and costs.colocated else 0.0
     window = min(cfg.window or cfg.total_slots, cfg.total_slots)
     n_s = w.units
     free = [True] * len(slot_host)
@@ -223,13 +226,17 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
     dispatch(0.0)
     while events or cpu:
         rate = min(1.0, cores / (len(cpu) + background)) if cpu else 1.0
-        t_cpu = now + min(j[0] for j in cpu) / rate if cpu else float("inf")
+        # Contention: k units running at once each need f(k) = 1 + g (k - 1) times their
+        # CPU seconds alone, so their work advances 1 / f(k) as fast as the rest.
+        running = sum(j[1] == "stage" for j in cpu) if contention > 0 else 0
+        unit_rate = rate / (1.0 + contention * (running - 1)) if running > 1 else rate
+        t_cpu = now + min(j[0] / (unit_rate if j[1] == "stage" else rate) for j in cpu) if cpu else float("inf")
         if events and events[0][0] <= t_cpu:
             t_next, _, kind, unit, slot = heapq.heappop(events)
         else:
             t_next, kind, unit, slot = t_cpu, "cpu", -1, -1
         for j in cpu:  # processor sharing: every CPU activity advanced at the same rate
-            j[0] -= (t_next - now) * rate
+            j[0] -= (t_next - now) * (unit_rate if j[1] == "stage" else rate)
         now = t_next
         if kind == "cpu":
             for j in [j for j in cpu if j[0] <= 1e-12]:
