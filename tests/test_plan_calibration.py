@@ -112,8 +112,14 @@ def test_plan_with_no_fleet_and_no_past_run_calibrates_here(past_run):
     work, _ = past_run
     out = boinc_dl("plan", "spec.yaml", cwd=work, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "calibrating: two epochs" in out.stdout
-    assert "calibration: 8 merged units of a calibration run here" in out.stdout.replace("\n", " ")
+    text = " ".join(out.stdout.split())
+    assert re.search(r"calibrating: two epochs of the spec's real units on this host \(1 slot, then (\d+) slots\)",
+                     text), text
+    # Two runs pooled: 1 slot (8 units), then 2 x cores slots (two units per slot and epoch),
+    # which calibrates the contention term.
+    m = re.search(r"calibration: (\d+) merged units of the calibration runs here \(1 slot, (\d+) slots\)", text)
+    assert m and int(m.group(1)) == 8 + 4 * int(m.group(2)), text
+    assert "contention g = " in text, text
     assert "recommended (*)" in out.stdout
 
 

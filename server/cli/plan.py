@@ -38,31 +38,40 @@ def _dataset_size(spec) -> int:
     return len(load_dataset(spec.dataset, spec.seed).x_train)  # nosec B615 - boinc-dl's own loader
 
 
-def calibration_run(spec, spec_file: Path):
+def calibration_run(spec, spec_file: Path, crowd_slots: int = 0):
     """Run two epochs of the spec's real units on this host (1 worker, 1 slot, 1
     assimilator, the real client app) and calibrate from its units.csv: the run's
-    recorded durations calibrate the plan, as a past run's would."""
+    recorded durations calibrate the plan, as a past run's would. With ``crowd_slots``
+    > 1, a second short run of 1 worker x that many slots (two units per slot and epoch)
+    is pooled with it: it calibrates the contention term (a unit's CPU seconds grow with
+    the units running beside it, docs/planner.md)."""
     import io
     from dataclasses import replace
 
     from rich.console import Console
 
     from boinc_dl.server.common.spec import parse_spec
-    from boinc_dl.server.planner.calibrate import read_calibration
+    from boinc_dl.server.planner.calibrate import read_calibrations
     from boinc_dl.server.run.job import run_job
 
-    data = spec.model_dump()
-    data["training"]["epochs"] = 2  # the second epoch's close is a steady evaluation
-    data["backend"]["kind"] = "local"
-    data["backend"]["local"].update(workers=1, slots=1, assimilators=1, preempt_prob=0.0)
-    data["name"] = f"{spec.name}-calibration"
-    cal = parse_spec(data, base_dir=spec_file.parent)
+    shapes = [(1, None)] + ([(crowd_slots, 2 * crowd_slots)] if crowd_slots > 1 else [])
     with tempfile.TemporaryDirectory(prefix="bdl-plan-cal-") as tmp:
-        # The real run path (private Redis, the local backend, the report files), quiet.
-        run_job(cal, Path(tmp) / "run", console=Console(file=io.StringIO()), live=False,
-                search_path=spec_file.parent)
-        out = read_calibration(Path(tmp) / "run")
-    return replace(out, source="a calibration run here")
+        dirs = []
+        for slots, units in shapes:
+            data = spec.model_dump()
+            data["training"]["epochs"] = 2  # the second epoch's close is a steady evaluation
+            data["backend"]["kind"] = "local"
+            data["backend"]["local"].update(workers=1, slots=slots, assimilators=1, preempt_prob=0.0)
+            if units is not None:
+                data["vcasgd"]["n_subsets"] = units
+            data["name"] = f"{spec.name}-calibration" + (f"-{slots}" if slots > 1 else "")
+            cal = parse_spec(data, base_dir=spec_file.parent)
+            dirs.append(Path(tmp) / f"run-{slots}")
+            # The real run path (private Redis, the local backend, the report files), quiet.
+            run_job(cal, dirs[-1], console=Console(file=io.StringIO()), live=False, search_path=spec_file.parent)
+        out = read_calibrations(dirs)
+    return replace(out, source="the calibration run" + (f"s here (1 slot, {crowd_slots} slots)" if len(dirs) > 1
+                                                         else " here"))
 
 
 def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
@@ -96,7 +105,7 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
     from boinc_dl.server.fleet.config import load_planner_fleet
     from boinc_dl.server.planner.calibrate import CalibrationError, read_calibrations
     from boinc_dl.server.planner.fleetfile import FleetFileError
-    from boinc_dl.server.planner.local import EXPECTED_ERROR_FLEET, fmt_s
+    from boinc_dl.server.planner.local import EXPECTED_ERROR_FLEET, fmt_s, this_machine
     from boinc_dl.server.planner.model import Workload
     from boinc_dl.server.planner.plot import plot_plan
     from boinc_dl.server.planner.prices import DEFAULT_TABLE, PriceError, TablePriceBook
@@ -133,9 +142,14 @@ def plan(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")],
         if project is not None:
             cal = boinc_calibration(project, job or spec.name, sources)
         elif not sources and needs_unit:
-            console.print("calibrating: two epochs of the spec's real units on this host (1 slot); "
-                          "--calibrate RUN_DIR reuses a past run instead")
-            cal = calibration_run(spec, spec_file)
+            # The local plan's contention term: a second run at 2 x cores slots (at most 8,
+            # and what the memory holds: each slot is a TensorFlow process).
+            here = this_machine()
+            crowd = 0 if ff is not None else min(2 * here.cores, here.max_slots(), 8)
+            console.print("calibrating: two epochs of the spec's real units on this host (1 slot"
+                          + (f", then {crowd} slots" if crowd else "") + "); --calibrate RUN_DIR reuses past runs "
+                          "instead")
+            cal = calibration_run(spec, spec_file, crowd)
         elif sources:
             cal = read_calibrations(sources)
         if cal is not None:
