@@ -38,7 +38,13 @@ the fleet model with a planner-only fleet file for this machine (``--fleet``).
 
 ``--cal-runs K`` calibrates each model size from K 1-slot runs pooled (``boinc-dl plan
 --calibrate RUN1 --calibrate RUN2 ...``) and also scores the plan calibrated from the
-first of them alone (``local1``) against the same measurements.
+first of them alone (``local1``) against the same measurements. ``--cal-crowd-slots N``
+(default 2 x cores, as docs/planner.md tells a user) adds one run of 1 worker x N slots
+per model size to the pool: it calibrates the contention term (a unit's CPU seconds grow
+with the units running beside it); the plan from the 1-slot runs alone (g = 0, the model
+before it) is scored too (``flat``). Each configuration's report has the other work
+sampled before it (what the plan knew) and measured during it (the machine's busy CPU
+less the run's own, over its wall time).
 
 ``--combine DIR DIR ...`` reports several ``--keep`` invocations of one seed as repeats
 (each invocation short enough to run alone). With ``--repeats R`` each configuration is measured R times (in rounds: all once, then
@@ -311,14 +317,91 @@ def _gen_run(work: Path, label: str, c: dict, epochs: int) -> dict:
     run_dir = work / label
     exe = Path(sys.executable).parent / "boinc-dl"
     t0 = time.time()
-    out = subprocess.run(["nice", str(exe), "run", str(spec), "--run-dir", str(run_dir), "-q"], cwd=work,
-                         capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    busy0 = _busy_cpu_s()
+    proc = subprocess.Popen(["nice", str(exe), "run", str(spec), "--run-dir", str(run_dir), "-q"], cwd=work,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    tree = _TreeCpu(proc.pid)
+    tree.start()
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        tree.stop()
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if out.returncode != 0:
         raise RuntimeError(f"{label}: boinc-dl run failed: {out.stderr[-2000:]}")
+    wall = time.time() - t0
+    # Other work during the run: the machine's busy CPU seconds less the run's own (every
+    # process of its tree, sampled while alive), over the run's wall time. Not what the plan
+    # knew (it samples 1 s before): what the run met.
+    other = max(0.0, (_busy_cpu_s() - busy0) - tree.cpu_s()) / wall if wall > 0 else 0.0
     summ = json.loads((run_dir / "summary.json").read_text())
     return {"run_dir": run_dir, "epoch_s": float(summ["planner"]["actual_epoch_s"]),
-            "after_the_fact_s": float(summ["planner"]["predicted_epoch_s"]), "wall_s": time.time() - t0}
+            "after_the_fact_s": float(summ["planner"]["predicted_epoch_s"]), "wall_s": wall,
+            "background_during": other}
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds this machine has been busy (all cores, /proc/stat: not idle or iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            parts = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(parts[:7]) - parts[3] - parts[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class _TreeCpu:
+    """CPU seconds of a process and all its descendants, sampled from /proc every 0.2 s
+    while they live (the last seen value of each; one that lives under 0.2 s is missed).
+    Reaped-children rusage is not enough: slot processes that are killed and left to
+    init at the run's exit are never reaped by it (measured: 0.7-0.9 cores "other" on a
+    quiet machine that way)."""
+
+    def __init__(self, root: int) -> None:
+        import threading
+
+        self.root, self.seen, self.known = root, {}, {root}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        tck = os.sysconf("SC_CLK_TCK")
+        parent: dict[int, int] = {}
+        cpu: dict[int, float] = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parent[int(d)] = int(rest[1])
+            cpu[int(d)] = (int(rest[11]) + int(rest[12])) / tck  # utime + stime
+        grew = True
+        while grew:  # the tree: known processes and their children, transitively
+            new = {p for p, pp in parent.items() if pp in self.known and p not in self.known}
+            self.known |= new
+            grew = bool(new)
+        for p in self.known:
+            if p in cpu:
+                self.seen[p] = max(self.seen.get(p, 0.0), cpu[p])
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._sample()
+
+    def start(self) -> None:
+        self._sample()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_s(self) -> float:
+        return sum(self.seen.values())
 
 
 def main_generated(args: argparse.Namespace) -> None:
@@ -336,7 +419,7 @@ def main_generated(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bdl-plan-gen-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        cals, cals1 = {}, {}
+        cals, cals1, flats = {}, {}, {}
         for h in sorted({c["hidden"] for c in configs}):
             # The calibration run: 1 worker x --cal-slots slots, P = 1, 4 units per epoch.
             cal_cfg = {"hidden": h, "workers": 1, "slots": args.cal_slots, "assimilators": 1, "units": 4}
@@ -364,7 +447,20 @@ def main_generated(args: argparse.Namespace) -> None:
                      commit_ms=round((one.commit_s or 0) * 1e3, 3), eval_s=round(one.eval_s, 3),
                      median_unit_wall_s=round(one.wall_s, 3), measured_epoch_s=m["epoch_s"])
             cals1[h] = read_calibration(dirs[0])
+            flats[h] = read_calibrations(dirs)  # the 1-slot runs pooled: no contention term (g = 0)
+            if args.cal_crowd_slots > 1:
+                # The contention run docs/planner.md asks for: 1 worker x 2 x cores slots,
+                # two units per slot and epoch (each slot's first unit traces the model and
+                # is left out of the fit).
+                n = args.cal_crowd_slots
+                crowd = {"hidden": h, "workers": 1, "slots": n, "assimilators": 1, "units": 2 * n}
+                time.sleep(3.0)
+                m = _gen_run(work, f"cal-crowd{n}-h{h}", crowd, 2)
+                dirs.append(m["run_dir"])
             cals[h] = read_calibrations(dirs)  # `--calibrate RUN1 --calibrate RUN2 ...`: pooled
+            emit("planner_gen_contention", hidden=h, runs=len(dirs), g=round(cals[h].contention.g, 4),
+                 units=cals[h].contention.units, max_running=round(cals[h].contention.max_running, 2),
+                 note=cals[h].contention.describe())
         for i, c in enumerate(configs):
             label = f"g{i:02d}-h{c['hidden']}-C{c['workers']}T{c['slots']}P{c['assimilators']}-u{c['units']}"
             cal = cals[c["hidden"]]
@@ -379,6 +475,8 @@ def main_generated(args: argparse.Namespace) -> None:
                             local_epochs=local_epochs, timeout_s=60.0)
             local1 = predict(cals1[c["hidden"]], cand, replace(machine_, background=busy), epochs=args.epochs,
                              params=params, n_train=n_train, local_epochs=local_epochs, timeout_s=60.0)
+            flat = predict(flats[c["hidden"]], cand, replace(machine_, background=busy), epochs=args.epochs,
+                           params=params, n_train=n_train, local_epochs=local_epochs, timeout_s=60.0)
             # The fleet model with a planner-only fleet file for this machine (the issue's path).
             ff = parse_fleet({"types": {"c6i.xlarge": {"speed": 1.0, "cores": machine_.cores, "max_count": 3,
                                                  "preempt_p": 0.0, "bandwidth_mbps": 1e6}},
@@ -395,6 +493,7 @@ def main_generated(args: argparse.Namespace) -> None:
             m = _gen_run(work, label, c, args.epochs)  # predicted first, then measured
             rows.append({"label": label, **c, "local_s": round(local.pred.epoch_s, 3), "local_bound": local.bound,
                          **({"local1_s": round(local1.pred.epoch_s, 3)} if args.cal_runs > 1 else {}),
+                         **({"flat_s": round(flat.pred.epoch_s, 3)} if args.cal_crowd_slots > 1 else {}),
                          "fleet_s": round(fleet.epoch_s, 3), "background": round(busy, 2), "runs": [m]})
         # Repeats in rounds (every configuration once, then again), so that a slow drift
         # of the machine shows in each configuration's spread.
@@ -409,7 +508,8 @@ def main_generated(args: argparse.Namespace) -> None:
                        spread=round((max(ts) - min(ts)) / meas_s, 4),
                        local_err=round(row["local_s"] / meas_s - 1, 3), fleet_err=round(row["fleet_s"] / meas_s - 1, 3),
                        after_the_fact_err=round(statistics.median(m["after_the_fact_s"] for m in runs) / meas_s - 1, 3),
-                       run_wall_s=round(runs[0]["wall_s"], 1), load=round(os.getloadavg()[0], 2))
+                       run_wall_s=round(runs[0]["wall_s"], 1), load=round(os.getloadavg()[0], 2),
+                       background_during=round(statistics.median(m["background_during"] for m in runs), 2))
             emit("planner_gen_case", **row)
     if args.keep:  # for --combine: this invocation's predictions and measurements
         import json
@@ -434,7 +534,8 @@ def report_generated(rows: list[dict], args: argparse.Namespace, wall_s: float) 
         return abs(meas[i] - meas[j]) > tie * min(meas[i], meas[j])
 
     summary = {}
-    for key in ("local", "fleet", *(("local1",) if all("local1_s" in r for r in rows) else ())):
+    for key in ("local", "fleet", *(("local1",) if all("local1_s" in r for r in rows) else ()),
+                *(("flat",) if all("flat_s" in r for r in rows) else ())):
         pred = [r[f"{key}_s"] for r in rows]
         mape = statistics.fmean(abs(p / m - 1) for p, m in zip(pred, meas, strict=True))
         pairs = [(i, j) for i, j in itertools.combinations(range(len(rows)), 2) if beyond(i, j)]
@@ -452,14 +553,17 @@ def report_generated(rows: list[dict], args: argparse.Namespace, wall_s: float) 
          max_spread=round(max(r["spread"] for r in rows), 4),
          local=summary["local"], fleet=summary["fleet"],
          **({"local_first_calibration_only": summary["local1"]} if "local1" in summary else {}),
+         **({"local_without_contention": summary["flat"]} if "flat" in summary else {}),
          after_the_fact_mape=round(att, 4),
          bench_wall_s=round(wall_s, 1), load=os.getloadavg(), **machine())
     print(f"{'configuration':36s} {'measured':>9s} {'spread':>7s} {'local plan':>11s} {'err':>6s} "
-          f"{'fleet model':>11s} {'err':>6s}")
+          f"{'fleet model':>11s} {'err':>6s} {'bg before':>9s} {'during':>6s}")
     for r in rows:
-        first = f"   first calibration alone {r['local1_s']:.3f}s" if "local1_s" in r else ""
+        first = f"   first calibration alone {r['local1_s'] / r['measured_s'] - 1:+.0%}" if "local1_s" in r else ""
+        flat = f"   without contention {r['flat_s'] / r['measured_s'] - 1:+.0%}" if "flat_s" in r else ""
         print(f"{r['label']:36s} {r['measured_s']:8.3f}s {r['spread']:7.1%} {r['local_s']:10.3f}s "
-              f"{r['local_err']:+6.0%} {r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%}{first}")
+              f"{r['local_err']:+6.0%} {r['fleet_s']:10.3f}s {r['fleet_err']:+6.0%} {r['background']:9.2f} "
+              f"{r.get('background_during', float('nan')):6.2f}{flat}{first}")
     for key, v in summary.items():
         print(f"{key}: MAPE {v['mape']:.1%}, Spearman {v['spearman']}, {v['pairs_ordered']} of "
               f"{v['pairs_beyond_noise']} pairs beyond noise ordered ({v['pairs_ordered_10pct']} of "
@@ -498,6 +602,10 @@ def main() -> None:
     ap.add_argument("--cal-slots", type=int, default=1, help="--generated: slots of the calibration runs (1 worker)")
     ap.add_argument("--cal-runs", type=int, default=1, help="--generated: calibration runs per model size, pooled "
                     "(the first one's plan alone is scored too, as local1)")
+    ap.add_argument("--cal-crowd-slots", type=int, default=2 * (os.cpu_count() or 1),
+                    help="--generated: slots of the one contention calibration run per model size, pooled with "
+                    "the 1-slot runs (docs/planner.md; default 2 x cores; 1: none, the plan without contention "
+                    "is then all)")
     ap.add_argument("--keep", default="", help="--generated: keep the runs (specs, run directories) in this directory")
     ap.add_argument("--combine", nargs="+", default=[], help="instead: report --keep directories of the same "
                     "--generated seed as repeats (the first one's predictions, the median measured)")
