@@ -166,26 +166,21 @@ seed: 3
 
 def test_installed_cli_plans_with_contention_from_two_runs(tmp_path):
     """``boinc-dl plan SPEC --calibrate RUN1 --calibrate RUN2``, a 1-slot and a 4-slot
-    run: the calibration line gives g and the 1-slot run's unit costs, and the spec's 4
-    slots on this machine are planned slower than from the 1-slot run alone (by up to
-    1 + 3 g where its cores are the bound; the test machine may have more of them)."""
+    run: the calibration line gives g and the 1-slot run's unit costs (not medians over
+    the crowded units, as pooling did before), and the plan is made. (How much slower the
+    plans of many slots become is checked in-process above: each plan samples the other
+    work on this machine, so two plans here are not comparable.)"""
     shutil.copy(ROOT / "examples" / "models.py", tmp_path / "models.py")
     (tmp_path / "spec.yaml").write_text(SPEC)
     write_run(tmp_path / "one", 1, 0.1)
     write_run(tmp_path / "four", 4, 0.1, first_traces=True)
-
-    def own_epoch(text: str) -> float:
-        m = re.search(r"the spec's own \(2 workers x 2 slots, P=1, 12 units/epoch\): epoch (\d+\.\d+) s",
-                      " ".join(text.split()))
-        assert m, text
-        return float(m.group(1))
-
     both = boinc_dl("plan", "spec.yaml", "--calibrate", "one", "--calibrate", "four", cwd=tmp_path, timeout=300)
     assert both.returncode == 0, both.stdout + both.stderr
     text = " ".join(both.stdout.split())
-    assert "contention g = 0.100 per extra running unit (from 12 units" in text, text
-    assert "50.0 us/example" in text  # the 1-slot run's, not a median over the crowded units
+    assert ("contention g = 0.100 per extra running unit (from 12 units that ran beside up to 4.0 at once: "
+            "x1.10 at 2, x1.30 at 4, x1.50 at 6)") in text, text
+    assert "0.060 s first step + 50.0 us/example" in text and "+ 0.070 s overhead" in text, text
+    assert re.search(r"the spec's own \(2 workers x 2 slots, P=1, 12 units/epoch\): epoch \d+\.\d{3} s", text), text
     alone = boinc_dl("plan", "spec.yaml", "--calibrate", "one", cwd=tmp_path, timeout=300)
     assert alone.returncode == 0, alone.stdout + alone.stderr
     assert "a 1-slot calibration only: contention not modelled (g = 0)" in " ".join(alone.stdout.split())
-    assert own_epoch(both.stdout) > 1.05 * own_epoch(alone.stdout)
