@@ -375,7 +375,11 @@ def _plan_local(spec, cal, params: int, n_train: int, top: int) -> None:
     if mine is not None:
         console.print(f"the spec's own ({mine.cand.describe()}): epoch {fmt_s(mine.pred.epoch_s)} "
                       f"(bound by {mine.bound})")
-    console.print(f"expected error: about ±{EXPECTED_ERROR_LOCAL:.0%} of the pipeline's epoch time (the planner "
-                  "bench's MAPE on generated configurations it was not calibrated on, bench/README.md; the "
-                  "calibration run's CPU seconds and other work that changes during the run move it most); "
-                  "start-up (slots loading TensorFlow) is not in it")
+    console.print(f"expected error: about ±{EXPECTED_ERROR_LOCAL:.0%} of the pipeline's epoch time on a machine "
+                  "at rest (the planner bench's MAPE on generated configurations it was not calibrated on, "
+                  "bench/README.md); other work that starts or stops during the run moves it most (13-26% "
+                  "measured so), then the calibration runs' own CPU seconds (2-30% apart from one run to the "
+                  "next); start-up (slots loading TensorFlow) is not in it")
+    if cal.contention.units == 0 and max(p.cand.workers * p.cand.slots for p in plans) > 1:
+        console.print("contention not calibrated (g = 0): plans of many slots may be optimistic (measured 10-40% "
+                      "at 6 slots on 2 cores); add --calibrate with a run of 2 x cores slots (docs/planner.md)")
