@@ -29,7 +29,12 @@ clients are (a 1-slot calibration run, say) it is just the unit time.
   result (else their wall time); **commit** (``commit_s``): the median wait for Redis;
 * one-time and per-epoch costs of the pipeline: the first unit's extra wall time (a
   slot's first unit traces the model), and from ``epochs.csv`` beside it, the work
-  generator's evaluation when it closes an epoch (``eval_s``) and the first one's extra.
+  generator's evaluation when it closes an epoch (``eval_s``) and the first one's extra;
+* the **contention term** (:mod:`.contention`): each unit's time-averaged count of
+  units running beside it (from its wall interval, ending where its validation began),
+  and its CPU against what its size costs alone. The per-unit costs above come from the
+  units that ran alone (at least three of them: a 1-slot run's), so that pooling a run
+  of many slots calibrates ``g`` without inflating them.
 
 A ``units.csv`` written before these columns existed still gives the client side from
 ``train_s`` and ``wall_s``; its server side is then unknown (the model's estimate is used,
