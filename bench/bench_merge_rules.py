@@ -33,6 +33,7 @@ import argparse
 import heapq
 import math
 import os
+import random
 import sys
 import time
 from collections import deque
@@ -310,6 +311,11 @@ class Defence:
     observe_cos: bool = False    # record trusted cosines even when not checking (to warm a start)
     today_k: float = 10.0
     today_warmup: int = 10
+    # BOINC's adaptive replication for the attacker's host (single-attacker mode): its units
+    # are replicated by ``rules.HostReputation`` (all below 10 consecutive valid results,
+    # then a spot check with probability 1/count); a replicated attack disagrees with the
+    # honest replica and resets the count, and so does a refusal by a check.
+    reputation: bool = False
 
     @property
     def clips(self) -> bool:
@@ -337,6 +343,8 @@ class RunResult:
     attacker: int = 0
     attacker_accepted: int = 0
     attacker_to_drop: int | None = None  # single-attacker mode: accepted attacker results at -10 points
+    attacker_caught: int = 0    # reputation: attacks sent on units BOINC replicated (the replica disagreed)
+    attacker_honest: int = 0    # reputation: units the attacker computed honestly to regain trust
     mean_staleness: float = 0.0
     honest_cos: list[float] = field(default_factory=list)
     attack_cos: list[float] = field(default_factory=list)
@@ -396,6 +404,15 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     staleness_sum = 0
     now = 0.0
     nxt = 0
+    # The attacker's host under BOINC's adaptive replication. It starts trusted (it built
+    # its count on honest work before the attack: the worst case) and knows its count (a
+    # volunteer sees its results' validation on the project's pages): it attacks only while
+    # trusted, and computes honestly to regain trust after a reset.
+    reputation = R.HostReputation()
+    atk_host = "attacker"
+    reputation.counts[atk_host] = reputation.threshold
+    rep_draw = random.Random(seed * 7919 + 3)
+    roles: dict[int, str] = {}  # uid -> honest | attack | caught (replicated attack) | rebuild
 
     def is_attacker(uid: int) -> bool:
         if attack is None:
@@ -415,6 +432,13 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
             bases[version] = [ws.copy(), 0, None]
         bases[version][1] += 1
         atk = is_attacker(uid)
+        role = "attack" if atk else "honest"
+        if atk and defence.reputation:
+            if not reputation.trusted(atk_host):
+                role, atk = "rebuild", False  # honest work, replicated: regains trust
+            elif reputation.needs_replication(atk_host, rep_draw):
+                role, atk = "caught", False  # the workunit's canonical result is the honest replica's
+        roles[uid] = role
         info[uid] = (e, sh, version, atk)
         if not atk or attack.kind == "labelflip":  # type: ignore[union-attr]
             pending[uid] = None
@@ -488,6 +512,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
         if uid in pending:
             train_pending()
         del info[uid]
+        role = roles.pop(uid)
         wb = bases[bv][0]
         if atk:
             wc = craft(attack.kind, wb, uid, e)  # type: ignore[union-attr]
@@ -507,7 +532,8 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
         # honest result whose replica agrees is confirmed (trusted): its statistics feed
         # the trusted bounds whatever they are, and it skips the descent check. The
         # attackers' results are never replicated here (the worst case: trusted hosts).
-        replicated = not atk and (e <= defence.warm_epochs or rep_rng.random() < defence.replicate_p)
+        replicated = role in ("caught", "rebuild") or (
+            not atk and (e <= defence.warm_epochs or rep_rng.random() < defence.replicate_p))
         cos = None
         if (defence.descent or defence.observe_cos) and math.isfinite(dnorm):
             cos = R.descent_cosine_parts(grad_at(bv), wc, wb)
@@ -529,10 +555,20 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 loss_th.observe(dloss, R.trusted_observation(True, True), e)
         if atk:
             res.attacker += 1
-        else:
-            res.honest += 1
+            if defence.reputation and not accept:
+                reputation.record(atk_host, valid=False, replicated=False)  # refused for the host's work
+        elif role == "caught":
+            res.attacker += 1
+            res.attacker_caught += 1
+            reputation.record(atk_host, valid=False, replicated=True)
+        elif role == "rebuild":
+            res.attacker_honest += 1
+            reputation.record(atk_host, valid=True, replicated=True)
+        if not atk:
             honest_recent.append(wc - wb)
             honest_norms.append(dnorm)
+        if role == "honest":
+            res.honest += 1
             if not accept:
                 res.honest_rejected += 1
             elif scale < 1.0:
@@ -550,13 +586,13 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
         bases[bv][1] -= 1
         if bases[bv][1] == 0 and bv != version:
             del bases[bv]
-        if stop_drop is not None and atk:
+        if stop_drop is not None and role != "honest":
             acc = task.accuracy(ws)
             if acc <= start_acc - stop_drop:
                 res.attacker_to_drop = res.attacker_accepted
                 res.accs.append(acc)
                 break
-            if max_attacker is not None and res.attacker >= max_attacker:
+            if max_attacker is not None and res.attacker + res.attacker_honest >= max_attacker:
                 res.accs.append(acc)
                 break
         else:
@@ -697,7 +733,7 @@ def trained_flip_target(task: Task, tr: VecTrainer) -> np.ndarray:
     return tr.train([task.init()], [all_idx], [4242], [True])[0]
 
 
-def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, Any]:
+def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "") -> dict[str, Any]:
     """One patient attacker against a trained model: accepted attacker results needed to
     drop validation accuracy by 10 points (the issue measured 18-22 today)."""
     start = trained_start(task, tr, b.epochs)
@@ -706,7 +742,11 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, 
     print(f"\n{task.name}: one patient attacker from a trained model at {acc0:.4f}, D = 8 in flight, "
           f"32 subsets; attacker results accepted until -10 points (cap {cap} sent)")
     configs = [("paper", "today", "1:1"), ("paper", "today", "attacker only"),
-               (REC, "trusted", "1:1"), (REC, "trusted0", "1:1"), (REC, "trusted0", "attacker only")]
+               (REC, "trusted", "1:1"), (REC, "trusted0", "1:1"), (REC, "trusted0", "attacker only"),
+               (REC, "trusted0+rep", "attacker only")]
+    if only:  # e.g. "trusted0+rep" or "trusted0/attacker only": defence names, optionally /pattern
+        keep = [k.strip() for k in only.split(",") if k.strip()]
+        configs = [c for c in configs if any(k in (c[1], f"{c[1]}/{c[2]}") for k in keep)]
     rules = candidate_rules()
     out: dict[str, Any] = {}
     print(f"{'attack':10s} " + " ".join(f"{r + '+' + dk + ' ' + pat:>30s}" for r, dk, pat in configs))
@@ -726,16 +766,20 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int) -> dict[str, 
             lth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in lt.values]},  # type: ignore[union-attr]
                                                **{f: getattr(lt, f) for f in fields})
             r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=1,
-                         attack=Attack(attack, pattern=pattern), defence=Defence(dk),
+                         attack=Attack(attack, pattern=pattern),
+                         defence=Defence(dk.removesuffix("+rep"), reputation=dk.endswith("+rep")),
                          init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
                          today_window=start.today_window, flip_target=flip_target, cos_threshold=cth,
                          loss_threshold=lth)
             hit = r.attacker_to_drop
             txt = (f"{hit} of {r.attacker}" if hit is not None
                    else f">{r.attacker_accepted} acc. of {r.attacker} ({r.final - acc0:+.3f})")
+            if dk.endswith("+rep"):
+                txt += f" {r.attacker_caught}c/{r.attacker_honest}h"
             cells.append(txt)
             out[f"{task.name}|{attack}|{rname}|{dk}|{pat}"] = {
                 "accepted_to_drop_10": hit, "attacker_sent": r.attacker, "attacker_accepted": r.attacker_accepted,
+                "attacker_caught_by_replica": r.attacker_caught, "attacker_honest_units": r.attacker_honest,
                 "acc_change": r.final - acc0}
         print(f"{attack:10s} " + " ".join(f"{c:>30s}" for c in cells), flush=True)
     return out
@@ -819,6 +863,9 @@ def main() -> None:
     ap.add_argument("--sections", default="staleness,poison,single,cost")
     ap.add_argument("--single-cap", type=int, default=None,
                     help="attacker results sent at most, single attacker (default 300; quick: 100)")
+    ap.add_argument("--single-only", default="",
+                    help="single attacker: only these defences (comma list of e.g. trusted0+rep or "
+                         "'trusted0/attacker only')")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -858,7 +905,7 @@ def main() -> None:
         if "poison" in sections:
             result[f"{ds}_poison"] = poison_section(b, task, tr)
         if "single" in sections:
-            result[f"{ds}_single"] = single_section(b, task, tr, cap)
+            result[f"{ds}_single"] = single_section(b, task, tr, cap, args.single_only)
         print(f"[{ds}: {tr.units_trained} units trained in {tr.calls} batches, {tr.seconds:.0f} s of training]")
     if "cost" in sections:
         lat = latency_section()

@@ -217,6 +217,30 @@ def test_no_checker_means_retried_later_not_lost(job, tmp_path: Path) -> None:
     assert store.loss_queue_length() == 0 and not list(lc.spool_dir(job_dir).iterdir())
 
 
+def test_a_result_that_waited_is_merged_with_the_staleness_it_has_then(job, tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """Another result merged while this one waited for its verdict: the wait made it one
+    version staler, and the merge (its record, the rule's parameters a replay uses) says so."""
+    store, spec, fp, job_dir = job
+    seed_trusted(store)
+    late, other = result(tmp_path, store, fp, "u7", 0.5), result(tmp_path, store, fp, "u6", 0.5)
+    real_gate = lc.gate
+
+    def gate(store_, spec_, **kw):
+        if kw["unit"] == "u7":  # planned at version 0; u6 (trusted: no wait) lands meanwhile
+            o = deliver(store, spec, "u6", other, trusted=True)
+            assert o.status == "merged", o
+        return real_gate(store_, spec_, **kw)
+
+    monkeypatch.setattr(lc, "gate", gate)
+    with checker_running(store, spec, job_dir):
+        out = deliver(store, spec, "u7", late)
+    assert out.status == "merged" and store.version("0") == 2
+    rec = store.assimilated()["u7"]
+    assert rec["base_version"] == 0 and rec["staleness"] == 1 and rec["rule_params"]["s"] == 1
+    assert store.assimilated()["u6"]["staleness"] == 0
+
+
 def test_a_lost_request_is_queued_again_once_stale(job, tmp_path: Path) -> None:
     """The checker died holding the request (popped, unanswered): the next delivery after
     the wait queues it again; a replay of the id once answered is not judged again."""

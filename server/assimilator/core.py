@@ -131,6 +131,13 @@ def assimilate_valid(
         # the checker's forward passes, and this delivery's whole wait for the verdict
         record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"),
                       loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6))
+        # Other results merged while this one waited: it is merged as stale as it now is
+        # (the check judged the update itself, whose clip scale does not change).
+        if plan.base_version is not None:
+            now = store.version(model)
+            if now - plan.base_version > plan.staleness:
+                plan.staleness = now - plan.base_version
+                record.update(plan.record())
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     # The rule by name with its parameters (rules.py): a durable merge logs them, and a
     # replay after a Redis crash recomputes the same bytes with the same function.
