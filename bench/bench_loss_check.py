@@ -22,12 +22,17 @@ so both see the same model, machine load and Redis. Reported:
 
     flock /tmp/cpu.lock python bench/bench_loss_check.py [--epochs 6] [--D 8]
 
-With ``--attack labelflip|zeros`` it measures poisoning on the same path instead: a
-share ``--attackers`` of the units (never replicated: the worst case) return a model
-trained on shifted labels (``y + 1``) or all zeros; every untrusted result goes through
-one spec, the check on or off (``--check``); reported are the final accuracy and the
-attacker results merged of those sent. Run it with ``--attack none`` for the clean
-baseline of the same seed.
+With ``--attack zeros|labelflip|alie|ipm|nudge`` it measures poisoning on the same path
+instead: a share ``--attackers`` of the units come back from colluding attackers (never
+replicated: the worst case) with the attacks of the simulated-order bench, crafted by
+the same code (``tests/support/attacks.py``) and sized as it sizes them: at 0.99x the
+clip radius in force for the unit's epoch (what the merge path computes from trusted
+results), from the unit's base; many small nudges (towards a model trained on shifted
+labels) at half the median honest update norm; "a little is enough" and inner-product
+manipulation from the latest 32 honest updates. Every untrusted result goes through one
+spec, the check on or off (``--check``); reported are the final accuracy, the attacker
+results merged of those sent and the honest untrusted results refused. Run it with
+``--attack none`` for the clean baseline of the same seed and ``--check``.
 
     flock /tmp/cpu.lock python bench/bench_loss_check.py --attack labelflip --check on
 """
@@ -53,6 +58,7 @@ from bench._common import emit, machine  # noqa: E402
 from boinc_dl.server.assimilator import losscheck as lc  # noqa: E402
 from boinc_dl.server.assimilator.connection import connect  # noqa: E402
 from boinc_dl.server.assimilator.framework import Delivery, assimilate  # noqa: E402
+from boinc_dl.server.assimilator.policy import trusted_radius  # noqa: E402
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis  # noqa: E402
 from boinc_dl.server.assimilator.store import JobStore  # noqa: E402
 from boinc_dl.server.common.spec import parse_spec, spec_from_json  # noqa: E402
@@ -60,6 +66,7 @@ from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weig
 from boinc_dl.server.common.workunit import WEIGHTS_IN  # noqa: E402
 from boinc_dl.server.work_generator.losscheck import LossChecker  # noqa: E402
 from boinc_dl.server.work_generator.prepare import prepare_job  # noqa: E402
+from tests.support.attacks import ATTACKS, Attack, craft  # noqa: E402
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -102,6 +109,7 @@ class Job:
         with np.load(self.files.val) as z:
             self.xv, self.yv = z["x"], z["y"]
         self.rng = np.random.default_rng(args.seed)
+        self.epoch_of: dict[str, int] = {}
 
     def issue(self, uid: int) -> tuple[str, int, str]:
         """Register unit ``uid`` (a random subset) from the current weights: (unit, subset, base file)."""
@@ -111,6 +119,7 @@ class Job:
         if not base.exists():
             write_weights(base, WeightsFile(flat, self.fp, job=self.spec.name, model="0", base_version=version))
         unit = f"{self.spec.name}__m0_e{e:04d}_s{uid:04d}"
+        self.epoch_of[unit] = e
         self.store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
                                         "files": {WEIGHTS_IN: str(base)}}, e)
         return unit, k, str(base)
@@ -135,7 +144,7 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=20, help="first results replicated (trusted)")
     ap.add_argument("--replicated", type=float, default=0.2, help="share of later results replicated")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--attack", choices=["none", "labelflip", "zeros"], default=None,
+    ap.add_argument("--attack", choices=("none",) + ATTACKS, default=None,
                     help="measure poisoning instead of the check's cost")
     ap.add_argument("--attackers", type=float, default=0.1, help="share of units an attacker returns")
     ap.add_argument("--check", choices=["on", "off"], default="on", help="with --attack: the loss check")
@@ -246,23 +255,48 @@ def poisoning(args: argparse.Namespace) -> None:
         rng = job.rng
         arng = np.random.default_rng(args.seed + 1000)  # the attack's draws: the same honest units either way
 
+        attack = None if args.attack == "none" else Attack(args.attack, frac=args.attackers)
+        target = None
+        if attack is not None and attack.kind == "nudge":
+            # the nudges' target: a model trained on shifted labels from the initial weights
+            x_all = np.concatenate([x for x, _ in data])
+            y_all = np.concatenate([y for _, y in data])
+            set_flat(model, store.get_weights("0")[0])
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.002), loss="sparse_categorical_crossentropy")
+            model.fit(x_all, (y_all + 1) % 10, epochs=2, batch_size=16, verbose=0, shuffle=True)
+            target = get_flat(model).astype(np.float32)
+        honest_updates: deque[np.ndarray] = deque(maxlen=32)  # what colluders see of honest work
+        honest_norms: deque[float] = deque(maxlen=64)
+
         total = args.epochs * args.subsets
         inflight: deque[tuple[str, int, str]] = deque(issue(i) for i in range(min(args.D, total)))
         nxt = len(inflight)
         done = sent = merged_bad = honest_refused = honest_untrusted = 0
+        radii: list[float] = []
         while inflight:
             unit, k, base = inflight.popleft()
-            bad = args.attack != "none" and done >= args.warm and arng.random() < args.attackers
-            set_flat(model, read_weights(base, fp).flat)
-            if bad and args.attack == "zeros":
-                flat = np.zeros(fp.n_params, np.float32)
-            else:
+            bad = attack is not None and done >= args.warm and arng.random() < args.attackers
+            wb = read_weights(base, fp).flat
+            trained = None
+            if not bad or attack.trains:  # type: ignore[union-attr]
                 x, y = data[k]
                 if bad:  # labelflip: a model trained on shifted labels
                     y = (y + 1) % 10
+                set_flat(model, wb)
                 model.compile(optimizer=tf.keras.optimizers.Adam(0.002), loss="sparse_categorical_crossentropy")
                 model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=True)
-                flat = get_flat(model).astype(np.float32)
+                trained = get_flat(model).astype(np.float32)
+            if bad:
+                # sized against the clip radius the merge path has in force for the unit's epoch
+                radius = trusted_radius(store, spec, "0", job.epoch_of[unit])
+                if radius is not None:
+                    radii.append(radius)
+                flat = craft(attack, wb, radius, honest_updates=honest_updates,  # type: ignore[arg-type]
+                             honest_norms=honest_norms, trained=trained, target=target)
+            else:
+                flat = trained  # type: ignore[assignment]
+                honest_updates.append(flat - wb)
+                honest_norms.append(float(np.linalg.norm(flat - wb)))
             out = work / "results" / unit
             out.mkdir(parents=True)
             write_weights(out / "weights_out.h5", WeightsFile(flat, fp, job=spec.name, model="0", unit=unit,
@@ -289,6 +323,8 @@ def poisoning(args: argparse.Namespace) -> None:
                "D": args.D, "subsets": args.subsets, "epochs": args.epochs, "results": total,
                "attacker_sent": sent, "attacker_merged": merged_bad, "honest_untrusted": honest_untrusted,
                "honest_refused": honest_refused, "final_val_acc": round(float(acc), 4), "seed": args.seed,
+               "clip_radius_median": round(statistics.median(radii), 4) if radii else None,
+               "honest_norm_median": round(statistics.median(honest_norms), 4) if honest_norms else None,
                "load": [round(x, 2) for x in os.getloadavg()], **machine()}
         print(f"digits, {args.attack} from {args.attackers:.0%} of units, check {args.check}: attacker results "
               f"merged {merged_bad}/{sent}, honest refused {honest_refused}/{honest_untrusted}, "

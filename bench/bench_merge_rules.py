@@ -55,6 +55,7 @@ from boinc_dl.server.common.spec import DatasetSpec  # noqa: E402
 from boinc_dl.server.common.spec_defaults import local_epochs_for  # noqa: E402
 from boinc_dl.server.work_generator.vcasgd import unit_seed  # noqa: E402
 from tests.support import baselines as norms  # noqa: E402  (0.2's bound, the baseline)
+from tests.support.attacks import ATTACKS, Attack, craft  # noqa: E402  (the attacks, one home)
 
 THREADS = int(os.environ.get("BDL_THREADS", "2") or 2)
 
@@ -283,19 +284,6 @@ def check_trainer(task: Task, trainer: VecTrainer) -> float:
     return float(np.abs(ref - ours).max())
 
 
-# ---- attacks -----------------------------------------------------------------------------------------
-ATTACKS = ("zeros", "labelflip", "alie", "ipm", "nudge")
-
-
-@dataclass
-class Attack:
-    kind: str
-    frac: float = 0.1            # share of units run by colluding attackers
-    z: float = 1.0               # "a little is enough": mean - z*std
-    nudge_ratio: float = 0.5     # many small nudges: this share of the median honest norm
-    pattern: Callable[[int], bool] | None = None  # unit index -> attacker (single-attacker mode)
-
-
 # ---- defences ----------------------------------------------------------------------------------------
 @dataclass
 class Defence:
@@ -440,7 +428,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 role, atk = "caught", False  # the workunit's canonical result is the honest replica's
         roles[uid] = role
         info[uid] = (e, sh, version, atk)
-        if not atk or attack.kind == "labelflip":  # type: ignore[union-attr]
+        if not atk or attack.trains:  # type: ignore[union-attr]
             pending[uid] = None
         heapq.heappush(heap, (now + float(rng.lognormal(0.0, sigma)), uid))
 
@@ -464,39 +452,16 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     def bound_now() -> float | None:
         return norms.adaptive_bound(window[-norms.WINDOW:], defence.today_k, defence.today_warmup)
 
-    def craft(kind: str, wb: np.ndarray, uid: int, e: int) -> np.ndarray:
+    def crafted(uid: int, wb: np.ndarray, e: int) -> np.ndarray:
         """The attacker's result, sized at 0.99x the bound in force."""
         today = defence.kind in ("today", "none")
-        ref = ws if today else wb  # the bound's centre: ||wc - ws|| today, ||wc - wb|| with the new one
-        if today:
-            b = bound_now()
-            size = 0.99 * b if b is not None else (float(np.median(honest_norms)) if honest_norms else 1.0)
+        if today:  # the bound's centre: ||wc - ws|| today, ||wc - wb|| with the trusted radius
+            ref, bound = ws, bound_now()
         else:
-            r = trusted.radius(e)
-            size = 0.99 * r if r is not None else (float(np.median(honest_norms)) if honest_norms else 1.0)
-        if kind == "zeros":
-            direction = -ref
-        elif kind == "labelflip":
-            direction = results.pop(uid) - ref
-        elif kind == "nudge":
-            target = flip_target if flip_target is not None else np.zeros_like(ref)
-            direction = target - ref
-            size = attack.nudge_ratio * (float(np.median(honest_norms)) if honest_norms else size)  # type: ignore[union-attr]
-        elif kind in ("alie", "ipm"):
-            if not honest_recent:
-                direction = -ref
-            else:
-                hs = np.stack(honest_recent)
-                mu = hs.mean(0)
-                direction = mu - attack.z * hs.std(0) if kind == "alie" else -mu  # type: ignore[union-attr]
-                if today:
-                    direction = direction + (wb - ws)  # the same update, seen from ws
-        else:
-            raise ValueError(kind)
-        nrm = float(np.linalg.norm(direction))
-        if nrm == 0 or not math.isfinite(nrm):
-            return ref.copy()
-        return (ref + direction * np.float32(size / nrm)).astype(np.float32)
+            ref, bound = wb, trusted.radius(e)
+        return craft(attack, ref, bound, honest_updates=honest_recent, honest_norms=honest_norms,  # type: ignore[arg-type]
+                     trained=results.pop(uid) if attack.trains else None,  # type: ignore[union-attr]
+                     target=flip_target, offset=(wb - ws) if today else None)
 
     def close_epochs() -> None:
         nonlocal closed
@@ -515,7 +480,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
         role = roles.pop(uid)
         wb = bases[bv][0]
         if atk:
-            wc = craft(attack.kind, wb, uid, e)  # type: ignore[union-attr]
+            wc = crafted(uid, wb, e)
         else:
             wc = results.pop(uid)
         s = version - bv

@@ -21,12 +21,14 @@ import redis
 
 from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
+from boinc_dl.server.assimilator.policy import trusted_radius
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.work_generator.losscheck import JobChecker, LossChecker, held_out_batch
 from tests.conftest import tiny_spec
 from tests.hostile_corpus import ATTACKS
+from tests.support.attacks import Attack, craft
 
 TARGET = 1.0  # the "good" model: every weight 1 (the base, version 0, is all zeros)
 
@@ -387,3 +389,36 @@ def test_a_patient_attacker_cannot_move_the_bound(job, tmp_path: Path) -> None:
     assert lc.bound_of(store, spec, "0", 1) == before
     assert store.trusted_values("0", lc.STAT, 64) == trusted_before
     assert {o.status for o in outs} <= {"merged", "rejected"} and any(o.status == "merged" for o in outs)
+
+
+def test_a_colluders_inner_product_manipulation_is_refused_and_honest_work_merges(job, tmp_path: Path) -> None:
+    """The benches' attack code on the shipped path: an inner-product manipulation result
+    (minus the mean of the honest updates the colluders saw, at 0.99x the clip radius in
+    force) is refused by the checker; an honest result of the same round merges."""
+    store, spec, fp, job_dir = job
+    seed_trusted(store)
+    for _ in range(8):  # trusted update norms of 0.4: a clip radius of 0.8
+        store.push_trusted_value("0", "update_norm", 0, 0.4, 256)
+    rng = np.random.default_rng(3)
+    base = np.zeros(fp.n_params, np.float32)  # the units' base (version 0)
+    honest = [(0.1 + 0.02 * rng.standard_normal(fp.n_params)).astype(np.float32) for _ in range(6)]  # towards TARGET
+    radius = trusted_radius(store, spec, "0", 1)
+    assert radius == pytest.approx(0.8)
+    bad = craft(Attack("ipm"), base, radius, honest_updates=[h - base for h in honest],
+                honest_norms=[float(np.linalg.norm(h - base)) for h in honest])
+    assert float(np.linalg.norm(bad - base)) == pytest.approx(0.99 * radius, rel=1e-5)  # just inside the clip
+    assert np_loss(bad) > np_loss(base)
+
+    def write(unit: str, flat: np.ndarray) -> list[Path]:
+        d = tmp_path / f"res-{unit}"
+        d.mkdir()
+        write_weights(d / "weights_out.h5", WeightsFile(flat, fp, job=store.job, model="0", unit=unit,
+                                                        base_version=0, examples_seen=10))
+        return [d / "weights_out.h5"]
+
+    with checker_running(store, spec, job_dir):
+        refused = deliver(store, spec, "u0", write("u0", bad))
+        merged = deliver(store, spec, "u1", write("u1", honest[0]))
+    assert refused.status == "rejected" and "raises the loss" in refused.reason, refused.reason
+    assert merged.status == "merged" and "u0" not in store.assimilated()
+    assert store.assimilated()["u1"]["clip_scale"] == 1.0  # honest work is not clipped
