@@ -135,13 +135,18 @@ def test_a_merge_of_a_16_shard_model_logs_under_a_kilobyte(redis_dir, monkeypatc
     assert max(log for log, _, _ in steady) < LOG_BYTES_PER_MERGE, per_merge
     # Every shard's log names each merge once, in order; after the first merge (nothing
     # cached yet: shard by shard, as merges among others go) a lone assimilator commits
-    # its 16 shards in one call, one record per merge.
+    # its 16 shards in two pipelined calls of 8, one record each (BDL_PIPELINED_COMMITS=0:
+    # one call, one record per merge).
     records, shas = parse_records(store.r.hgetall(store.mrec_key("0")))
     assert set(shas) == set(units)
     assert all(records[i] == {v: units[v - 1] for v in range(1, 13)} for i in range(16))
-    per_unit = Counter(k.decode().partition(":")[2] for k in store.r.hkeys(store.mrec_key("0"))
-                       if not k.startswith(b"s:"))
-    assert per_unit == {units[0]: 16, **dict.fromkeys(units[1:], 1)}
+    raw = {k.decode(): v.decode() for k, v in store.r.hgetall(store.mrec_key("0")).items()
+           if not k.startswith(b"s:")}
+    per_unit = Counter(k.partition(":")[2] for k in raw)
+    assert per_unit == {units[0]: 16, **dict.fromkeys(units[1:], 2)}
+    for u in units[1:]:
+        halves = [v for k, v in raw.items() if k.partition(":")[2] == u]
+        assert sorted(len(h.split(",")) for h in halves) == [8, 8], halves
 
 
 def _expected_per_shard(orders: dict[int, list[int]]) -> bytes:
