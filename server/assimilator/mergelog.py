@@ -16,8 +16,9 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
    versions and the unit's marks are written with replication off, and the AOF gets one
    *commit record* for the call, ``bdl:J:mrec:M`` ``<first shard>:<unit>`` ->
    ``"i:v,i:v,..."``: the version the merge produced in each shard it committed. A lone
-   assimilator commits all its shards in one call (one record per merge); concurrent
-   merges commit shard by shard (one record per shard). In a Redis Cluster, where a
+   assimilator commits its shards in two pipelined calls of half each (two records per
+   merge: Redis's Lua copies of the first half overlap the merge of the second);
+   concurrent merges commit shard by shard (one record per shard). In a Redis Cluster, where a
    script reaches one slot, ``COMMIT_LOGGED`` commits one shard and logs its version and
    the unit's mark ``u:<unit> -> version`` in the shard's own hash, on its own master.
    Either way a shard's log entry and its commit are one atomic script, and the order of
@@ -59,8 +60,8 @@ DURABLE_SUBDIR = "durable"
 #: merge instead of 2.3), but a group's first shard waits longer between its read and
 #: its commit, where a concurrent merge makes it conflict: measured with 4 groups,
 #: 10-35% fewer merges/s and 15-20% more CPU per merge (bench/README.md, "The merge
-#: log"). Throughput is what concurrent merges need; a lone assimilator commits all its
-#: shards in one call anyway.
+#: log"). Throughput is what concurrent merges need; a lone assimilator commits its shards
+#: in two pipelined calls anyway (:func:`pipelined_commits`).
 COMMITS_PER_MERGE = 16
 
 
