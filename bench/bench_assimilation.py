@@ -371,7 +371,7 @@ def main() -> None:
           ", ".join(f"{k} {a:.1f} / {b:.1f} ms" for k, (a, b) in cpu_ms.items()))
     print(f"  AOF growth per logged merge: {aof_per_merge:,.0f} bytes, of which the merge log "
           f"{log_per_merge:,.0f} B (goal < 1 KB: the intent of {intent_bytes:.0f} B, the input's SHA-256, one "
-          f"commit record for {store.layout('0').shards} shards like {mark!r}, with their MULTI/EXEC); the rest "
+          f"commit record per pipelined call (two calls of half the {store.layout('0').shards} shards), like {mark!r}, with their MULTI/EXEC); the rest "
           f"the bookkeeping (the merge record of {record_bytes} B in the assimilated hash and the metrics "
           f"stream, ...); a snapshot (read, write, fsync, truncate): {snapshot_s*1000:.0f} ms")
     print(f"committing all {store.layout('0').shards} shards in one round trip: COMMIT_MANY (bytes out of the "

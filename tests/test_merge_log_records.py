@@ -9,6 +9,7 @@ compared bytes for bytes against numpy's merges in each shard's own order.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,13 +136,18 @@ def test_a_merge_of_a_16_shard_model_logs_under_a_kilobyte(redis_dir, monkeypatc
     assert max(log for log, _, _ in steady) < LOG_BYTES_PER_MERGE, per_merge
     # Every shard's log names each merge once, in order; after the first merge (nothing
     # cached yet: shard by shard, as merges among others go) a lone assimilator commits
-    # its 16 shards in one call, one record per merge.
+    # its 16 shards in two pipelined calls of 8, one record each (BDL_PIPELINED_COMMITS=0:
+    # one call, one record per merge).
     records, shas = parse_records(store.r.hgetall(store.mrec_key("0")))
     assert set(shas) == set(units)
     assert all(records[i] == {v: units[v - 1] for v in range(1, 13)} for i in range(16))
-    per_unit = Counter(k.decode().partition(":")[2] for k in store.r.hkeys(store.mrec_key("0"))
-                       if not k.startswith(b"s:"))
-    assert per_unit == {units[0]: 16, **dict.fromkeys(units[1:], 1)}
+    raw = {k.decode(): v.decode() for k, v in store.r.hgetall(store.mrec_key("0")).items()
+           if not k.startswith(b"s:")}
+    per_unit = Counter(k.partition(":")[2] for k in raw)
+    assert per_unit == {units[0]: 16, **dict.fromkeys(units[1:], 2)}
+    for u in units[1:]:
+        halves = [v for k, v in raw.items() if k.partition(":")[2] == u]
+        assert sorted(len(h.split(",")) for h in halves) == [8, 8], halves
 
 
 def _expected_per_shard(orders: dict[int, list[int]]) -> bytes:
@@ -371,3 +377,42 @@ def test_a_log_of_per_shard_marks_is_still_read(env, monkeypatch) -> None:
     report = ensure_live(again, "0")
     assert report is not None and report.merges == 4
     assert again.snapshot("0").flat.tobytes() == expected.tobytes()
+
+
+def test_a_crash_between_the_two_pipelined_commits_of_a_lone_merge_recovers_bitwise(env) -> None:
+    """A lone assimilator sends its shards in two pipelined calls; it dies after sending
+    the first and before sending the second, then Redis is SIGKILLed. The rebuild holds
+    the first half's merge and not the second's, bit for bit; the re-delivery applies
+    the second half once, and a second restart rebuilds the same bytes."""
+    srv, tmp = env
+    store = new_job(srv.url, tmp / "job", units=3)
+    seed_of = {"u0": 10, "u1": 11}
+    assert merge_file(store, result_file(tmp / "r", "lj", "u0", 10), "u0") == "merged"
+    real = store._commit_cmds
+    parts: list[list[int]] = []
+
+    def second_dies(model, unit, field, items):
+        parts.append([i for i, *_ in items])
+        if len(parts) == 2:
+            raise KeyboardInterrupt  # the process dies between the two calls
+        return real(model, unit, field, items)
+    store._commit_cmds = second_dies  # type: ignore[method-assign]
+    a = result_file(tmp / "a", "lj", "u1", 11)
+    with pytest.raises(KeyboardInterrupt):
+        merge_file(store, a, "u1")
+    assert [len(p) for p in parts] == [2, 2]  # the fast path, in two parts
+    deadline = time.monotonic() + 10
+    while not any(k.endswith(b":u1") and not k.startswith(b"s:") for k in store.r.hkeys(store.mrec_key("0"))):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    orders = _shard_orders(store, seed_of)
+    assert {i for i, o in orders.items() if o == [10, 11]} == set(parts[0])
+    expected = _expected_per_shard(orders)
+    after = _restart(srv)
+    assert after.snapshot("0").flat.tobytes() == expected
+    assert merge_file(after, a, "u1") == "merged"
+    final = _shard_orders(after, seed_of)
+    assert all(o == [10, 11] for o in final.values())
+    expected = _expected_per_shard(final)
+    assert after.snapshot("0").flat.tobytes() == expected
+    assert _restart(srv).snapshot("0").flat.tobytes() == expected

@@ -16,8 +16,9 @@ durable dir (``<job_dir>/durable``), is made durable by a small log instead of b
    versions and the unit's marks are written with replication off, and the AOF gets one
    *commit record* for the call, ``bdl:J:mrec:M`` ``<first shard>:<unit>`` ->
    ``"i:v,i:v,..."``: the version the merge produced in each shard it committed. A lone
-   assimilator commits all its shards in one call (one record per merge); concurrent
-   merges commit shard by shard (one record per shard). In a Redis Cluster, where a
+   assimilator commits its shards in two pipelined calls of half each (two records per
+   merge: Redis's Lua copies of the first half overlap the merge of the second);
+   concurrent merges commit shard by shard (one record per shard). In a Redis Cluster, where a
    script reaches one slot, ``COMMIT_LOGGED`` commits one shard and logs its version and
    the unit's mark ``u:<unit> -> version`` in the shard's own hash, on its own master.
    Either way a shard's log entry and its commit are one atomic script, and the order of
@@ -59,9 +60,20 @@ DURABLE_SUBDIR = "durable"
 #: merge instead of 2.3), but a group's first shard waits longer between its read and
 #: its commit, where a concurrent merge makes it conflict: measured with 4 groups,
 #: 10-35% fewer merges/s and 15-20% more CPU per merge (bench/README.md, "The merge
-#: log"). Throughput is what concurrent merges need; a lone assimilator commits all its
-#: shards in one call anyway.
+#: log"). Throughput is what concurrent merges need; a lone assimilator commits its shards
+#: in two pipelined calls anyway (:func:`pipelined_commits`).
 COMMITS_PER_MERGE = 16
+
+
+def pipelined_commits() -> bool:
+    """Whether a lone assimilator commits its shards in two pipelined calls (default)
+    rather than one (``BDL_PIPELINED_COMMITS=0``: benches compare the two)."""
+    return os.environ.get("BDL_PIPELINED_COMMITS", "1") != "0"
+
+
+def replies_of(sent: list[Any]) -> list[Any]:
+    """The shards already sent, in order (the parts of :meth:`_commit_cached_logged`)."""
+    return [x for _cmds, part in sent for x in part]
 
 
 def commits_per_merge() -> int:
@@ -449,25 +461,31 @@ class LoggedMerging:
         One Redis: one ``COMMIT_MANY`` for all of them, whose one logged record lists
         the versions produced. A cluster: one ``COMMIT_LOGGED`` per shard (each in its
         own slot), the shard's mark its log entry on its own master."""
-        if self._before_commit is not None:
-            self._before_commit()
-        if self.cluster:
-            src = sh.COMMIT_LOGGED
-            cmds = [("EVALSHA", self._script("commit_logged", src).sha, 2,  # type: ignore[attr-defined]
-                     *self._shard_keys(model, i), tag, new_tag, field, data)  # type: ignore[attr-defined]
-                    for i, tag, new_tag, data in items]
-        else:
-            src = sh.COMMIT_MANY
-            keys = [k for i, *_ in items for k in self._shard_keys(model, i)]  # type: ignore[attr-defined]
-            args = [a for i, tag, new_tag, data in items for a in (i, tag, new_tag, data)]
-            cmds = [("EVALSHA", self._script("commit_many", src).sha,  # type: ignore[attr-defined]
-                     2 + len(keys), self.k("assimilated"), self.mrec_key(model), *keys,  # type: ignore[attr-defined]
-                     unit, field, *args)]
+        cmds = self._commit_cmds(model, unit, field, items)
         try:
             replies = held.run(cmds)
         except redis.exceptions.NoScriptError:
-            held.run([("SCRIPT", "LOAD", src)])
+            held.run([("SCRIPT", "LOAD", sh.COMMIT_LOGGED if self.cluster else sh.COMMIT_MANY)])
             replies = held.run(cmds)
+        return self._commit_replies(replies, items)
+
+    def _commit_cmds(self, model: str, unit: str, field: str,
+                     items: list[tuple[int, bytes, bytes, memoryview]]) -> list[tuple[Any, ...]]:
+        """The commands of :meth:`_commit_logged` (after waiting for the input's sync)."""
+        if self._before_commit is not None:
+            self._before_commit()
+        if self.cluster:
+            return [("EVALSHA", self._script("commit_logged", sh.COMMIT_LOGGED).sha, 2,  # type: ignore[attr-defined]
+                     *self._shard_keys(model, i), tag, new_tag, field, data)  # type: ignore[attr-defined]
+                    for i, tag, new_tag, data in items]
+        keys = [k for i, *_ in items for k in self._shard_keys(model, i)]  # type: ignore[attr-defined]
+        args = [a for i, tag, new_tag, data in items for a in (i, tag, new_tag, data)]
+        return [("EVALSHA", self._script("commit_many", sh.COMMIT_MANY).sha,  # type: ignore[attr-defined]
+                 2 + len(keys), self.k("assimilated"), self.mrec_key(model), *keys,  # type: ignore[attr-defined]
+                 unit, field, *args)]
+
+    def _commit_replies(self, replies: list[Any],
+                        items: list[tuple[int, bytes, bytes, memoryview]]) -> list[tuple[int, int, bytes | None]]:
         if self.cluster:
             return [(int(r[0]), int(r[1]) if len(r) > 1 else 0, new_tag)
                     for r, (_i, _t, new_tag, _d) in zip(replies, items, strict=True)]
@@ -576,19 +594,37 @@ class LoggedMerging:
             self._from_snapshot.difference_update((model, i) for i in shards)
             return {}, False
         news: list[tuple[int, np.ndarray, bytes, bytes]] = []
-        for i in shards:
-            (tag, buf), _ = self._take_cached(model, i)  # type: ignore[attr-defined]
-            new = combine_for(i)(_writable(buf))
-            if new is None:
-                if news:
-                    raise ValueError(f"combine rejected shard {i} after others were computed")
-                return None, False
-            news.append((i, new, tag, sh.new_tag()))
+        # Two commits, pipelined: the first half's script runs in Redis (its Lua copies
+        # of the bytes) while this process merges the second half (bench/README.md, "The
+        # merge log"). Each logs its own record; a crash between them leaves the first
+        # half committed, as between any two commits of a merge.
+        cut = (len(shards) + 1) // 2 if pipelined_commits() and len(shards) >= 4 else len(shards)
         held = _Held(self.r)
         ok = False
+        sent: list[tuple[list[tuple[Any, ...]], list[tuple[int, bytes, bytes, memoryview]]]] = []
+        replies: list[tuple[int, int, bytes | None]] = []
         try:
-            replies = self._commit_logged(held, model, field[2:], field,
-                                          [(i, tag, new_tag, sh.as_bytes(new)) for i, new, tag, new_tag in news])
+            for j, i in enumerate(shards):
+                (tag, buf), _ = self._take_cached(model, i)  # type: ignore[attr-defined]
+                new = combine_for(i)(_writable(buf))
+                if new is None:
+                    if news:
+                        raise ValueError(f"combine rejected shard {i} after others were computed")
+                    ok = True
+                    return None, False
+                news.append((i, new, tag, sh.new_tag()))
+                if j + 1 == cut or j + 1 == len(shards):
+                    part = [(i, tag, new_tag, sh.as_bytes(new)) for i, new, tag, new_tag in news[len(replies_of(sent)):]]
+                    cmds = self._commit_cmds(model, field[2:], field, part)
+                    held.send(cmds)
+                    sent.append((cmds, part))
+            for cmds, part in sent:
+                try:
+                    got = held.read(len(cmds))
+                except redis.exceptions.NoScriptError:
+                    held.run([("SCRIPT", "LOAD", sh.COMMIT_MANY)])
+                    got = held.run(cmds)
+                replies += self._commit_replies(got, part)
             ok = True
         finally:
             held.release() if ok else held.discard()

@@ -493,12 +493,27 @@ class _Held:
             if commit:
                 _COMMIT.s = _commit_wait() + time.perf_counter() - t0
 
+    def send(self, cmds: list[tuple[Any, ...]]) -> None:
+        """Send ``cmds`` without reading their replies (:meth:`read` them, in order)."""
+        self.conn.send_packed_command(_pack(cmds), check_health=False)
+
+    def read(self, n: int) -> list[Any]:
+        """The replies of ``n`` commands sent by :meth:`send` (first error raised)."""
+        commit_t0 = time.perf_counter()
+        try:
+            return self._read(n)
+        finally:
+            _COMMIT.s = _commit_wait() + time.perf_counter() - commit_t0
+
     def _run(self, cmds: list[tuple[Any, ...]]) -> list[Any]:
+        self.send(cmds)
+        return self._read(len(cmds))
+
+    def _read(self, n: int) -> list[Any]:
         c = self.conn
-        c.send_packed_command(_pack(cmds), check_health=False)
         out: list[Any] = []
         err: redis.ResponseError | None = None
-        for _ in cmds:
+        for _ in range(n):
             try:
                 out.append(c.read_response())
             except redis.ResponseError as e:
