@@ -416,3 +416,24 @@ def test_a_crash_between_the_two_pipelined_commits_of_a_lone_merge_recovers_bitw
     expected = _expected_per_shard(final)
     assert after.snapshot("0").flat.tobytes() == expected
     assert _restart(srv).snapshot("0").flat.tobytes() == expected
+
+
+def test_a_lone_merge_whose_scripts_redis_lost_loads_them_and_commits_both_parts_once(env) -> None:
+    """Redis forgets its scripts between two merges (SCRIPT FLUSH; a restart does the
+    same): both pipelined parts of the next lone merge fail with NOSCRIPT. Their replies
+    are read in order, the script is loaded, both parts commit once, and the connection
+    is left in step (the next merge reads its own replies)."""
+    srv, tmp = env
+    store = new_job(srv.url, tmp / "job", units=4)
+    seed_of = {"u0": 10, "u1": 11, "u2": 12}
+    assert merge_file(store, result_file(tmp / "r0", "lj", "u0", 10), "u0") == "merged"
+    assert merge_file(store, result_file(tmp / "r1", "lj", "u1", 11), "u1") == "merged"  # the fast path warm
+    store.r.script_flush()
+    assert merge_file(store, result_file(tmp / "r2", "lj", "u2", 12), "u2") == "merged"
+    orders = _shard_orders(store, seed_of)
+    assert all(o == [10, 11, 12] for o in orders.values()), orders
+    raw = [k for k in store.r.hkeys(store.mrec_key("0")) if k.endswith(b":u2") and not k.startswith(b"s:")]
+    assert len(raw) == 2  # two parts, each committed once
+    expected = _expected_per_shard(orders)
+    assert store.snapshot("0").flat.tobytes() == expected
+    assert _restart(srv).snapshot("0").flat.tobytes() == expected

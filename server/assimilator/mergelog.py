@@ -618,12 +618,22 @@ class LoggedMerging:
                     cmds = self._commit_cmds(model, field[2:], field, part)
                     held.send(cmds)
                     sent.append((cmds, part))
-            for cmds, part in sent:
+            for k, (cmds, part) in enumerate(sent):
                 try:
                     got = held.read(len(cmds))
                 except redis.exceptions.NoScriptError:
+                    # Redis lost its scripts (a restart, SCRIPT FLUSH): the parts sent after
+                    # this one failed the same way (nothing loads the script in between).
+                    # Their replies are read first, or the next command would read them.
+                    for later, _ in sent[k + 1:]:
+                        try:
+                            held.read(len(later))
+                        except redis.exceptions.NoScriptError:
+                            pass
                     held.run([("SCRIPT", "LOAD", sh.COMMIT_MANY)])
-                    got = held.run(cmds)
+                    for again, p in sent[k:]:
+                        replies += self._commit_replies(held.run(again), p)
+                    break
                 replies += self._commit_replies(got, part)
             ok = True
         finally:
