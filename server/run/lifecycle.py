@@ -25,7 +25,7 @@ from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.spec_defaults import describe
 from boinc_dl.server.run.failfast import FailFastWatch
-from boinc_dl.server.run.signals import RunStopped
+from boinc_dl.server.run.signals import RunStopped, raise_if_stopped
 from boinc_dl.server.work_generator.prepare import derived_settings, n_shards
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,7 @@ def drive(gen: Any, watch: RunWatch, render: Callable[[], Table], console: Conso
     try:
         while gen.step():
             time.sleep(0.05)
+            raise_if_stopped()  # a stop signal whose exception Python swallowed
             if watch.tick():
                 if view:
                     view.update(render())

@@ -7,11 +7,17 @@ session) would otherwise end the process at once and orphan its children. Inside
 :func:`stop_on_signals` all three raise :class:`RunStopped` (a KeyboardInterrupt) in
 the main thread once; later signals are ignored so that a second Ctrl-C cannot cut
 the clean-up short (it is bounded: a few seconds).
+
+The handler raises wherever the main thread is. Where that is a ``__del__`` or a
+weakref callback, Python cannot propagate it: it prints it ("Exception ignored in") and
+carries on. So the run loop also calls :func:`raise_if_stopped` at every step, and such
+a swallowed stop is not printed.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +40,28 @@ class RunStopped(KeyboardInterrupt):
         return 128 + self.signum
 
 
+#: The signals received inside the innermost active :func:`stop_on_signals` (None outside).
+_received: list[int] | None = None
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`RunStopped` if a stop signal came since :func:`stop_on_signals` began:
+    the run loop calls it at every step, so a stop whose exception Python swallowed (raised
+    inside a ``__del__``) still stops the run."""
+    if _received:
+        raise RunStopped(_received[0])
+
+
+def _quiet_swallowed_stop(default: object) -> object:
+    """An ``sys.unraisablehook`` that drops a :class:`RunStopped` (the run loop raises it
+    again) and hands every other unraisable exception to ``default``."""
+    def hook(unraisable: object) -> None:
+        if isinstance(getattr(unraisable, "exc_value", None), RunStopped):
+            return
+        default(unraisable)  # type: ignore[operator]
+    return hook
+
+
 @contextmanager
 def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[list[int]]:
     """Raise :class:`RunStopped` in the main thread on the first of ``signals``.
@@ -52,9 +80,13 @@ def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[list[in
             raise RunStopped(signum)
         # Already stopping: let the clean-up finish.
 
+    global _received
+    outer, outer_hook = _received, sys.unraisablehook
     previous = {s: signal.signal(s, handler) for s in signals}
+    _received, sys.unraisablehook = received, _quiet_swallowed_stop(outer_hook)
     try:
         yield received
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        _received, sys.unraisablehook = outer, outer_hook
