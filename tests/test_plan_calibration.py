@@ -18,22 +18,11 @@ import pytest
 
 from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
 from boinc_dl.server.run.outputs import UNIT_TIMINGS
-from tests.support.cli import boinc_dl
+from tests.support.cli import boinc_dl, small_digits_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SPEC = """\
-name: plancal
-mode: vcasgd
-model: models:mlp
-model_args: {input_dim: 64, hidden: 16, n_classes: 10}
-dataset: {name: digits, limit: 400}
-training: {epochs: 2, batch_size: 32, learning_rate: 0.01, local_epochs: 2}
-vcasgd: {n_subsets: 4}
-units: {timeout_s: 60}
-backend: {kind: local, local: {workers: 1, slots: 1, assimilators: 1}}
-seed: 3
-"""
+SPEC = small_digits_spec("plancal", n_subsets=4, workers=1, slots=1)
 
 #: units.csv's columns before the timing columns were appended, in their order.
 ORIGINAL = ["unit", "epoch", "shard", "version", "base_version", "staleness", "merge_rule", "clip_scale", "trusted",

@@ -19,7 +19,7 @@ import pytest
 from boinc_dl.server.planner.calibrate import read_calibration, read_calibrations
 from boinc_dl.server.planner.contention import Contention, fit_contention, mean_concurrency
 from boinc_dl.server.planner.local import LocalCandidate, Machine, predict
-from tests.support.cli import boinc_dl
+from tests.support.cli import boinc_dl, small_digits_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ["unit", "examples_seen", "train_s", "wall_s", "host", "t", "load_s", "eval_s", "checkpoint_s",
@@ -150,18 +150,7 @@ def test_contention_slows_plans_of_many_slots_and_not_of_one(tmp_path):
     assert 1.2 < epoch(crowd, 3, 2) / epoch(flat, 3, 2) < 1.55
 
 
-SPEC = """\
-name: plancrowd
-mode: vcasgd
-model: models:mlp
-model_args: {input_dim: 64, hidden: 16, n_classes: 10}
-dataset: {name: digits, limit: 400}
-training: {epochs: 2, batch_size: 32, learning_rate: 0.01, local_epochs: 2}
-vcasgd: {n_subsets: 12}
-units: {timeout_s: 60}
-backend: {kind: local, local: {workers: 2, slots: 2, assimilators: 1}}
-seed: 3
-"""
+SPEC = small_digits_spec("plancrowd", n_subsets=12, workers=2, slots=2)
 
 
 def test_installed_cli_plans_with_contention_from_two_runs(tmp_path):

@@ -33,3 +33,20 @@ def boinc_dl(*args: str, cwd: Path, timeout: float = 600, env: dict[str, str] | 
     """Run ``boinc-dl ARGS`` in ``cwd`` and wait for it."""
     return subprocess.run([*boinc_dl_command(), *args], cwd=cwd, env=env or ENV, capture_output=True, text=True,
                           timeout=timeout, input=input)
+
+
+def small_digits_spec(name: str, *, n_subsets: int, workers: int, slots: int) -> str:
+    """The YAML of a small local-backend digits job (400 examples, MLP 16, 2 epochs,
+    ``models.py`` beside it): the planner's CLI tests run it to calibrate from."""
+    return f"""\
+name: {name}
+mode: vcasgd
+model: models:mlp
+model_args: {{input_dim: 64, hidden: 16, n_classes: 10}}
+dataset: {{name: digits, limit: 400}}
+training: {{epochs: 2, batch_size: 32, learning_rate: 0.01, local_epochs: 2}}
+vcasgd: {{n_subsets: {n_subsets}}}
+units: {{timeout_s: 60}}
+backend: {{kind: local, local: {{workers: {workers}, slots: {slots}, assimilators: 1}}}}
+seed: 3
+"""
