@@ -36,6 +36,13 @@ MIN_CROWDED = 3
 G_MAX = 2.0
 
 
+def factor(g: float, running: float) -> float:
+    """``f(k) = 1 + g (k - 1)``: CPU-seconds factor of a unit while ``running`` units
+    (itself included) run at once (the one home of the formula: the calibration's
+    description, the simulation and the plan's bound use it)."""
+    return 1.0 + g * max(0.0, running - 1.0)
+
+
 @dataclass(frozen=True)
 class Contention:
     """The fitted contention term, and what it was fitted on."""
@@ -47,7 +54,7 @@ class Contention:
 
     def factor(self, running: float) -> float:
         """CPU-seconds factor of a unit while ``running`` units (itself included) run."""
-        return 1.0 + self.g * max(0.0, running - 1.0)
+        return factor(self.g, running)
 
     def describe(self) -> str:
         if self.units == 0:

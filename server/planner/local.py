@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 
 from boinc_dl.server.planner.calibrate import Calibration
+from boinc_dl.server.planner.contention import factor
 from boinc_dl.server.planner.model import (
     SHARED_MERGE_RATIO,
     Config,
@@ -146,7 +147,7 @@ def bound_of(cfg: Config, costs: ServerCosts) -> str:
     """What limits the rate: the slots, the shared cores (mostly the clients' CPU), or the
     parameter servers (P merges, Redis' one commit at a time)."""
     # Every slot busy: each unit's CPU stretched by the contention of all of them.
-    stage = costs.stage_s * (1 + costs.contention * (cfg.total_slots - 1))
+    stage = costs.stage_s * factor(costs.contention, cfg.total_slots)
     slots = cfg.total_slots / (stage + costs.dispatch_s)
     m = costs.merge_cpu_s(cfg.assimilators)
     cores = max(0.1, (costs.cpu_cores or 1) - costs.background) / (stage + m + costs.commit_s)

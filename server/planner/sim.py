@@ -33,6 +33,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from boinc_dl.server.planner.contention import factor
 from boinc_dl.server.planner.model import (
     Config,
     Prediction,
@@ -229,7 +230,7 @@ def simulate_once(cfg: Config, w: Workload, costs: ServerCosts, seed: int = 0, r
         # Contention: k units running at once each need f(k) = 1 + g (k - 1) times their
         # CPU seconds alone, so their work advances 1 / f(k) as fast as the rest.
         running = sum(j[1] == "stage" for j in cpu) if contention > 0 else 0
-        unit_rate = rate / (1.0 + contention * (running - 1)) if running > 1 else rate
+        unit_rate = rate / factor(contention, running)
         t_cpu = now + min(j[0] / (unit_rate if j[1] == "stage" else rate) for j in cpu) if cpu else float("inf")
         if events and events[0][0] <= t_cpu:
             t_next, _, kind, unit, slot = heapq.heappop(events)
