@@ -71,11 +71,6 @@ def pipelined_commits() -> bool:
     return os.environ.get("BDL_PIPELINED_COMMITS", "1") != "0"
 
 
-def replies_of(sent: list[Any]) -> list[Any]:
-    """The shards already sent, in order (the parts of :meth:`_commit_cached_logged`)."""
-    return [x for _cmds, part in sent for x in part]
-
-
 def commits_per_merge() -> int:
     """:data:`COMMITS_PER_MERGE`, or ``BDL_COMMITS_PER_MERGE`` (benches compare settings)."""
     try:
@@ -602,6 +597,7 @@ class LoggedMerging:
         held = _Held(self.r)
         ok = False
         sent: list[tuple[list[tuple[Any, ...]], list[tuple[int, bytes, bytes, memoryview]]]] = []
+        n_sent = 0  # shards of news already sent
         replies: list[tuple[int, int, bytes | None]] = []
         try:
             for j, i in enumerate(shards):
@@ -614,7 +610,8 @@ class LoggedMerging:
                     return None, False
                 news.append((i, new, tag, sh.new_tag()))
                 if j + 1 == cut or j + 1 == len(shards):
-                    part = [(i, tag, new_tag, sh.as_bytes(new)) for i, new, tag, new_tag in news[len(replies_of(sent)):]]
+                    part = [(i, tag, new_tag, sh.as_bytes(new)) for i, new, tag, new_tag in news[n_sent:]]
+                    n_sent = len(news)
                     cmds = self._commit_cmds(model, field[2:], field, part)
                     held.send(cmds)
                     sent.append((cmds, part))
