@@ -148,3 +148,29 @@ def test_full_disk_pauses_the_run_and_resume_finishes_every_subset_once(tmp_path
         assert store.counters().get("given_up", 0) == 0
     finally:
         srv.stop()
+
+
+def test_an_assimilators_aof_fault_names_redis_directory_not_its_working_directory(
+        tiny_job, redis_server: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under Redis reaches the assimilator as a MISCONF reply, which names no
+    file: the fault must point at Redis's directory (where the space is missing), whichever
+    process meets it first. Before, the assimilator named its own working directory, and
+    the run's one-line error said how much was free on the wrong file system."""
+    import redis
+
+    from boinc_dl.server.assimilator import framework
+    from boinc_dl.server.common.diskfaults import ServerResourceError
+
+    store, spec, _ = tiny_job
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+
+    def refused(*_a: object, **_k: object) -> None:
+        raise redis.ResponseError("MISCONF Errors writing to the AOF file: No space left on device")
+
+    monkeypatch.setattr(framework, "_merge", refused)
+    with pytest.raises(ServerResourceError) as caught:
+        framework.assimilate(store, framework.Delivery("u0", unit="u0", files=[], trusted=True), spec=spec)
+    assert caught.value.path == str(redis_server.data_dir)
+    assert "append-only file" in caught.value.what and f"at {redis_server.data_dir};" in str(caught.value)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from boinc_dl.server.assimilator import persistence
 from boinc_dl.server.assimilator.core import AssimilationOutcome, assimilate_valid
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common import diskfaults
@@ -178,7 +179,11 @@ def assimilate(store: JobStore, delivery: Delivery, records: Records | None = No
     except StoreUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - no input may kill the parameter server
-        fault = diskfaults.as_server_error(e, os.getcwd())
+        fault = None
+        if isinstance(e, diskfaults.ServerResourceError) or diskfaults.server_fault(e) is not None:
+            # A fault that names no file is Redis refusing to write its AOF: its own
+            # directory is where the space is missing, not this process's working directory.
+            fault = diskfaults.as_server_error(e, persistence.data_dir(store.r) or os.getcwd())
         if fault is not None:  # the server's disk: its fault, never the result's (nothing recorded)
             raise fault from None
         log.exception("assimilation of %s (%s): unexpected error", wu, delivery.result)

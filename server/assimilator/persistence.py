@@ -73,6 +73,19 @@ def read_settings(client: Any) -> dict[str, dict[str, str] | str]:
     return out
 
 
+def data_dir(client: Any) -> str | None:
+    """The directory the (first) Redis node writes its append-only file and snapshots in
+    (``CONFIG GET dir``), or None when it cannot be read: where a "cannot write its AOF"
+    fault is, for the message that says how much space is free there."""
+    for _, node in _nodes(client):
+        try:
+            d = _text(node.config_get("dir").get("dir", ""))
+        except (redis.RedisError, OSError, AttributeError):
+            return None
+        return d or None
+    return None
+
+
 def script_access(client: Any) -> dict[str, str | None]:
     """Per node, None when a Lua script may call ``INFO`` there, else the error. boinc-dl's
     shard scripts read the server's run id with it (a shard whose bytes are not in the
