@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -119,10 +120,20 @@ def test_run_interrupt_resume_status(tmp_path: Path) -> None:
     merges = Counter(u["unit"] for u in hist["units"] if "failed" not in u)
     assert len(merges) == 4 * 8 and set(merges.values()) == {1}  # 4 epochs x 8 subsets, once each
     assert [e["epoch"] for e in hist["epochs"]] == [1, 2, 3, 4]
-    # Training went on from where it stopped: better than before the interrupt, and well
-    # above chance (asynchronous merges make the exact figure vary by a few points).
+    # Training went on from where it stopped: the units of the last epoch, trained from the
+    # resumed server weights, score well above those of the first (medians of each epoch's
+    # units on the validation set: 0.84 in epoch 1, 0.95-0.96 in epoch 4 over six runs,
+    # interrupted or not). The server's own epoch accuracy is no measure of that here: with
+    # all eight units of an epoch sent from one base, it swings by up to 50 points between
+    # epochs in uninterrupted runs too (0.61, 0.36, 0.94, 0.90), and only stays above chance.
+    by_epoch: dict[int, list[float]] = {}
+    for u in hist["units"]:
+        if "failed" not in u:
+            by_epoch.setdefault(int(u["epoch"]), []).append(float(u["val_acc"]))
+    first, last = statistics.median(by_epoch[1]), statistics.median(by_epoch[4])
+    assert last > first + 0.05, (first, last)
     acc = [e["val_acc"] for e in hist["epochs"]]
-    assert acc[-1] > max(acc[0], 0.6), acc
+    assert max(acc) > 0.6 and min(acc) > 0.2, acc
     for name in ("final_model.keras", "learning_curve.png", "epochs.csv", "units.csv"):
         assert (run_dir / name).exists()
     st = _cli("status", "--run-dir", str(run_dir), cwd=tmp_path)
