@@ -362,6 +362,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     """Replay one job: ``epochs`` x ``n_subsets`` units, ``d_inflight`` in flight."""
     t_start = time.perf_counter()
     epochs = epochs or task.epochs
+    rule = rule.capped(d_inflight)  # as the generator records the window for each unit
     defence = defence or Defence()
     rng = np.random.default_rng([seed, d_inflight, n_subsets, 17])  # completion times only
     rep_rng = np.random.default_rng([seed, 5])  # which honest results were replicated
@@ -576,7 +577,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
 
 
 # ---- the rules compared ------------------------------------------------------------------------------
-REC = "delta-poly1"  # the recommended default (see docs/merge-rules.md)
+REC = "delta-cap"  # the recommended default (see docs/merge-rules.md)
 
 
 def candidate_rules(a: float = 0.5) -> dict[str, R.MergeRule]:
@@ -590,7 +591,9 @@ def candidate_rules(a: float = 0.5) -> dict[str, R.MergeRule]:
         "fedbuff": R.MergeRule("fedbuff", a, P("poly", p=0.5), server_lr=1.0, buffer_k=8),
         "momentum": R.MergeRule("momentum", a, P("poly", p=1.0), server_lr=0.1, momentum=0.9),
         "delta-poly.75": R.MergeRule("delta", a, P("poly", p=0.75), server_lr=1.0),
-        REC: R.MergeRule("delta", a, P("poly", p=1.0), server_lr=1.0),
+        "delta-poly1": R.MergeRule("delta", a, P("poly", p=1.0), server_lr=1.0),
+        # the job's default: delta-poly1 with each weight at most 1/D (D in flight)
+        REC: R.MergeRule("delta", a, P("poly", p=1.0), server_lr=1.0, cap_in_flight=True),
     }
 
 

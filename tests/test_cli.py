@@ -122,18 +122,19 @@ def test_run_interrupt_resume_status(tmp_path: Path) -> None:
     assert [e["epoch"] for e in hist["epochs"]] == [1, 2, 3, 4]
     # Training went on from where it stopped: the units of the last epoch, trained from the
     # resumed server weights, score well above those of the first (medians of each epoch's
-    # units on the validation set: 0.84 in epoch 1, 0.95-0.96 in epoch 4 over six runs,
-    # interrupted or not). The server's own epoch accuracy is no measure of that here: with
-    # all eight units of an epoch sent from one base, it swings by up to 50 points between
-    # epochs in uninterrupted runs too (0.61, 0.36, 0.94, 0.90), and only stays above chance.
+    # units on the validation set: 0.84 in epoch 1, 0.95-0.96 in epoch 4 over six runs).
     by_epoch: dict[int, list[float]] = {}
     for u in hist["units"]:
         if "failed" not in u:
             by_epoch.setdefault(int(u["epoch"]), []).append(float(u["val_acc"]))
     first, last = statistics.median(by_epoch[1]), statistics.median(by_epoch[4])
     assert last > first + 0.05, (first, last)
+    # ... and so does the server model, steadily: the default rule caps each result at 2/8
+    # of its update (8 in flight), so the rounds of units sent from one base no longer throw
+    # it back (uncapped, epochs read 0.68, 0.20, 0.66, 0.20 in one run of this test).
+    assert {u["merge_rule"] for u in hist["units"] if "failed" not in u} == {"delta(lr=1, poly p=1, cap 0.25)"}
     acc = [e["val_acc"] for e in hist["epochs"]]
-    assert max(acc) > 0.6 and min(acc) > 0.2, acc
+    assert acc[-1] > acc[0] and min(acc) > 0.7, acc
     for name in ("final_model.keras", "learning_curve.png", "epochs.csv", "units.csv"):
         assert (run_dir / name).exists()
     st = _cli("status", "--run-dir", str(run_dir), cwd=tmp_path)

@@ -63,6 +63,9 @@ def test_first_merged_result_of_a_subset_wins(tmp_path: Path, redis_server, firs
     assert Workunit.load(wu_r.files[WU_JSON]).unit == a
     info = store.unit_info(a)
     assert info["attempt"] == 1 and info["weights_version"] == 1  # a restarted generator re-submits these
+    # Each unit records the window it was issued in (the merge rule's cap), kept on regeneration.
+    assert info["in_flight"] == 2 and store.unit_info(b)["in_flight"] == 2
+    assert "cap" not in next(m for m in store.metrics("merge") if m["unit"] == b)["merge_rule"]  # 2/2: none
 
     # The job system names which issue each result answers: <unit>_r1_0 and <unit>_0.
     fresh = (f"{a}_r1_0", _result(tmp_path / "fresh", store, a, 1, 3.0))

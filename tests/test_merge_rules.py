@@ -62,6 +62,48 @@ def test_delta_applies_the_clients_progress_from_its_base() -> None:
         naive.apply(vec(10, 10), wc, None, 0)
 
 
+def test_capped_delta_bounds_what_a_round_from_one_base_adds() -> None:
+    """k units from one base: uncapped, their deltas add up to H(k) times one step (2.7 at
+    k = 8); capped at CAP_SHARE/k, to at most CAP_SHARE steps (1.6 at k = 8). With the
+    same delta from each, the step taken is the sum of the weights, exactly."""
+    k = 8
+    rng = np.random.default_rng(3)
+    wb = rng.normal(size=32).astype(F)
+    d = rng.normal(size=32).astype(F)
+    rule = R.MergeRule("delta", staleness=R.Staleness("poly", p=1.0), server_lr=1.0, cap_in_flight=True)
+    capped = rule.capped(k)
+    assert R.CAP_SHARE == 2.0 and capped.max_weight == pytest.approx(2 / k)
+    assert [capped.weight(s) for s in (0, 3, 4, 7)] == pytest.approx([1 / 4, 1 / 4, 1 / 5, 1 / 8])
+
+    def round_step(r: R.MergeRule) -> float:
+        ws = wb.copy()
+        for s in range(k):
+            r.apply(ws, wb + d, wb, s)
+        return float(np.linalg.norm(ws - wb) / np.linalg.norm(d))
+
+    assert round_step(capped) == pytest.approx(sum(min(0.25, 1 / (1 + s)) for s in range(k)), rel=1e-5)
+    assert round_step(capped) < 1.7 < 2.7 < round_step(rule)  # cap_in_flight acts only through capped()
+    # two or fewer in flight, or a rule that does not cap: unchanged
+    assert rule.capped(2) is rule and rule.capped(1) is rule and R.MergeRule("delta").capped(8).max_weight == 1.0
+    assert "cap 0.25" in capped.describe() and "cap" not in rule.describe()
+    with pytest.raises(ValueError, match="max_weight"):
+        R.MergeRule("delta", max_weight=0.0)
+
+
+def test_a_capped_merge_replays_bit_for_bit_and_an_old_record_replays_uncapped() -> None:
+    from boinc_dl.server.assimilator.policy import REPLAYABLE
+
+    rng = np.random.default_rng(4)
+    ws, wc = rng.normal(size=16).astype(F), rng.normal(size=16).astype(F)
+    rec = {"name": "fedasync", "alpha": 0.0, "server_lr": 1.0,
+           "staleness": {"kind": "poly", "p": 1.0, "a": 10.0, "b": 4.0}}
+    params = {"rule": {**rec, "max_weight": 0.25}, "s": 0, "scale": 1.0, "base": None}
+    live = R.MergeRule("fedasync", 0.0, R.Staleness("poly", p=1.0), max_weight=0.25).apply(ws.copy(), wc, None, 0)
+    assert np.array_equal(R.apply(REPLAYABLE, ws.copy(), wc, params, slice(0, 16)), live)
+    old = {"rule": rec, "s": 0, "scale": 1.0, "base": None}  # written before the cap: full weight
+    assert np.array_equal(R.apply(REPLAYABLE, ws.copy(), wc, old, slice(0, 16)), wc)
+
+
 def test_delta_at_staleness_zero_with_lr_one_minus_a_is_the_paper() -> None:
     rng = np.random.default_rng(1)
     ws, wc = rng.normal(size=64).astype(F), rng.normal(size=64).astype(F)
@@ -324,3 +366,20 @@ def test_zeroth_order_loss_check() -> None:
     assert bound is not None and bound < 0.2
     assert R.loss_check_passes(-1.0, bound)  # the held-out loss fell: always passes
     assert not R.loss_check_passes(0.5, bound) and not R.loss_check_passes(math.nan, bound)
+
+
+def test_the_jobs_rule_caps_by_the_units_in_flight_its_record_says() -> None:
+    from boinc_dl.server.assimilator.policy import MAX_IN_FLIGHT, in_flight_of, rule_for
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(vcasgd={"merge_rule": "delta"})
+    assert rule_for(spec, 1, in_flight_of({"in_flight": 8})).weight(0) == pytest.approx(2 / 8)
+    # records written before the window was kept, or hostile-looking values: no cap, bounded
+    for info in ({}, {"in_flight": None}, {"in_flight": "x"}, {"in_flight": -3}, {"in_flight": 0}):
+        assert in_flight_of(info) == 1 and rule_for(spec, 1, in_flight_of(info)).weight(0) == 1.0
+    assert in_flight_of({"in_flight": 10**12}) == MAX_IN_FLIGHT
+    off = tiny_spec(vcasgd={"merge_rule": "delta", "cap_by_in_flight": False})
+    assert rule_for(off, 1, 8).weight(0) == 1.0
+    # the mixing rules keep their own weights
+    assert rule_for(tiny_spec(vcasgd={"merge_rule": "paper"}), 1, 8).max_weight == 1.0
+    assert rule_for(tiny_spec(vcasgd={"merge_rule": "fedasync"}), 1, 8).max_weight == 1.0

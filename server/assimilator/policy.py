@@ -53,14 +53,16 @@ RADIUS = "update_norm"
 REPLAYABLE = rules.PLANNED
 
 
-def rule_for(spec: JobSpec, epoch: int) -> rules.MergeRule:
-    """The merge rule of ``spec`` for a unit of ``epoch``."""
+def rule_for(spec: JobSpec, epoch: int, in_flight: int = 1) -> rules.MergeRule:
+    """The merge rule of ``spec`` for a unit of ``epoch`` issued while ``in_flight`` units
+    were in flight (the ``delta`` rule caps a result's weight at ``1/in_flight``)."""
     if spec.mode != "vcasgd":
         return rules.MergeRule("paper", 0.0)  # MOP: the unit's weights replace the model's
     v = spec.vcasgd
     stale = rules.Staleness("poly", p=v.staleness_power)
     if v.merge_rule == "delta":
-        return rules.MergeRule("delta", staleness=stale, server_lr=v.server_lr)
+        return rules.MergeRule("delta", staleness=stale, server_lr=v.server_lr,
+                               cap_in_flight=v.cap_by_in_flight).capped(in_flight)
     if v.merge_rule == "fedasync":
         return rules.MergeRule("fedasync", v.alpha_for(epoch), stale)
     return rules.MergeRule("paper", v.alpha_for(epoch))
@@ -101,7 +103,8 @@ class MergePlan:
         """What a replay needs to recompute this merge bit for bit (JSON)."""
         st = self.rule.staleness
         return {"rule": {"name": self.rule.name, "alpha": self.rule.alpha, "server_lr": self.rule.server_lr,
-                         "staleness": {"kind": st.kind, "p": st.p, "a": st.a, "b": st.b}},
+                         "staleness": {"kind": st.kind, "p": st.p, "a": st.a, "b": st.b},
+                         "max_weight": self.rule.max_weight},
                 "s": self.staleness, "scale": self.scale, "base": self.base_path if self.base is not None else None}
 
     def combine(self, wc: np.ndarray) -> Any:
@@ -132,10 +135,24 @@ def base_of(info: dict[str, Any], attempt: int | None) -> tuple[int | None, str 
     return (int(v) if v is not None else None), (info.get("files") or {}).get(WEIGHTS_IN)
 
 
+#: Units in flight a record may claim: the server's own record, bounded all the same.
+MAX_IN_FLIGHT = 1_000_000
+
+
+def in_flight_of(info: dict[str, Any]) -> int:
+    """Units in flight when the unit was issued (the generator's ``in_flight``), 1 for a
+    unit recorded before it was kept (no cap: what such a unit's merge did then)."""
+    try:
+        k = int(info.get("in_flight") or 1)
+    except (TypeError, ValueError):
+        return 1
+    return min(MAX_IN_FLIGHT, max(1, k))
+
+
 def plan_merge(store: JobStore, spec: JobSpec, info: dict[str, Any], model: str, epoch: int,
                wc: np.ndarray, fp: Fingerprint, attempt: int | None = None) -> MergePlan:
     """The plan of merging ``wc``, a result of ``attempt`` of the unit recorded as ``info``."""
-    rule = rule_for(spec, epoch)
+    rule = rule_for(spec, epoch, in_flight_of(info))
     base_version, base_path = base_of(info, attempt)
     now = store.version(model)
     staleness = max(0, now - (base_version if base_version is not None else now))
@@ -145,7 +162,7 @@ def plan_merge(store: JobStore, spec: JobSpec, info: dict[str, Any], model: str,
         # The unit's base is gone (removed by hand): damp the result by its staleness with
         # a mix instead, which needs no base.
         log.warning("unit base weights missing (%s): mixing this result instead", base_path)
-        rule = rules.MergeRule("fedasync", 0.0, rule.staleness)
+        rule = rules.MergeRule("fedasync", 0.0, rule.staleness, max_weight=rule.max_weight)
     norm = rules.update_norm(wc, base) if base is not None else None
     scale = rules.clip_scale(norm, radius) if norm is not None else 1.0
     return MergePlan(rule, staleness, base_version, base, base_path, scale, norm, radius)

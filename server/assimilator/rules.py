@@ -33,6 +33,15 @@ weight, :class:`Staleness`):
 ``momentum``  ``m <- mu*m + S(s)*d; ws <- ws + lr*m``            (server momentum; with
               ``buffer_k > 1`` the momentum step is taken at each flush of the buffer)
 
+``max_weight`` caps ``S(s)`` (every rule but ``paper``): the job's default ``delta`` caps it
+at ``CAP_SHARE/k`` with ``k`` units in flight (:meth:`MergeRule.capped`). In steady state a
+result is about ``k - 1`` merges old and ``S = 1/k`` anyway; the cap matters when many
+units start from one base (the first epoch; the second too when the first round ends
+together): there ``S(0) + S(1) + ... + S(k-1)`` would add up to ``H(k)`` (2.7 at 8 in
+flight) times one unit's step, and the shipped example's early epochs swung between 0.19
+and 0.96 (docs/merge-rules.md). Capped at ``2/k``, such a round adds 1.6 steps at 8 in
+flight.
+
 Per-shard server state that must live in Redis beside each weights shard (same hash
 tag, so it is in the shard's slot and in the same ``WATCH``/``MULTI``/``EXEC``):
 
@@ -73,7 +82,7 @@ import math
 import os
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -141,6 +150,15 @@ class ShardState:
 
 
 # ---- rules ---------------------------------------------------------------------------------
+#: A result of a rule that caps by the units in flight weighs at most ``CAP_SHARE / k``
+#: with ``k`` in flight. 1 makes a round from one base apply the mean of its deltas (FedAvg's
+#: step): steady, but on digits it cost the first epoch 5-25 points at 32 and 128 in flight
+#: (tiny subsets, whose deltas the uncapped rule adds up to H(k) times); 2 kept the shipped
+#: example's epochs from swinging and lost at most 1.4 points against the uncapped rule
+#: in the simulated bench (docs/merge-rules.md, "The cap").
+CAP_SHARE = 2.0
+
+
 @dataclass(frozen=True)
 class MergeRule:
     """One merge rule and its parameters (``spec.vcasgd`` would carry these).
@@ -156,6 +174,10 @@ class MergeRule:
     server_lr: float = 0.5
     buffer_k: int = 1
     momentum: float = 0.0
+    #: the most ``S(s)`` may be (``capped(k)``: ``1/k`` with ``k`` units in flight)
+    max_weight: float = 1.0
+    #: whether :meth:`capped` applies (the job's ``delta`` rule; the bench's ``-cap`` rules)
+    cap_in_flight: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in RULES:
@@ -168,6 +190,8 @@ class MergeRule:
             raise ValueError("buffer_k must be >= 1")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError("momentum must be in [0, 1)")
+        if not (0.0 < self.max_weight <= 1.0):
+            raise ValueError("max_weight must be in (0, 1]")
         if self.name == "fedbuff" and self.momentum:
             raise ValueError("fedbuff with momentum is the rule 'momentum' with buffer_k > 1")
 
@@ -191,7 +215,16 @@ class MergeRule:
 
     def weight(self, s: float) -> float:
         """The staleness weight this rule gives a result of staleness ``s``."""
-        return self.staleness.weight(s) if self.name != "paper" else 1.0
+        return min(self.max_weight, self.staleness.weight(s)) if self.name != "paper" else 1.0
+
+    def capped(self, in_flight: int) -> MergeRule:
+        """This rule for a result issued with ``in_flight`` units in flight: its weight at
+        most ``CAP_SHARE / in_flight`` when the rule caps by the units in flight, else
+        unchanged."""
+        cap = CAP_SHARE / max(1, int(in_flight))
+        if not self.cap_in_flight or cap >= 1.0:
+            return self
+        return replace(self, max_weight=cap)
 
     def new_state(self, n: int) -> ShardState:
         """The initial state of a shard of ``n`` values (zeros; empty for stateless rules)."""
@@ -201,10 +234,11 @@ class MergeRule:
     def describe(self) -> str:
         st = self.staleness
         sw = {"const": "", "poly": f", poly p={st.p:g}", "hinge": f", hinge a={st.a:g} b={st.b:g}"}[st.kind]
+        cap = f", cap {self.max_weight:.3g}" if self.max_weight < 1.0 else ""
         if self.name in MIX_RULES:
-            return f"{self.name}(a={self.alpha:g}{sw})"
+            return f"{self.name}(a={self.alpha:g}{sw}{cap})"
         extra = (f", K={self.buffer_k}" if self.buffer_k > 1 else "") + \
-                (f", mu={self.momentum:g}" if self.momentum else "")
+                (f", mu={self.momentum:g}" if self.momentum else "") + cap
         return f"{self.name}(lr={self.server_lr:g}{sw}{extra})"
 
     def apply(self, ws: np.ndarray, wc: np.ndarray, wb: np.ndarray | None, s: float,
@@ -718,7 +752,9 @@ def _replayable_merge(ws: np.ndarray, wc: np.ndarray, params: Any, sl: slice) ->
     (live, or replayed from the log)."""
     r = params["rule"]
     st = r["staleness"]
+    # max_weight: absent from records written before the cap existed (then 1: no cap)
     rule = MergeRule(r["name"], float(r["alpha"]), Staleness(st["kind"], float(st["p"]), float(st["a"]),
-                                                                          float(st["b"])), float(r["server_lr"]))
+                                                                          float(st["b"])), float(r["server_lr"]),
+                     max_weight=float(r.get("max_weight", 1.0)))
     base = _base_for_replay(params["base"])[sl] if params.get("base") else None
     return rule.apply(ws, wc, base, float(params["s"]), None, float(params["scale"]))

@@ -86,6 +86,10 @@ class VCASGDSpec(_Strict):
         "W_s += (1-a) * (W_c - W_s) / (1+s)^p; paper: W_s <- a*W_s + (1-a)*W_c (s: the result's staleness)")
     staleness_power: float = Field(1.0, ge=0.0, le=8.0, description="p of the staleness weight (1+s)^-p")
     server_lr: float = Field(1.0, gt=0.0, le=10.0, description="delta: the weight of a fresh result's update")
+    cap_by_in_flight: bool = Field(
+        True, description="delta: a result's staleness weight at most 1/k, k the units in flight when it was "
+        "issued, so that a round of units from one base adds the mean of their updates, not ~ln(k) times one "
+        "(false: the uncapped rule)")
     alpha: float | AlphaSchedule = Field("e/(e+1)", description="paper, fedasync: constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"
     window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots")

@@ -86,6 +86,7 @@ class VCASGDWorkGenerator:
         #: how many hosts are asking; see :meth:`current_window`.
         self.window = window or spec.vcasgd.window or backend.capacity or 8
         self._fixed_window = window
+        self._issue_window: int | None = None  # the window of the step now creating units
         self.n = n_shards(spec)
         self.model = "0"
         self.fp = store.fingerprint(self.model)
@@ -176,6 +177,10 @@ class VCASGDWorkGenerator:
         wu = self._describe(epoch, shard, version, wpath)
         info = {"epoch": epoch, "shard": shard, "model": self.model, "weights_version": version,
                 "created_at": time.time(), "files": wu.files,
+                # the units meant to be in flight as it is issued (the window): the merge
+                # rule's cap (policy.rule_for). Not the count so far: a round's first unit
+                # would get the full weight the cap exists to spread.
+                "in_flight": self._issue_window or self.window,
                 # each attempt's base (a late original and its regeneration start from different
                 # weights): what the merge measures a result's staleness and update against
                 "bases": {"0": [version, str(wpath)]}}
@@ -411,7 +416,8 @@ class VCASGDWorkGenerator:
         if self.status() in FINISHED:
             return False
         self.service_regenerations()
-        free = self.current_window() - self.in_flight()
+        self._issue_window = self.current_window()
+        free = self._issue_window - self.in_flight()
         while free > 0 and self._create_next():
             free -= 1
         return True
