@@ -359,7 +359,7 @@ def test_consumer_keeps_entries_while_redis_is_down(tmp_path: Path, proj) -> Non
     spool.mkdir()
     files = write_result(tmp_path / "up", store.job, units[0], fp, 2.0)
     assert run_shim(spool, "101", *map(str, files)).returncode == 0
-    consumer = spool_consumer.SpoolConsumer(spool, proj, r)
+    consumer = spool_consumer.SpoolConsumer(spool, proj, r, retry_s=1.0)  # waits 1 s, not 30, per outage
     srv.stop()
     (res,) = consumer.run_once()
     assert res.action == "retry" and res.reason.startswith("redis")

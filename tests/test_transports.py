@@ -90,7 +90,7 @@ def rig(request, redis_server, tmp_path: Path) -> Rig:
             shim = subprocess.run(["sh", str(SHIM), "17", *paths], env={**os.environ, "BDL_SPOOL": str(spool)},
                                   capture_output=True, text=True, timeout=60)
             assert shim.returncode == 0, shim.stderr
-            (res,) = SpoolConsumer(spool, project, store.r).run_once()
+            (res,) = SpoolConsumer(spool, project, store.r, retry_s=store.retry_s).run_once()
             return res.status or res.action
         return _last_status(store, wu)
 
@@ -102,7 +102,7 @@ def rig(request, redis_server, tmp_path: Path) -> Rig:
             return _last_status(store, wu)
         subprocess.run(["sh", str(SHIM), "--error", str(mask), wu, "1", "0"],
                        env={**os.environ, "BDL_SPOOL": str(spool)}, check=True, timeout=60)
-        (res,) = SpoolConsumer(spool, project, store.r).run_once()
+        (res,) = SpoolConsumer(spool, project, store.r, retry_s=store.retry_s).run_once()
         return res.status or res.action
 
     return Rig(kind, store, units, deliver, give_up)
@@ -189,8 +189,8 @@ def test_redis_down_is_transient_and_loses_nothing(rig: Rig, redis_server) -> No
     u = rig.units[0]
     redis_server.stop()
     try:
+        rig.store.retry_s = 0.5  # how long one call waits out the outage (30 s by default)
         if rig.kind == "local":  # the assimilator process keeps the result and retries
-            rig.store.retry_s = 0.5
             with pytest.raises(StoreUnavailable):
                 rig.deliver(u, np.ones(N))
         else:  # BOINC's script exits 3, the spool keeps its entry

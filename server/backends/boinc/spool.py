@@ -57,7 +57,7 @@ from typing import Any
 
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import AssimilationOutcome
-from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.assimilator.store import DEFAULT_RETRY_S, JobStore
 from boinc_dl.server.backends.boinc.intake import (
     assimilate_give_up,
     assimilate_upload,
@@ -93,9 +93,12 @@ class EntryResult:
 class SpoolConsumer:
     """Process the entries of ``spool/assimilate`` for BOINC project ``project`` against Redis ``r``."""
 
-    def __init__(self, spool: str | Path, project: BoincProject, r: Any, mod: tuple[int, int] = (1, 0)):
+    def __init__(self, spool: str | Path, project: BoincProject, r: Any, mod: tuple[int, int] = (1, 0),
+                 retry_s: float = DEFAULT_RETRY_S):
         self.spool = Path(spool)
         self.project = project
+        #: how long one entry waits out an unreachable Redis before it is left for the next pass
+        self.retry_s = retry_s
         self.queue = self.spool / QUEUE
         self.dead = self.spool / "dead"
         self.trash = self.spool / "trash"
@@ -166,7 +169,7 @@ class SpoolConsumer:
             return self._bury(entry, f"result cannot be attributed to a job: BOINC's names {names} name no "
                                      "boinc-dl workunit")
         result = result_name_of((originals or missing)[0]) if (originals or missing) else ""
-        outcome = assimilate_upload(self.project, JobStore(self.r, job), wu, result, paths, missing=missing)
+        outcome = assimilate_upload(self.project, JobStore(self.r, job, retry_s=self.retry_s), wu, result, paths, missing=missing)
         return self._done(entry, outcome, job)
 
     def _error_call(self, entry: Path, argv: list[str]) -> EntryResult:
@@ -183,7 +186,7 @@ class SpoolConsumer:
         ident = parse_unit_name(wu_name)
         if ident is None:
             return self._bury(entry, f"workunit {wu_name!r} is not a boinc-dl unit")
-        outcome = assimilate_give_up(JobStore(self.r, ident["job"]), wu_name, mask)
+        outcome = assimilate_give_up(JobStore(self.r, ident["job"], retry_s=self.retry_s), wu_name, mask)
         return self._done(entry, outcome, ident["job"])
 
     def _files(self, entry: Path) -> list[Path]:
