@@ -701,7 +701,7 @@ def trained_flip_target(task: Task, tr: VecTrainer) -> np.ndarray:
     return tr.train([task.init()], [all_idx], [4242], [True])[0]
 
 
-def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "") -> dict[str, Any]:
+def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "", seed: int = 1) -> dict[str, Any]:
     """One patient attacker against a trained model: accepted attacker results needed to
     drop validation accuracy by 10 points (the issue measured 18-22 today)."""
     start = trained_start(task, tr, b.epochs)
@@ -733,7 +733,7 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "
             lt = start.loss_threshold
             lth = R.TrustedStatistic.from_dict({"values": [(0, v) for _, v in lt.values]},  # type: ignore[union-attr]
                                                **{f: getattr(lt, f) for f in fields})
-            r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=1,
+            r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=seed,
                          attack=Attack(attack, pattern=pattern),
                          defence=Defence(dk.removesuffix("+rep"), reputation=dk.endswith("+rep")),
                          init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
@@ -745,7 +745,7 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "
             if dk.endswith("+rep"):
                 txt += f" {r.attacker_caught}c/{r.attacker_honest}h"
             cells.append(txt)
-            out[f"{task.name}|{attack}|{rname}|{dk}|{pat}"] = {
+            out[f"{task.name}|{attack}|{rname}|{dk}|{pat}" + (f"|seed={seed}" if seed != 1 else "")] = {
                 "accepted_to_drop_10": hit, "attacker_sent": r.attacker, "attacker_accepted": r.attacker_accepted,
                 "attacker_caught_by_replica": r.attacker_caught, "attacker_honest_units": r.attacker_honest,
                 "acc_change": r.final - acc0}
@@ -834,6 +834,8 @@ def main() -> None:
     ap.add_argument("--single-only", default="",
                     help="single attacker: only these defences (comma list of e.g. trusted0+rep or "
                          "'trusted0/attacker only')")
+    ap.add_argument("--single-seeds", default="1", help="single attacker: comma list of seeds (completion "
+                    "order, replication draws)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -873,7 +875,10 @@ def main() -> None:
         if "poison" in sections:
             result[f"{ds}_poison"] = poison_section(b, task, tr)
         if "single" in sections:
-            result[f"{ds}_single"] = single_section(b, task, tr, cap, args.single_only)
+            result[f"{ds}_single"] = {}
+            for seed in (int(x) for x in args.single_seeds.split(",")):
+                print(f"\n(seed {seed})")
+                result[f"{ds}_single"].update(single_section(b, task, tr, cap, args.single_only, seed))
         print(f"[{ds}: {tr.units_trained} units trained in {tr.calls} batches, {tr.seconds:.0f} s of training]")
     if "cost" in sections:
         lat = latency_section()
