@@ -170,3 +170,12 @@ def test_check_fails_where_scripts_cannot_call_info(tmp_path: Path) -> None:
     assert res.returncode == 1, (res.stdout, res.stderr)
     assert "cannot call INFO" in res.stdout and "Traceback" not in res.stderr
     assert _findings(tmp_path / "ok", appendfsync="always") == []
+
+
+def test_data_dir_is_redis_own_directory_and_none_when_redis_is_gone(tmp_path: Path) -> None:
+    from boinc_dl.server.assimilator.persistence import data_dir
+
+    with EmbeddedRedis(tmp_path / "r") as srv:
+        client = connect(srv.url)
+        assert data_dir(client) == str(tmp_path / "r")
+    assert data_dir(client) is None  # stopped: best effort, never an exception

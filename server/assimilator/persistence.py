@@ -77,12 +77,13 @@ def data_dir(client: Any) -> str | None:
     """The directory the (first) Redis node writes its append-only file and snapshots in
     (``CONFIG GET dir``), or None when it cannot be read: where a "cannot write its AOF"
     fault is, for the message that says how much space is free there."""
-    for _, node in _nodes(client):
-        try:
-            d = _text(node.config_get("dir").get("dir", ""))
-        except (redis.RedisError, OSError, AttributeError):
-            return None
-        return d or None
+    # Best effort, called while handling another fault: whatever goes wrong here (Redis
+    # down as well, CONFIG renamed away, a cluster that cannot list its nodes) is None.
+    try:
+        for _, node in _nodes(client):
+            return _text(node.config_get("dir").get("dir", "")) or None
+    except Exception:  # noqa: BLE001
+        return None
     return None
 
 

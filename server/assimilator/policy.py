@@ -55,7 +55,7 @@ REPLAYABLE = rules.PLANNED
 
 def rule_for(spec: JobSpec, epoch: int, in_flight: int = 1) -> rules.MergeRule:
     """The merge rule of ``spec`` for a unit of ``epoch`` issued while ``in_flight`` units
-    were in flight (the ``delta`` rule caps a result's weight at ``1/in_flight``)."""
+    were in flight (the ``delta`` rule caps a result's weight at ``rules.CAP_SHARE / in_flight``)."""
     if spec.mode != "vcasgd":
         return rules.MergeRule("paper", 0.0)  # MOP: the unit's weights replace the model's
     v = spec.vcasgd

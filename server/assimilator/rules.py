@@ -174,7 +174,7 @@ class MergeRule:
     server_lr: float = 0.5
     buffer_k: int = 1
     momentum: float = 0.0
-    #: the most ``S(s)`` may be (``capped(k)``: ``1/k`` with ``k`` units in flight)
+    #: the most ``S(s)`` may be (``capped(k)``: ``CAP_SHARE / k`` with ``k`` units in flight)
     max_weight: float = 1.0
     #: whether :meth:`capped` applies (the job's ``delta`` rule; the bench's ``-cap`` rules)
     cap_in_flight: bool = False

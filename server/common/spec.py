@@ -87,8 +87,8 @@ class VCASGDSpec(_Strict):
     staleness_power: float = Field(1.0, ge=0.0, le=8.0, description="p of the staleness weight (1+s)^-p")
     server_lr: float = Field(1.0, gt=0.0, le=10.0, description="delta: the weight of a fresh result's update")
     cap_by_in_flight: bool = Field(
-        True, description="delta: a result's staleness weight at most 1/k, k the units in flight when it was "
-        "issued, so that a round of units from one base adds the mean of their updates, not ~ln(k) times one "
+        True, description="delta: a result's staleness weight at most 2/k, k the units in flight when it was "
+        "issued, so that a round of units from one base adds at most ~2 of their updates, not ~ln(k) "
         "(false: the uncapped rule)")
     alpha: float | AlphaSchedule = Field("e/(e+1)", description="paper, fedasync: constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"

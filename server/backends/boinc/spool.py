@@ -169,7 +169,8 @@ class SpoolConsumer:
             return self._bury(entry, f"result cannot be attributed to a job: BOINC's names {names} name no "
                                      "boinc-dl workunit")
         result = result_name_of((originals or missing)[0]) if (originals or missing) else ""
-        outcome = assimilate_upload(self.project, JobStore(self.r, job, retry_s=self.retry_s), wu, result, paths, missing=missing)
+        store = JobStore(self.r, job, retry_s=self.retry_s)
+        outcome = assimilate_upload(self.project, store, wu, result, paths, missing=missing)
         return self._done(entry, outcome, job)
 
     def _error_call(self, entry: Path, argv: list[str]) -> EntryResult:
