@@ -64,12 +64,6 @@ def test_one_slot_run_calibrates_a_merge_far_below_the_unit_time(past_run):
     assert read_calibration(run).units == cal.units  # the run directory works the same
     # Every unit records its first step's CPU: part of its training CPU, per unit.
     assert 0 < cal.first_step_s < cal.unit_compute_s(cal.examples_per_unit), cal.describe()
-    # epochs.csv's last column: the server process's CPU since the previous close (none
-    # for a run's first close, which includes its start-up), a few ms per unit
-    with (run / "epochs.csv").open(newline="") as f:
-        epochs = list(csv.DictReader(f))
-    assert list(epochs[0])[-1] == "server_cpu_s" and epochs[0]["server_cpu_s"] == ""
-    assert 0 < cal.server_cpu_s < 0.5 * cal.wall_s and f"{cal.server_cpu_s * 1e3:.1f} ms CPU per unit" in cal.describe()
 
 
 def test_first_step_is_a_per_unit_cost_and_the_rest_per_example(tmp_path):
@@ -131,17 +125,13 @@ def test_several_runs_pool_their_units_and_their_epoch_closes(tmp_path):
         train = 0.05 + per_ex * 1000
         (run / "units.csv").write_text("\n".join(
             [header] + [f"u{i},{train},{train + 0.1},{train},{train + 0.08},1000,0.05" for i in range(4)]) + "\n")
-        # server CPU per unit of epochs 2 and 3: (8, 12), (20, 24), (4, 10) ms: medians 10, 22, 7 ms
-        server = {0: ("", 0.032, 0.048), 1: ("", 0.080, 0.096), 2: ("", 0.016, 0.040)}[k]
-        (run / "epochs.csv").write_text("epoch,eval_s,units_ok,units_failed,server_cpu_s\n" + "".join(
-            f"{e + 1},{v},4,0,{c}\n" for e, (v, c) in enumerate(zip(evals, server, strict=True))))
+        (run / "epochs.csv").write_text("epoch,eval_s\n" + "".join(f"{e + 1},{v}\n" for e, v in enumerate(evals)))
     runs = [tmp_path / f"run{k}" for k in range(3)]
     cal = read_calibrations(runs)
     assert cal.units == 12 and cal.compute_per_example_s == pytest.approx(110e-6)
     assert cal.first_step_s == pytest.approx(0.05) and cal.overhead_s == pytest.approx(0.08)
     # each run's closes: (0.11, +0.19), (0.15, +0.35), (0.11, +0.29): their medians
     assert cal.eval_s == pytest.approx(0.11) and cal.first_eval_extra_s == pytest.approx(0.29)
-    assert cal.server_cpu_s == pytest.approx(0.010)  # the median of the runs' medians
     assert "3 runs" in cal.source
     assert read_calibrations(runs[:1]) == read_calibration(runs[0])
     with pytest.raises(CalibrationError, match="without units.csv"):
@@ -186,30 +176,3 @@ def test_plan_refuses_a_garbled_units_csv(past_run, tmp_path):
     out = boinc_dl("plan", str(work / "spec.yaml"), "--calibrate", str(bad), cwd=work, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "not a run's units.csv" in out.stderr and "Traceback" not in out.stderr
-
-
-def test_the_server_process_cpu_per_unit_is_in_the_plan(tmp_path):
-    """The run's own process creates and hands over every unit: CPU on the same cores as
-    the slots. One slot waits for it after every unit (12 units x 20 ms an epoch); six
-    slots on two cores wait less (others train meanwhile) but it shares their cores."""
-    from dataclasses import replace
-
-    from boinc_dl.server.planner.calibrate import server_cpu_per_unit
-    from boinc_dl.server.planner.local import LocalCandidate, Machine, predict
-
-    assert server_cpu_per_unit([{"server_cpu_s": "", "units_ok": "4"}, {"server_cpu_s": "0.04", "units_ok": "3",
-                                                                       "units_failed": "1"}]) == pytest.approx(0.01)
-    assert server_cpu_per_unit([{"server_cpu_s": "x", "units_ok": "4"}, {"server_cpu_s": "1", "units_ok": "0"}]) == 0
-    header = "unit,train_s,wall_s,train_cpu_s,cpu_s,examples_seen,first_step_cpu_s,merge_s,merge_cpu_s,commit_s"
-    (tmp_path / "units.csv").write_text("\n".join(
-        [header] + [f"u{i},0.15,0.25,0.15,0.2,1000,0.05,0.004,0.003,0.0003" for i in range(4)]) + "\n")
-    cal = read_calibration(tmp_path)
-    machine = Machine(cores=2, memory_bytes=None)
-    kw = {"epochs": 2, "params": 10_000, "n_train": 1437, "local_epochs": 4}
-
-    def epoch_s(server_cpu_s: float, slots: int) -> float:
-        return predict(replace(cal, server_cpu_s=server_cpu_s), LocalCandidate(1, slots, 1, 12), machine,
-                       **kw).pred.epoch_s
-
-    lone, crowded = (epoch_s(0.02, k) - epoch_s(0.0, k) for k in (1, 6))
-    assert lone == pytest.approx(12 * 0.02, rel=0.05) and 0.01 < crowded < lone

@@ -89,9 +89,6 @@ class Calibration:
     first_unit_extra_s: float = 0.0  # the first unit's extra wall time (a slot's first unit traces the model)
     eval_s: float = 0.0  # the generator's evaluation of the server weights when it closes an epoch
     first_eval_extra_s: float = 0.0  # ... and the extra of the first one (it loads the model)
-    #: the server process's CPU per unit (creating and dispatching it, the run's polling;
-    #: epochs.csv's ``server_cpu_s``): shared CPU on a local run's cores
-    server_cpu_s: float = 0.0
     boinc: BoincTimes | None = None  # a BOINC job's host side, from BOINC's result table
     #: CPU per unit as a function of the units running at once (g = 0: not calibrated)
     contention: Contention = field(default_factory=Contention)
@@ -113,8 +110,7 @@ class Calibration:
                self.validate_s is not None and self.commit_s is not None
                else "no server durations recorded (older units.csv): merge cost estimated from the model size")
         ev = (f"; epoch close: evaluation {self.eval_s:.3f} s (first +{self.first_eval_extra_s:.3f} s), "
-              f"first unit +{self.first_unit_extra_s:.3f} s; server process {self.server_cpu_s * 1e3:.1f} ms "
-              f"CPU per unit")
+              f"first unit +{self.first_unit_extra_s:.3f} s")
         return (f"{self.units} merged units of {self.source}: unit compute "
                 f"{self.first_step_s:.3f} s first step + "
                 f"{self.compute_per_example_s * 1e6:.1f} us/example x {self.examples_per_unit:,.0f} examples = "
@@ -178,8 +174,8 @@ def _rows(p: Path) -> Iterable[dict[str, str]]:
 def read_calibration(path: Path | str) -> Calibration:
     """Calibrate from a run directory or its ``units.csv`` (rows of failed units skipped)."""
     p = units_csv_path(path)
-    ev, ev_first, server = _epoch_evals(p.parent / "epochs.csv")
-    return replace(calibration_from_rows(_rows(p), str(p), ev, ev_first), server_cpu_s=server)
+    ev, ev_first = _epoch_evals(p.parent / "epochs.csv")
+    return calibration_from_rows(_rows(p), str(p), ev, ev_first)
 
 
 def read_calibrations(paths: Sequence[Path | str]) -> Calibration:
@@ -193,17 +189,15 @@ def read_calibrations(paths: Sequence[Path | str]) -> Calibration:
     if not paths:
         raise CalibrationError("no run to calibrate from")
     rows: list[dict[str, str]] = []
-    evals: list[tuple[float, float, float]] = []
+    evals: list[tuple[float, float]] = []
     for i, path in enumerate(paths):
         p = units_csv_path(path)
         # Tagged with their run: concurrency is counted within one run.
         rows += ({**r, "_run": str(i)} for r in itertools.islice(_rows(p), MAX_ROWS - len(rows)))
         evals.append(_epoch_evals(p.parent / "epochs.csv"))
-    timed = [e for e in evals if e[:2] != (0.0, 0.0)] or [(0.0, 0.0, 0.0)]
-    servers = [e[2] for e in evals if e[2] > 0] or [0.0]
-    cal = calibration_from_rows(rows, f"{len(paths)} runs ({', '.join(str(x) for x in paths)})",
-                                statistics.median(e[0] for e in timed), statistics.median(e[1] for e in timed))
-    return replace(cal, server_cpu_s=statistics.median(servers))
+    timed = [e for e in evals if e != (0.0, 0.0)] or [(0.0, 0.0)]
+    return calibration_from_rows(rows, f"{len(paths)} runs ({', '.join(str(x) for x in paths)})",
+                                 statistics.median(e[0] for e in timed), statistics.median(e[1] for e in timed))
 
 
 def read_unit_rows(path: Path | str) -> list[dict[str, str]]:
@@ -336,30 +330,15 @@ def _fit(cal: Calibration, units: list[_Unit], from_alone: bool) -> Contention:
     return fit_contention(samples)
 
 
-def _epoch_evals(p: Path) -> tuple[float, float, float]:
-    """:func:`epoch_evals` and :func:`server_cpu_per_unit` of the run's ``epochs.csv``
-    beside its units.csv; zeros without it."""
+def _epoch_evals(p: Path) -> tuple[float, float]:
+    """:func:`epoch_evals` of the run's ``epochs.csv`` beside its units.csv; (0, 0) without it."""
     if not p.is_file() or p.stat().st_size > MAX_BYTES:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     try:
         with p.open(newline="", encoding="utf-8") as f:
-            rows = list(itertools.islice(csv.DictReader(f), MAX_ROWS))
+            return epoch_evals(list(itertools.islice(csv.DictReader(f), MAX_ROWS)))
     except (OSError, UnicodeDecodeError, csv.Error):
-        return 0.0, 0.0, 0.0
-    return (*epoch_evals(rows), server_cpu_per_unit(rows))
-
-
-def server_cpu_per_unit(rows: Iterable[Mapping[str, Any]]) -> float:
-    """The median over a job's closed epochs of the server process's CPU per unit settled
-    (``server_cpu_s / (units_ok + units_failed)``; epochs without it skipped: the first
-    close of a run includes its start-up); 0 when no epoch recorded it."""
-    per: list[float] = []
-    for r in itertools.islice(rows, MAX_ROWS):
-        cpu = _float(r.get("server_cpu_s"))
-        n = (_float(r.get("units_ok")) or 0.0) + (_float(r.get("units_failed")) or 0.0)
-        if cpu is not None and n >= 1:
-            per.append(cpu / n)
-    return statistics.median(per) if per else 0.0
+        return 0.0, 0.0
 
 
 def epoch_evals(rows: Iterable[Mapping[str, Any]]) -> tuple[float, float]:

@@ -13,10 +13,7 @@ cores over one second of ``/proc/stat``) sharing the cores too. The dispatch lat
 the run loop's: the generator steps every 50 ms.
 The simulation also has each slot's first unit tracing the model, and the generator's
 evaluation at each epoch's close but the last (after the last merge), creating no unit
-meanwhile (both from the calibration run's records, CPU work on the same cores). The
-run's own process (creating each unit, handing it to a slot, polling) is CPU work on the
-same cores too, one unit at a time: its CPU per unit is the calibration run's
-(``epochs.csv``'s ``server_cpu_s``), and with many slots busy it waits for a core.
+meanwhile (both from the calibration run's records, CPU work on the same cores).
 
 Candidates: C x T slots up to twice the cores (more only queue for them) and what the
 memory holds at :data:`SLOT_MEMORY_BYTES` a slot, P up to the slots, the spec's unit
@@ -139,8 +136,7 @@ def local_model(cal: Calibration, cand: LocalCandidate, machine: Machine, *, epo
                         cpu_cores=machine.cores, merge_shared_s=merge * SHARED_MERGE_RATIO, colocated=True,
                         commit_s=cal.commit_s or 0.0, background=machine.background,
                         epoch_close_s=cal.eval_s, first_close_extra_s=cal.first_eval_extra_s,
-                        first_unit_extra_s=cal.first_unit_extra_s, contention=cal.contention.g,
-                        create_s=cal.server_cpu_s)
+                        first_unit_extra_s=cal.first_unit_extra_s, contention=cal.contention.g)
     # The whole unit is CPU work on the shared cores (stage_s, colocated): nothing of it a delay.
     host = HostType("this machine", unit_s=0.0, cores=1 << 20, bandwidth_mbps=1e15)
     cfg = Config(((host, cand.workers),), cand.slots, cand.assimilators, window=window, timeout_s=timeout_s)
@@ -154,7 +150,7 @@ def bound_of(cfg: Config, costs: ServerCosts) -> str:
     stage = costs.stage_s * factor(costs.contention, cfg.total_slots)
     slots = cfg.total_slots / (stage + costs.dispatch_s)
     m = costs.merge_cpu_s(cfg.assimilators)
-    cores = max(0.1, (costs.cpu_cores or 1) - costs.background) / (stage + m + costs.commit_s + costs.create_s)
+    cores = max(0.1, (costs.cpu_cores or 1) - costs.background) / (stage + m + costs.commit_s)
     servers = min(cfg.assimilators / (m + costs.commit_s), 1 / costs.commit_s if costs.commit_s > 0 else math.inf)
     if servers < min(slots, cores):
         return "servers"

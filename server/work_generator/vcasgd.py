@@ -87,9 +87,6 @@ class VCASGDWorkGenerator:
         self.window = window or spec.vcasgd.window or backend.capacity or 8
         self._fixed_window = window
         self._issue_window: int | None = None  # the window of the step now creating units
-        # This process's CPU seconds at the last epoch close (None: none closed yet here):
-        # each epoch record says what the server process spent on it, for the planner.
-        self._cpu_mark: float | None = None
         self.n = n_shards(spec)
         self.model = "0"
         self.fp = store.fingerprint(self.model)
@@ -318,15 +315,9 @@ class VCASGDWorkGenerator:
     # ---- epochs ---------------------------------------------------------------------------
     def _epoch_summary(self, epoch: int, counts: dict[str, float]) -> dict[str, Any]:
         flat, version = self.store.get_weights(self.model)
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0 = time.perf_counter()
         loss, acc = self.evaluator().evaluate(flat)
         eval_s = time.perf_counter() - t0
-        cpu1 = time.process_time()
-        # The server process's CPU since the previous close, the evaluation apart: creating
-        # units, the job system's dispatching, the run's polling (a run's first epoch and
-        # a resumed run's first close include start-up: None there).
-        server_cpu_s = (cpu0 - self._cpu_mark) if self._cpu_mark is not None else None
-        self._cpu_mark = cpu1
         # The epoch's units by name (marks are per subset, regenerated units included): no
         # need to read every unit record of the job at each epoch end.
         units = [unit_name(self.spec.name, epoch, k, self.model) for k in range(self.n)]
@@ -349,7 +340,6 @@ class VCASGDWorkGenerator:
             "eval_s": eval_s,
             "merge_rule": self.spec.vcasgd.merge_rule,
             "alpha": self.spec.vcasgd.alpha_for(epoch) if self.spec.vcasgd.merge_rule != "delta" else None,
-            "server_cpu_s": server_cpu_s,  # last: epochs.csv keeps its earlier columns in place
         }
 
     def close_epochs(self) -> list[int]:
