@@ -120,8 +120,10 @@ class Job:
             write_weights(base, WeightsFile(flat, self.fp, job=self.spec.name, model="0", base_version=version))
         unit = f"{self.spec.name}__m0_e{e:04d}_s{uid:04d}"
         self.epoch_of[unit] = e
+        # as the work generator records a unit: its base, and the window it was issued in
+        # (the default rule's cap, policy.rule_for)
         self.store.register_unit(unit, {"epoch": e, "shard": k, "model": "0", "weights_version": version,
-                                        "files": {WEIGHTS_IN: str(base)}}, e)
+                                        "in_flight": self.args.D, "files": {WEIGHTS_IN: str(base)}}, e)
         return unit, k, str(base)
 
     def final_accuracy(self) -> tuple[float, int]:
