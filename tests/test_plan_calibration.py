@@ -11,14 +11,17 @@ from __future__ import annotations
 import csv
 import re
 import shutil
+import signal
 import statistics
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
 from boinc_dl.server.run.outputs import UNIT_TIMINGS
-from tests.support.cli import boinc_dl, small_digits_spec
+from tests.support.cli import ENV, boinc_dl, boinc_dl_command, small_digits_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,9 +100,25 @@ def test_plan_with_no_fleet_plans_the_local_backend(past_run):
     assert "expected error" in text
 
 
-def test_plan_with_no_fleet_and_no_past_run_calibrates_here(past_run):
+def test_plan_with_no_fleet_and_no_past_run_calibrates_here(past_run, tmp_path):
     work, _ = past_run
-    out = boinc_dl("plan", "spec.yaml", cwd=work, timeout=300)
+    # A plan SIGKILLed while its calibration runs: its directory is left behind, and the
+    # next plan removes it.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**ENV, "TMPDIR": str(tmp)}
+    killed = subprocess.Popen([*boinc_dl_command(), "plan", "spec.yaml"], cwd=work, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp.glob("bdl-plan-cal.*/run-1")):
+        assert killed.poll() is None and time.monotonic() < deadline, "no calibration run started"
+        time.sleep(0.05)
+    killed.kill()
+    assert killed.wait(30) == -signal.SIGKILL
+    orphans = list(tmp.glob("bdl-plan-cal.*"))
+    assert orphans
+    out = boinc_dl("plan", "spec.yaml", cwd=work, timeout=300, env=env)
+    assert not any(d.exists() for d in orphans) and not list(tmp.glob("bdl-plan-cal.*"))
     assert out.returncode == 0, out.stdout + out.stderr
     text = " ".join(out.stdout.split())
     assert re.search(r"calibrating: two epochs of the spec's real units on this host \(1 slot, then (\d+) slots\)",

@@ -50,12 +50,16 @@ def calibration_run(spec, spec_file: Path, crowd_slots: int = 0):
 
     from rich.console import Console
 
+    from boinc_dl.server.common.procs import owned_prefix, sweep_orphaned_dirs
     from boinc_dl.server.common.spec import parse_spec
     from boinc_dl.server.planner.calibrate import read_calibrations
     from boinc_dl.server.run.job import run_job
 
     shapes = [(1, None)] + ([(crowd_slots, 2 * crowd_slots)] if crowd_slots > 1 else [])
-    with tempfile.TemporaryDirectory(prefix="bdl-plan-cal-") as tmp:
+    # A plan SIGKILLed during its calibration runs could not remove their directory:
+    # the next plan does (its owner's process is gone).
+    sweep_orphaned_dirs(Path(tempfile.gettempdir()), "bdl-plan-cal.")
+    with tempfile.TemporaryDirectory(prefix=owned_prefix("bdl-plan-cal")) as tmp:
         dirs = []
         for slots, units in shapes:
             data = spec.model_dump()

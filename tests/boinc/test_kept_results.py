@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from boinc_dl.server.backends.boinc.intake import sweep_intake
+from boinc_dl.server.common.procs import sweep_orphaned_dirs as sweep_intake
 from boinc_dl.server.common.weights import upload_bound
 from tests.boinc.conftest import make_result, run_script, tiny_fp, unit
 

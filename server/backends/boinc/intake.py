@@ -31,6 +31,7 @@ from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common import bounded, diskfaults
 from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable
 from boinc_dl.server.common.paths import confined, is_safe_name
+from boinc_dl.server.common.procs import owned_prefix, sweep_orphaned_dirs
 from boinc_dl.server.common.spec import JOB_NAME_RE, spec_from_json
 from boinc_dl.server.common.workunit import parse_unit_name
 from boinc_dl.server.validator.checks import identify_files
@@ -167,9 +168,8 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
         missing = check_files([str(p) for p in paths])
     paths = [p for p in paths if str(p) not in set(missing)]
     spool = project.boincdl_dir / "spool"
-    sweep_intake(spool)
-    work = Path(tempfile.mkdtemp(prefix=f"{result if is_safe_name(result) else 'result'}.{os.getpid()}.",
-                                 dir=spool))
+    sweep_orphaned_dirs(spool)
+    work = Path(tempfile.mkdtemp(prefix=owned_prefix(result if is_safe_name(result) else "result"), dir=spool))
     copies: list[Path] = []
     spec_holder: dict[str, object] = {}
 
@@ -199,25 +199,6 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
         # spool when the job dir is under the project; else a copy), which its merge
         # log names until a snapshot covers it (server/assimilator/retained.py).
         shutil.rmtree(work, ignore_errors=True)
-
-
-def sweep_intake(spool: Path, prefix: str = "") -> None:
-    """Remove the intake directories (``<name>.<pid>.<random>`` under ``spool``, starting
-    with ``prefix``) of scripts that were killed (their process is gone): a SIGKILLed
-    script leaves no copy of an upload behind for longer than the next call."""
-    spool.mkdir(parents=True, exist_ok=True)
-    for d in spool.iterdir():
-        if not d.name.startswith(prefix):
-            continue
-        parts = d.name.rsplit(".", 2)
-        if len(parts) != 3 or not parts[1].isdigit() or not d.is_dir() or d.is_symlink():
-            continue
-        try:
-            os.kill(int(parts[1]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass
 
 
 #: ``result.validate_state`` of a result the validator found valid (db/boinc_db_types.h).

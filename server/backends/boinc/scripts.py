@@ -39,7 +39,6 @@ assimilator share one parser and one set of exit-code rules, and read best toget
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import sys
@@ -71,7 +70,6 @@ from boinc_dl.server.backends.boinc.intake import (
     result_name_of,
     split_results,
     store_for,
-    sweep_intake,
 )
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import (
@@ -86,6 +84,7 @@ from boinc_dl.server.common.errors import (
     UnknownJob,
     WeightsFormatError,
 )
+from boinc_dl.server.common.procs import owned_prefix, sweep_orphaned_dirs
 from boinc_dl.server.common.spec import spec_from_json
 from boinc_dl.server.common.weights import read_weights
 from boinc_dl.server.common.workunit import OUTPUT_NAMES, WEIGHTS_IN, parse_unit_name
@@ -338,8 +337,8 @@ def validate_init(project: BoincProject, argv: Sequence[str], tokens: Sequence[s
         log.error("called without result files (argv %s); on 1.6.x servers declare "
                   "--init_script with a single token", list(argv))
         return EXIT_TRANSIENT
-    sweep_intake(Path(tempfile.gettempdir()), "bdl-validate.")
-    tmp = Path(tempfile.mkdtemp(prefix=f"bdl-validate.{os.getpid()}."))
+    sweep_orphaned_dirs(Path(tempfile.gettempdir()), "bdl-validate.")
+    tmp = Path(tempfile.mkdtemp(prefix=owned_prefix("bdl-validate")))
     try:
         return _validate_one(project, call.files, tmp, call)
     except (StoreUnavailable, TransientFault, ServerResourceError) as e:
@@ -431,8 +430,8 @@ def validate_compare(project: BoincProject, argv: Sequence[str], tokens: Sequenc
     if len(groups) != 2 or not all(groups):
         log.error("compare needs the files of two results, got %s", list(argv))
         return EXIT_TRANSIENT
-    sweep_intake(Path(tempfile.gettempdir()), "bdl-compare.")
-    tmp = Path(tempfile.mkdtemp(prefix=f"bdl-compare.{os.getpid()}."))
+    sweep_orphaned_dirs(Path(tempfile.gettempdir()), "bdl-compare.")
+    tmp = Path(tempfile.mkdtemp(prefix=owned_prefix("bdl-compare")))
     try:
         return _compare(project, groups, tmp, call)
     except (StoreUnavailable, TransientFault, ServerResourceError) as e:
