@@ -179,11 +179,9 @@ def assimilate(store: JobStore, delivery: Delivery, records: Records | None = No
     except StoreUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - no input may kill the parameter server
-        fault = None
-        if isinstance(e, diskfaults.ServerResourceError) or diskfaults.server_fault(e) is not None:
-            # A fault that names no file is Redis refusing to write its AOF: its own
-            # directory is where the space is missing, not this process's working directory.
-            fault = diskfaults.as_server_error(e, persistence.data_dir(store.r) or os.getcwd())
+        # A fault that names no file is Redis refusing to write its AOF: its own directory
+        # is where the space is missing, not this process's working directory.
+        fault = diskfaults.as_server_error(e, lambda: persistence.data_dir(store.r) or os.getcwd())
         if fault is not None:  # the server's disk: its fault, never the result's (nothing recorded)
             raise fault from None
         log.exception("assimilation of %s (%s): unexpected error", wu, delivery.result)

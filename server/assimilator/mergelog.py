@@ -460,9 +460,13 @@ class LoggedMerging:
         try:
             replies = held.run(cmds)
         except redis.exceptions.NoScriptError:
-            held.run([("SCRIPT", "LOAD", sh.COMMIT_LOGGED if self.cluster else sh.COMMIT_MANY)])
+            held.run([("SCRIPT", "LOAD", self._commit_src())])
             replies = held.run(cmds)
         return self._commit_replies(replies, items)
+
+    def _commit_src(self) -> str:
+        """The commit script of this store: one shard per call in a cluster, many on one Redis."""
+        return sh.COMMIT_LOGGED if self.cluster else sh.COMMIT_MANY
 
     def _commit_cmds(self, model: str, unit: str, field: str,
                      items: list[tuple[int, bytes, bytes, memoryview]]) -> list[tuple[Any, ...]]:
@@ -566,7 +570,8 @@ class LoggedMerging:
                               combine_for: Callable[[int], Callable[[np.ndarray], Any]]
                               ) -> tuple[dict[int, tuple[str, int]] | None, bool]:
         """Lone-assimilator fast path (one Redis): every shard merged from its cached
-        copy and all committed in one round trip, each commit checking its own tag.
+        copy and committed in two pipelined calls (one with ``BDL_PIPELINED_COMMITS=0``),
+        each commit checking its own tag.
         Returns (shard -> (applied | skipped, version) for the shards done, or None when
         rejected; whether a shard was found not live)."""
         from boinc_dl.server.assimilator.merging import _Held, _writable
@@ -627,7 +632,7 @@ class LoggedMerging:
                             held.read(len(later))
                         except redis.exceptions.NoScriptError:
                             pass
-                    held.run([("SCRIPT", "LOAD", sh.COMMIT_MANY)])
+                    held.run([("SCRIPT", "LOAD", self._commit_src())])
                     for again, p in sent[k:]:
                         replies += self._commit_replies(held.run(again), p)
                     break

@@ -16,6 +16,7 @@ import errno
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from boinc_dl.server.common.errors import BoincDLError
@@ -105,19 +106,27 @@ def server_fault(e: BaseException) -> tuple[str, int | None] | None:
 _HDF5_FILENAME = re.compile(r"filename = '([^']+)'")
 
 
-def fault_path(e: BaseException, default: str | Path) -> str:
+#: A path, or how to find it (called only when an error names no file of its own).
+DefaultPath = str | Path | Callable[[], str | Path]
+
+
+def fault_path(e: BaseException, default: DefaultPath) -> str:
     """The file an error names (the destination of a copy; the file in an HDF5 message),
-    else ``default``."""
+    else ``default`` (called, if it is a function)."""
     name = getattr(e, "filename2", None) or getattr(e, "filename", None)
     if not name:
         m = _HDF5_FILENAME.search(str(e))
         name = m.group(1) if m else None
-    return str(name) if name else str(default)
+    if name:
+        return str(name)
+    return str(default() if callable(default) else default)
 
 
-def as_server_error(e: BaseException, default_path: str | Path, needed: int | None = None,
+def as_server_error(e: BaseException, default_path: DefaultPath, needed: int | None = None,
                     then: str = "") -> ServerResourceError | None:
-    """The :class:`ServerResourceError` for ``e`` if it is a server-side I/O fault, else None."""
+    """The :class:`ServerResourceError` for ``e`` if it is a server-side I/O fault, else None.
+    ``default_path`` names where the fault is when ``e`` names no file (a function: asked
+    only then, e.g. Redis for its directory)."""
     if isinstance(e, ServerResourceError):
         return e
     fault = server_fault(e)

@@ -86,7 +86,6 @@ class VCASGDWorkGenerator:
         #: how many hosts are asking; see :meth:`current_window`.
         self.window = window or spec.vcasgd.window or backend.capacity or 8
         self._fixed_window = window
-        self._issue_window: int | None = None  # the window of the step now creating units
         self.n = n_shards(spec)
         self.model = "0"
         self.fp = store.fingerprint(self.model)
@@ -160,8 +159,9 @@ class VCASGDWorkGenerator:
     def _shard_order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.spec.seed, epoch]).permutation(self.n)
 
-    def _create_next(self) -> bool:
-        """Create one unit if the job has one left to create; False if not."""
+    def _create_next(self, window: int) -> bool:
+        """Create one unit if the job has one left to create; False if not. ``window``: the
+        units meant to be in flight now, recorded with the unit."""
         meta = self.store.meta()
         epoch = self._meta_int(meta, "epoch", 1)
         while True:
@@ -180,7 +180,7 @@ class VCASGDWorkGenerator:
                 # the units meant to be in flight as it is issued (the window): the merge
                 # rule's cap (policy.rule_for). Not the count so far: a round's first unit
                 # would get the full weight the cap exists to spread.
-                "in_flight": self._issue_window or self.window,
+                "in_flight": window,
                 # each attempt's base (a late original and its regeneration start from different
                 # weights): what the merge measures a result's staleness and update against
                 "bases": {"0": [version, str(wpath)]}}
@@ -416,8 +416,8 @@ class VCASGDWorkGenerator:
         if self.status() in FINISHED:
             return False
         self.service_regenerations()
-        self._issue_window = self.current_window()
-        free = self._issue_window - self.in_flight()
-        while free > 0 and self._create_next():
+        window = self.current_window()
+        free = window - self.in_flight()
+        while free > 0 and self._create_next(window):
             free -= 1
         return True
