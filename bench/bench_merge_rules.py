@@ -304,6 +304,9 @@ class Defence:
     # then a spot check with probability 1/count); a replicated attack disagrees with the
     # honest replica and resets the count, and so does a refusal by a check.
     reputation: bool = False
+    # The host's ledger (rules.LossLedger) on top of the zeroth-order check: each host's
+    # untrusted results' loss changes, in trusted scaled MADs, summed as a CUSUM.
+    ledger: bool = False
 
     @property
     def clips(self) -> bool:
@@ -320,6 +323,17 @@ class Defence:
         return self.kind in ("trusted0", "trusted01")
 
 
+#: Share of honest results replicated in the poisoning section (``--replicate-p``).
+REPLICATE_P = 0.2
+
+
+def defence_of(name: str) -> Defence:
+    """A defence by its bench name: the kind, then ``+rep`` (BOINC's adaptive replication
+    of the attacker's host) and ``+ledger`` (the hosts' loss ledgers), e.g. ``trusted0+rep+ledger``."""
+    kind, *extras = name.split("+")
+    return Defence(kind, reputation="rep" in extras, ledger="ledger" in extras, replicate_p=REPLICATE_P)
+
+
 # ---- the simulated order -------------------------------------------------------------------------------
 @dataclass
 class RunResult:
@@ -333,6 +347,8 @@ class RunResult:
     attacker_to_drop: int | None = None  # single-attacker mode: accepted attacker results at -10 points
     attacker_caught: int = 0    # reputation: attacks sent on units BOINC replicated (the replica disagreed)
     attacker_honest: int = 0    # reputation: units the attacker computed honestly to regain trust
+    attacker_ledger: int = 0    # attacker results refused by the host's ledger (within the per-result bound)
+    honest_ledger: int = 0      # honest results refused by their host's ledger
     mean_staleness: float = 0.0
     honest_cos: list[float] = field(default_factory=list)
     attack_cos: list[float] = field(default_factory=list)
@@ -401,6 +417,14 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     atk_host = "attacker"
     reputation.counts[atk_host] = reputation.threshold
     rep_draw = random.Random(seed * 7919 + 3)
+    ledger = LEDGER
+    balances: dict[str, float] = {}  # host -> its ledger balance
+
+    def host_of(uid: int, atk: bool) -> str:
+        # The single attacker is one host; 10% colluders are 4 hosts; honest units come from 36.
+        if not atk:
+            return f"h{uid % 36}"
+        return atk_host if attack.pattern is not None else f"a{uid % 4}"  # type: ignore[union-attr]
     roles: dict[int, str] = {}  # uid -> honest | attack | caught (replicated attack) | rebuild
 
     def is_attacker(uid: int) -> bool:
@@ -513,6 +537,17 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
             dloss = task.check_loss(wb + (wc - wb) * np.float32(scale)) - base_loss[bv]
             if accept and defence.zeroth and not replicated and not R.loss_check_passes(dloss, loss_th.value(e)):
                 accept = False
+            if defence.ledger and not replicated and dloss is not None:
+                z = ledger.score(dloss, ledger.reference(loss_th.values, e))
+                if z is not None:
+                    h = host_of(uid, atk)
+                    balances[h], ok = ledger.step(balances.get(h, 0.0), z)
+                    if accept and not ok:
+                        accept = False
+                        if atk:
+                            res.attacker_ledger += 1
+                        else:
+                            res.honest_ledger += 1
         if replicated:
             trusted.observe(dnorm, R.trusted_observation(True, True), e)
             if cos is not None:
@@ -577,6 +612,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
 
 
 # ---- the rules compared ------------------------------------------------------------------------------
+LEDGER = R.LossLedger()  # the job's default ledger (the bench's experiments replace it)
 REC = "delta-cap"  # the recommended default (see docs/merge-rules.md)
 
 
@@ -668,10 +704,12 @@ def trained_start(task: Task, tr: VecTrainer, epochs: int, n_subsets: int = 32) 
 def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[str, Any]:
     """10% of units from colluding attackers, D = subsets = d."""
     rules = candidate_rules()
-    configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0")]
+    configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0"),
+               (REC, "trusted0+ledger")]
     flip_target = trained_flip_target(task, tr)
-    print(f"\n{task.name}: 10% colluding attackers, D = {d} in flight, {d} subsets, {b.epochs} epochs: "
-          "final accuracy (first epoch) [attacker results accepted / sent]")
+    print(f"\n{task.name}: 10% colluding attackers, D = {d} in flight, {d} subsets, {b.epochs} epochs, "
+          f"{REPLICATE_P:g} of honest results replicated: final accuracy (first epoch) [attacker results "
+          "accepted / sent] change from clean, honest refused")
     print(f"{'attack':10s} " + " ".join(f"{r + ' + ' + dk:>34s}" for r, dk in configs))
     print("(today: paper-era adaptive bound on ||wc - ws||; clip: trusted radius only; trusted: + first-order "
           "descent check; trusted0: + zeroth-order (held-out loss) check)")
@@ -681,7 +719,7 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[st
         cells = []
         for rname, dk in configs:
             atk = None if attack == "none" else Attack(attack, frac=0.1)
-            r = simulate(task, tr, rules[rname], d, d, b.epochs, attack=atk, defence=Defence(dk),
+            r = simulate(task, tr, rules[rname], d, d, b.epochs, attack=atk, defence=defence_of(dk),
                          flip_target=flip_target)
             if attack == "none":
                 clean[(rname, dk)] = r.final
@@ -689,8 +727,9 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[st
             out[f"{task.name}|{attack}|{rname}|{dk}"] = {
                 "final": r.final, "first": r.first, "drop_points": drop * 100,
                 "attacker_accepted": r.attacker_accepted, "attacker": r.attacker,
-                "honest_refused": r.honest_rejected / max(1, r.honest)}
-            cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f}")
+                "honest_refused": r.honest_rejected / max(1, r.honest), "honest": r.honest,
+                "honest_refused_n": r.honest_rejected, "honest_refused_by_ledger": r.honest_ledger}
+            cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f} {r.honest_rejected}h")
         print(f"{attack:10s} " + " ".join(f"{c:>34s}" for c in cells), flush=True)
     return out
 
@@ -711,7 +750,8 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "
           f"32 subsets; attacker results accepted until -10 points (cap {cap} sent)")
     configs = [("paper", "today", "1:1"), ("paper", "today", "attacker only"),
                (REC, "trusted", "1:1"), (REC, "trusted0", "1:1"), (REC, "trusted0", "attacker only"),
-               (REC, "trusted0+rep", "attacker only")]
+               (REC, "trusted0+rep", "attacker only"), (REC, "trusted0+ledger", "1:1"),
+               (REC, "trusted0+ledger", "attacker only"), (REC, "trusted0+rep+ledger", "attacker only")]
     if only:  # e.g. "trusted0+rep" or "trusted0/attacker only": defence names, optionally /pattern
         keep = [k.strip() for k in only.split(",") if k.strip()]
         configs = [c for c in configs if any(k in (c[1], f"{c[1]}/{c[2]}") for k in keep)]
@@ -735,19 +775,23 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "
                                                **{f: getattr(lt, f) for f in fields})
             r = simulate(task, tr, rules[rname], 8, 32, epochs=10_000, seed=seed,
                          attack=Attack(attack, pattern=pattern),
-                         defence=Defence(dk.removesuffix("+rep"), reputation=dk.endswith("+rep")),
+                         defence=defence_of(dk),
                          init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
                          today_window=start.today_window, flip_target=flip_target, cos_threshold=cth,
                          loss_threshold=lth)
             hit = r.attacker_to_drop
             txt = (f"{hit} of {r.attacker}" if hit is not None
                    else f">{r.attacker_accepted} acc. of {r.attacker} ({r.final - acc0:+.3f})")
-            if dk.endswith("+rep"):
+            if "+rep" in dk:
                 txt += f" {r.attacker_caught}c/{r.attacker_honest}h"
+            if "+ledger" in dk:
+                txt += f" {r.attacker_ledger}L"
             cells.append(txt)
             out[f"{task.name}|{attack}|{rname}|{dk}|{pat}" + (f"|seed={seed}" if seed != 1 else "")] = {
                 "accepted_to_drop_10": hit, "attacker_sent": r.attacker, "attacker_accepted": r.attacker_accepted,
                 "attacker_caught_by_replica": r.attacker_caught, "attacker_honest_units": r.attacker_honest,
+                "attacker_refused_by_ledger": r.attacker_ledger, "honest_refused_by_ledger": r.honest_ledger,
+                "honest": r.honest, "honest_refused": r.honest_rejected,
                 "acc_change": r.final - acc0}
         print(f"{attack:10s} " + " ".join(f"{c:>30s}" for c in cells), flush=True)
     return out
@@ -836,8 +880,13 @@ def main() -> None:
                          "'trusted0/attacker only')")
     ap.add_argument("--single-seeds", default="1", help="single attacker: comma list of seeds (completion "
                     "order, replication draws)")
+    ap.add_argument("--replicate-p", type=float, default=0.2,
+                    help="share of honest results replicated (trusted) after the first epoch (a mature BOINC "
+                         "project's spot checks: 0.05)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
+    global REPLICATE_P
+    REPLICATE_P = args.replicate_p
     t0 = time.perf_counter()
     allr = candidate_rules()
     if args.rules:

@@ -71,6 +71,7 @@ def _number(v: Any, lo: float = -math.inf, hi: float = math.inf) -> float | None
 def assimilate_valid(
     store: JobStore, spec: JobSpec, res: ValidResult, strict: bool | None = None, trusted: bool = False,
     attempt: int | None = None, timing: dict[str, float] | None = None, result: str = "",
+    host: str | None = None,
 ) -> AssimilationOutcome:
     """Merge an already validated result (idempotent; atomic with its mark).
 
@@ -78,7 +79,8 @@ def assimilate_valid(
     norm then feeds the clip radius of later epochs. ``attempt``: which issue of the unit
     the result answers (the job system's name for it), hence its base weights.
     ``result``: the job system's name of the result (the held-out loss check's verdict
-    is kept under it). Raises :class:`ResultRejected` when the loss check refuses the
+    is kept under it). ``host``: the job system's id of the host that computed it (the
+    loss check's ledger). Raises :class:`ResultRejected` when the loss check refuses the
     result and :class:`~boinc_dl.server.assimilator.losscheck.VerdictPending` (a
     transient fault) when its verdict is not in yet.
     """
@@ -126,11 +128,12 @@ def assimilate_valid(
     t_check = time.perf_counter()
     verdict = losscheck.gate(store, spec, unit=unit, model=model, epoch=epoch, result=result, attempt=attempt,
                              weights=res.files.weights, base_path=plan.base_path if plan.base is not None else None,
-                             scale=plan.scale, trusted=trusted)
+                             scale=plan.scale, trusted=trusted, host=host)
     if verdict is not None:
         # the checker's forward passes, and this delivery's whole wait for the verdict
         record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"),
-                      loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6))
+                      loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6),
+                      ledger_score=verdict.get("ledger_score"), ledger_balance=verdict.get("ledger_balance"))
         # Other results merged while this one waited: it is merged as stale as it now is
         # (the check judged the update itself, whose clip scale does not change).
         if plan.base_version is not None:

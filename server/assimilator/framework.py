@@ -103,6 +103,10 @@ class Delivery:
     """The job system vouches for the result (the local backend's own hosts; on BOINC, a
     result that agreed with a replica from another host): its update may feed the clip
     radius (:mod:`boinc_dl.server.assimilator.policy`)."""
+    host: str | None = None
+    """The job system's id of the host that computed the result (BOINC's
+    ``result.hostid``): its loss ledger (:func:`~boinc_dl.server.assimilator.losscheck.settle`).
+    None where the job system names none (the local backend's own hosts)."""
     notes: dict[str, str] = field(default_factory=dict)
 
 
@@ -233,7 +237,7 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         timing = {"validate_s": round(time.perf_counter() - t0, 6),
                   "validate_cpu_s": round(time.thread_time() - cpu0, 6)}
         out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery),
-                               timing=timing, result=delivery.result)
+                               timing=timing, result=delivery.result, host=delivery.host)
     except ResultRejected as e:
         return reject(store, delivery, unit, e.reason, host_fault=e.host_fault)
     finally:

@@ -106,6 +106,51 @@ def bound_of(store: JobStore, spec: JobSpec, model: str, epoch: int) -> float | 
     return th.value(epoch)
 
 
+def ledger_of(spec: JobSpec) -> rules.LossLedger | None:
+    """The hosts' loss ledger with the job's settings (None: ``validation.loss_ledger`` off)."""
+    v = spec.validation
+    if not v.loss_ledger:
+        return None
+    return rules.LossLedger(slack=v.loss_ledger_slack, limit=v.loss_ledger_limit)
+
+
+def settle(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any],
+           verdict: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """Record the checker's verdict on an untrusted result, after the result's host's
+    ledger (:class:`~boinc_dl.server.assimilator.rules.LossLedger`) has had its say: the
+    result is refused when its host's balance would pass the limit, and the balance moves
+    with the verdict in one script, once (a verdict already set, by an earlier delivery's
+    check or a checker that died after writing it, is returned untouched).
+
+    The host is the job system's id of the host that computed the result (BOINC's
+    ``result.hostid``, from BOINC's database), never a string from the result file; a
+    request without one (a host BOINC did not name) is judged by the per-result bound alone.
+    Returns what :meth:`JobStore.set_loss_verdict` returns."""
+    ledger = ledger_of(spec)
+    host = request.get("host")
+    model = str(request.get("model", "0"))
+    x = verdict.get("loss_increase")
+    z = None
+    if ledger is not None and isinstance(host, str) and host and is_safe_name(host):
+        reference = ledger.reference(store.trusted_values(model, STAT, WINDOW), int(request.get("epoch", 0)))
+        z = ledger.score(float(x) if x is not None else math.inf, reference)
+    if z is None or ledger is None:
+        return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S)
+    while True:
+        raw = store.ledger_balance(model, str(host))
+        before = float(raw) if raw is not None else 0.0
+        balance, ok = ledger.step(before, z)
+        v = {**verdict, "ledger_host": str(host), "ledger_score": round(z, 4) if math.isfinite(z) else None, "ledger_balance": round(balance, 4)}
+        if v.get("ok") and not ok:
+            v.update(ok=False, reason=(
+                f"held-out loss check, the host's ledger: the update raises the loss {z:.3g} trusted scaled "
+                f"MADs above the median of trusted results, and the host's untrusted results together stand "
+                f"{before + z - ledger.slack:.3g} above their allowance (limit {ledger.limit:g})"))
+        got = store.set_loss_verdict_with_ledger(rid, v, VERDICT_TTL_S, model, str(host), raw, balance)
+        if got is not None:
+            return got
+
+
 def decide(loss_increase: float, bound: float | None) -> dict[str, Any]:
     """The verdict on a loss increase under ``bound`` (JSON-ready)."""
     ok = rules.loss_check_passes(loss_increase, bound)
@@ -140,18 +185,19 @@ def _hand_over(src: Path, job_dir: str | Path, rid: str) -> str:
 
 def gate(store: JobStore, spec: JobSpec, *, unit: str, model: str, epoch: int, result: str,
          attempt: int | None, weights: Path, base_path: str | None, scale: float,
-         trusted: bool) -> dict[str, Any] | None:
+         trusted: bool, host: str | None = None) -> dict[str, Any] | None:
     """Run the loss check for one result before its merge (see the module doc).
 
-    Returns the verdict (None when nothing was checked: a trusted result, no trusted
-    bound yet, or the check off), raises
+    ``host``: the job system's id of the host that computed the result (its ledger;
+    None: the per-result bound alone). Returns the verdict (None when nothing was
+    checked: a trusted result, no trusted bound yet, or the check off), raises
     :class:`ResultRejected` for a refused result and :class:`VerdictPending` when no
     verdict came within ``validation.loss_check_wait_s``.
     """
     if not enabled(spec):
         return None
     request = {"unit": unit, "model": model, "epoch": int(epoch), "attempt": attempt, "result": result,
-               "base": base_path, "scale": float(scale)}
+               "base": base_path, "scale": float(scale), "host": host}
     if trusted:
         _observe(store, request, weights)
         return None

@@ -586,6 +586,67 @@ def loss_check_passes(loss_increase: float, bound: float | None) -> bool:
 
 
 @dataclass(frozen=True)
+class LossLedger:
+    """A host's running account of its untrusted results' held-out loss changes: the
+    per-result check bounds each result, the ledger bounds their sum.
+
+    Each result is scored in trusted units, ``z = (x - median) / (1.4826 * MAD)`` of the
+    same trusted loss changes the per-result bound uses (never the host's own), and the
+    host's balance is a one-sided CUSUM (Page's test)::
+
+        S <- max(0, S + z - slack);   refuse the result when S > limit   (S is then kept at limit)
+
+    Honest results score around 0 (they are drawn like the trusted ones), so the balance
+    drifts down by ``slack`` per result and stays near 0: with normal scores the test
+    raises a false alarm about once in a thousand results. A patient host whose every
+    result sits inside the per-result bound but above the honest median (a little is
+    enough, many small nudges) gains ``z - slack`` per result and is refused within
+    ``limit / (z - slack)`` results; once refused, its balance stays at the limit, so only
+    results no worse than ``slack`` above the honest median pass until its honest-looking
+    work has paid the balance down. The damage a host can do through its untrusted results is
+    thereby held to ``slack`` scaled MADs per result above what an honest result does,
+    plus ``limit`` once: a budget no number of results wears down (docs/merge-rules.md,
+    "The host's ledger")."""
+
+    slack: float = 0.5
+    limit: float = 6.0
+    #: The reference: the latest ``window`` trusted loss changes (honest changes drift
+    #: towards 0 as the model converges: an older reference scores honest results high).
+    window: int = 8
+    #: The scale's floor, as a share of the reference median's size: honest results that
+    #: happen to agree closely must not turn a small drift into a large score.
+    rel_floor: float = 0.5
+
+    def reference(self, trusted: Sequence[tuple[int, float]], epoch: int, since: int | None = None) -> list[float]:
+        """The trusted loss changes a result of ``epoch`` is scored against: the latest
+        ``window`` of ``trusted`` ((epoch, value), oldest first) up to ``epoch`` (and from
+        epoch ``since`` on, if given); fewer than ``window`` of them: none (the ledger waits)."""
+        lo = -1 if since is None else since
+        recent = [v for e, v in trusted if lo <= e <= epoch][-self.window:]
+        return recent if len(recent) >= self.window else []
+
+    def score(self, loss_increase: float, reference: Sequence[float]) -> float | None:
+        """``loss_increase`` in scaled MADs of ``reference`` above its median (None: an
+        empty reference; +inf for a non-finite change)."""
+        if not len(reference):
+            return None
+        if not math.isfinite(loss_increase):
+            return math.inf
+        a = np.asarray(reference, np.float64)
+        med = float(np.median(a))
+        scale = max(1.4826 * float(np.median(np.abs(a - med))), self.rel_floor * abs(med), 1e-3 * abs(med), 1e-9)
+        return (float(loss_increase) - med) / scale
+
+    def step(self, balance: float, z: float) -> tuple[float, bool]:
+        """(the host's balance after a result scored ``z``, whether the result passes)."""
+        b = balance if math.isfinite(balance) and balance > 0 else 0.0
+        new = max(0.0, b + z - self.slack)
+        if not math.isfinite(new) or new > self.limit:
+            return self.limit, False
+        return new, True
+
+
+@dataclass(frozen=True)
 class DescentCheck:
     """Accept an update when its :func:`descent_cosine` is at most ``max_cosine`` (a
     fixed bound; :func:`cosine_threshold` gives a trusted per-epoch one to pass to

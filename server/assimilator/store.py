@@ -37,6 +37,7 @@ Keys of job J:
 ``bdl:J:losscheck:v:<id>``     a result's loss-check verdict (JSON; set once, expires in a week)
 ``bdl:J:losscheck:done:<id>``  list: notice that the verdict is set, for a waiting assimilator (1 min)
 ``bdl:J:losscheck:alive``      the loss checker's heartbeat (expires unless refreshed)
+``bdl:J:losscheck:ledger:M``   hash host id -> its loss ledger balance (written with its verdicts)
 =============================  ===================================================
 
 Other owners keep their own keys in the job's namespace: BOINC's workunit records
@@ -694,7 +695,16 @@ class JobStore(ShardMerging):
         return int(self.call(lambda: self.r.llen(self.k("losscheck", "queue"))))
 
     _LOSS_VERDICT = """
-    redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+    if redis.call('EXISTS', KEYS[1]) == 0 then
+      if #KEYS > 3 then
+        -- the host's ledger moves with the verdict, once: only from the balance it was
+        -- computed from (another verdict of the host landed meanwhile: compute again)
+        local cur = redis.call('HGET', KEYS[4], ARGV[4]) or ''
+        if cur ~= ARGV[5] then return {'conflict'} end
+        redis.call('HSET', KEYS[4], ARGV[4], ARGV[6])
+      end
+      redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+    end
     local req = redis.call('HGET', KEYS[2], ARGV[3])
     redis.call('HDEL', KEYS[2], ARGV[3])
     redis.call('RPUSH', KEYS[3], '1')
@@ -702,14 +712,49 @@ class JobStore(ShardMerging):
     return {redis.call('GET', KEYS[1]), req or ''}
     """
 
+    def _ledger_key(self, model: str) -> str:
+        return self.k("losscheck", "ledger", model)
+
+    def ledger_balance(self, model: str, host: str) -> str | None:
+        """Host ``host``'s loss ledger balance for ``model``, as stored (None: none yet)."""
+        v = self.call(lambda: self.r.hget(self._ledger_key(model), host))
+        return v.decode() if v is not None else None
+
+    def ledger_balances(self, model: str = "0") -> dict[str, float]:
+        """Every host's loss ledger balance for ``model``."""
+        raw = self.call(lambda: self.r.hgetall(self._ledger_key(model)))
+        return {k.decode(): float(v) for k, v in raw.items()}
+
     def set_loss_verdict(self, rid: str, verdict: dict[str, Any], ttl_s: int) -> tuple[dict[str, Any], str | None]:
         """Record the verdict on ``rid`` unless one exists (the first verdict wins: a
         replayed or re-queued request never flips it) and retire its request; returns the
         verdict in force and the file of the request retired (it may be a later one than
         the caller judged: the caller removes it)."""
+        got = self._set_verdict(rid, verdict, ttl_s, None)
+        assert got is not None  # only a ledger step can conflict
+        return got
+
+    def set_loss_verdict_with_ledger(self, rid: str, verdict: dict[str, Any], ttl_s: int, model: str, host: str,
+                                     expected: str | None, balance: float) -> tuple[dict[str, Any], str | None] | None:
+        """:meth:`set_loss_verdict`, and host ``host``'s ledger balance for ``model`` set to
+        ``balance`` in the same script, only if no verdict exists yet and the balance is
+        still ``expected`` (what :meth:`ledger_balance` gave when the verdict was
+        computed). None when the balance changed meanwhile (nothing written: judge again)."""
+        return self._set_verdict(rid, verdict, ttl_s, (model, host, expected, balance))
+
+    def _set_verdict(self, rid: str, verdict: dict[str, Any], ttl_s: int,
+                     ledger: tuple[str, str, str | None, float] | None) -> tuple[dict[str, Any], str | None] | None:
         script = self._script("loss_verdict", self._LOSS_VERDICT)
         keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending"), self.k("losscheck", "done", rid)]
-        out, req = self.call(lambda: script(keys=keys, args=[json.dumps(verdict), int(ttl_s), rid]))
+        args: list[Any] = [json.dumps(verdict), int(ttl_s), rid]
+        if ledger is not None:
+            model, host, expected, new = ledger
+            keys.append(self._ledger_key(model))
+            args += [host, expected if expected is not None else "", repr(float(new))]
+        got = self.call(lambda: script(keys=keys, args=args))
+        if len(got) == 1:
+            return None
+        out, req = got
         retired = json.loads(req).get("file") if req else None
         return json.loads(out), retired if isinstance(retired, str) else None
 

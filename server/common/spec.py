@@ -186,6 +186,17 @@ class ValidationSpec(_Strict):
     loss_check_min_trusted: int = Field(
         16, ge=1, le=100_000, description="trusted results needed before the loss check refuses anything"
     )
+    loss_ledger: bool = Field(
+        True, description="with the loss check: keep each host's running sum (CUSUM) of its untrusted results' "
+        "loss changes in trusted scaled MADs, and refuse its results once the sum passes loss_ledger_limit"
+    )
+    loss_ledger_slack: float = Field(
+        0.5, ge=0, le=100, description="loss ledger: the scaled MADs above trusted results' median a result may "
+        "score without adding to its host's balance"
+    )
+    loss_ledger_limit: float = Field(
+        6.0, gt=0, le=1000, description="loss ledger: the balance past which a host's results are refused"
+    )
     loss_check_wait_s: float = Field(
         30.0, gt=0, le=3600, description="how long the assimilator waits for a verdict before it retries "
         "the result later"

@@ -12,7 +12,10 @@ with the bounded, fingerprint-checked reader (the file is a host's upload: it is
 refused, never parsed beyond bounds, when it is hostile), the loss change
 ``L(W_b + scale * (W_c - W_b)) - L(W_b)`` is computed, and
 
-* an untrusted result's verdict is set (first verdict wins);
+* an untrusted result's verdict is set (first verdict wins), with its host's loss
+  ledger (:func:`~boinc_dl.server.assimilator.losscheck.settle`): a result within the
+  per-result bound is still refused when its host's untrusted results together sit too
+  far above trusted results' median;
 * a trusted result's change joins the trusted statistic the bound is computed from.
 
 Crash safety: a request popped and not answered when the process dies is lost; the
@@ -121,7 +124,7 @@ class JobChecker:
             if verdict is None:
                 self.store.drop_loss_request(rid, stamp)
                 return "no base"
-            final, retired = self.store.set_loss_verdict(rid, verdict, lc.VERDICT_TTL_S)
+            final, retired = lc.settle(self.store, self.spec, rid, req, verdict)
             if retired and retired != name and is_safe_name(retired):
                 confined(self.spool, retired).unlink(missing_ok=True)  # a later delivery's copy
             return "passed" if final.get("ok") else "refused"

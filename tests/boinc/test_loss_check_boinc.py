@@ -12,6 +12,7 @@ BOINC's database shows agreed with a replica from another host.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -37,7 +38,7 @@ from tests.boinc.fake_server import _exec, rows, send
 
 pytestmark = pytest.mark.slow
 
-N_TRUSTED = 6
+N_TRUSTED = 8  # the loss ledger's reference (the per-result bound needs 4)
 
 
 def _spec(name: str):
@@ -231,9 +232,58 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
              for r in rows(play.project, "SELECT host_id, consecutive_valid FROM host_app_version")}
     assert trust == {honest_host: 12, attacker: 0}
     assert store.counters()["hosts_demoted"] == 4 and "host_demotions_failed" not in store.counters()
+    # the hosts' ledgers are kept under BOINC's host ids (nothing in a result file names a host)
+    ledgers = store.ledger_balances()
+    assert set(ledgers) == {str(honest_host), str(attacker)} and ledgers[str(attacker)] == 6.0
     # only the trusted results fed the statistic: untrusted ones, honest or not, never do
     assert len(store.trusted_values("0", lc.STAT, 64)) == N_TRUSTED
     assert store.loss_pending_count() == 0 and not list(lc.spool_dir(play.files.job_dir).iterdir())
+
+
+def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) -> None:
+    """A trusted host whose every result is only a little worse than honest work: each one
+    changes the held-out loss 1.9 of the ledger's units above trusted results' median (it
+    still lowers it: inside the per-result bound). Its ledger refuses the fifth (+1.4 a
+    result), and BOINC's trust goes with it."""
+    from boinc_dl.server.work_generator.losscheck import keras_loss
+
+    store = play.store
+    play.start()
+    play.wait_checker()
+    feed_trusted(play)
+    reference = [v for _, v in store.trusted_values("0", lc.STAT, 64)]
+    med = float(np.median(reference))
+    target = med + 1.9 / lc.ledger_of(play.spec).score(med + 1.0, reference)  # 1.9 of the ledger's units
+    assert target < 0
+    loss = keras_loss(play.files.model, play.files.val, play.spec)  # the checker's own measure
+    patient = 13
+    _exec(play.project, "INSERT INTO host_app_version (host_id, app_version_id, consecutive_valid) "
+                        "VALUES (%s, 5, 12)", (patient,))
+    outcomes = []
+    for i, wu in enumerate(play.new_workunits(6)):
+        wb = play.base(wu["name"])
+        honest, flip = play.weights_for(wu["name"], "honest", i) - wb, play.weights_for(wu["name"], "labelflip", i) - wb
+        base_loss = loss(wb)
+        lo, hi = 0.0, 1.0  # the share of the label-flip direction: its loss change is target
+        for _ in range(30):
+            t = (lo + hi) / 2
+            if loss(wb + (1 - t) * honest + t * flip) - base_loss < target:
+                lo = t
+            else:
+                hi = t
+        assert send(play.project, [wu["name"]], hostid=patient, app_version_id=5, rng=random.Random(0))
+        paths = play.upload(wu, wb + (1 - lo) * honest + lo * flip, trusted=False)
+        play.assimilate_until_handled(wu, paths)
+        outcomes.append("merged" if wu["name"] in store.assimilated() else store.failed().get(wu["name"], "?"))
+    assert outcomes[:4] == ["merged"] * 4, outcomes
+    assert all("the host's ledger" in o for o in outcomes[4:]), outcomes
+    for rec in store.assimilated().values():
+        if "ledger_score" in rec:  # each merged one was inside the per-result bound, scored about 1.9
+            assert rec["loss_increase"] <= max(0.0, rec["loss_bound"]) and 1.7 < rec["ledger_score"] < 2.1, rec
+    assert store.ledger_balances() == {str(patient): 6.0}
+    trust = {r["host_id"]: r["consecutive_valid"]
+             for r in rows(play.project, "SELECT host_id, consecutive_valid FROM host_app_version")}
+    assert trust[patient] == 0  # BOINC replicates its next jobs
 
 
 def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
@@ -244,6 +294,9 @@ def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
     feed_trusted(play)
     roles = ["honest", "labelflip", "honest", "ipm", "honest", "labelflip", "honest", "ipm"]
     wus = play.new_workunits(len(roles))
+    for wu, role in zip(wus, roles, strict=True):  # BOINC sent them to two hosts: their ledgers
+        assert send(play.project, [wu["name"]], hostid=21 if role == "honest" else 22, app_version_id=5,
+                    rng=random.Random(0))
     uploads = [play.upload(wu, play.weights_for(wu["name"], role, i), trusted=False)
                for i, (wu, role) in enumerate(zip(wus, roles, strict=True))]
     procs = [play.assimilate(wu, paths) for wu, paths in zip(wus, uploads, strict=True)]
@@ -273,3 +326,16 @@ def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
     refused = [r["unit"] for r in store.rejections(50)]
     assert sorted(refused) == sorted(n for n in names if n in failed)  # each refusal recorded once
     assert store.loss_pending_count() == 0 and store.loss_queue_length() == 0
+    # each host's ledger moved once per verdict, whatever the kill interrupted: replaying the
+    # verdicts in the order they were set gives each step and the balance stored
+    verdicts = [json.loads(store.r.get(k)) for k in store.r.scan_iter(match=store.k("losscheck", "v", "*"))]
+    assert len(verdicts) == len(wus)
+    ledger = lc.ledger_of(play.spec)
+    for host, want in store.ledger_balances().items():
+        b = 0.0
+        mine = sorted((v for v in verdicts if v.get("ledger_host") == host), key=lambda v: v["t"])
+        assert len(mine) == 4, (host, verdicts)
+        for v in mine:
+            b, _ = ledger.step(b, v["ledger_score"] if v["ledger_score"] is not None else float("inf"))
+            assert v["ledger_balance"] == pytest.approx(b, abs=1e-3)
+        assert want == pytest.approx(b, abs=1e-3)

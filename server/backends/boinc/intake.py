@@ -179,9 +179,10 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
         copies.extend(copy_result(paths, work, job_upload_bound(store, spec)))
         return copies
 
+    trusted, host = result_standing(project, wu, result)
     try:
         out = assimilate(store, Delivery(wu, result, files=files, missing=missing, final=True,
-                                         trusted=agreed_across_hosts(project, wu)),
+                                         trusted=trusted, host=host),
                          BoincRegistry(store))
         if copies and out.unit and out.status in ("merged", "duplicate"):
             try:
@@ -205,22 +206,25 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
 VALIDATE_STATE_VALID = 1
 
 
-def agreed_across_hosts(project: BoincProject, wu: str) -> bool:
-    """Whether workunit ``wu`` was replicated and its result agreed with a replica from
-    another host (BOINC's quorum): only such results may feed the statistics that bound
-    updates (a patient host cannot vouch for itself). False when BOINC's database cannot
-    be read."""
+def result_standing(project: BoincProject, wu: str, result: str) -> tuple[bool, str | None]:
+    """What BOINC's database says of result ``result`` of workunit ``wu``: whether it
+    agreed with a replica from another host (BOINC's quorum: only such results may feed
+    the statistics that bound updates; a patient host cannot vouch for itself), and the
+    id of the host that computed it (``result.hostid``: its loss ledger), both from
+    BOINC's records, never from the result's files. (False, None) when BOINC's database
+    cannot be read or does not know the workunit."""
     from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
 
     try:
         with BoincDB.connect(project) as db:
             state = db.workunits([wu]).get(wu)
     except BoincDBError:
-        return False
+        return False, None
     if state is None:
-        return False
+        return False, None
     hosts = {r.hostid for r in state.results if r.validate_state == VALIDATE_STATE_VALID and r.hostid}
-    return len(hosts) >= 2
+    mine = [r.hostid for r in state.results if r.name == result and r.hostid]
+    return len(hosts) >= 2, (str(mine[0]) if mine else None)
 
 
 def assimilate_give_up(store: JobStore, wu: str, mask: int) -> AssimilationOutcome:

@@ -1,0 +1,189 @@
+"""The hosts' loss ledger: a CUSUM of each host's untrusted results' held-out loss
+changes in trusted units (rules.LossLedger), kept in Redis with the verdicts
+(losscheck.settle), and what it does to a patient host through the framework."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from boinc_dl.server.assimilator import losscheck as lc
+from boinc_dl.server.assimilator.framework import Delivery, assimilate
+from boinc_dl.server.assimilator.rules import LossLedger
+from tests import test_loss_check
+from tests.conftest import tiny_spec
+from tests.test_loss_check import TARGET, checker_running, result, seed_trusted
+
+job = test_loss_check.job  # the loss check's job fixture (a tiny job with a checker's directory)
+
+TRUSTED = (-0.30, -0.25, -0.2, -0.28, -0.22, -0.26, -0.24, -0.27)  # the ledger's reference: 8
+MED = float(np.median(TRUSTED))
+SCALE = 1.0 / LossLedger().score(MED + 1.0, TRUSTED)  # the scale it scores in (its floor: half the |median|)
+
+
+# ---- the rule ------------------------------------------------------------------------------
+
+def test_score_is_in_trusted_units_and_needs_enough_of_them() -> None:
+    led = LossLedger(rel_floor=0.0)
+    assert led.score(0.0, []) is None  # no reference yet: no ledger
+    assert led.score(MED, TRUSTED) == pytest.approx(0.0)
+    mad = 1.4826 * float(np.median(np.abs(np.asarray(TRUSTED) - MED)))
+    assert led.score(MED + 2 * mad, TRUSTED) == pytest.approx(2.0)
+    assert led.score(float("nan"), TRUSTED) == math.inf
+    # the scale's floor: a share of the median's size (trusted results that agree closely)
+    assert LossLedger(rel_floor=0.25).score(-0.25 + 0.0625, [-0.25] * 8) == pytest.approx(1.0)
+    assert LossLedger().score(MED + 1.0, TRUSTED) == pytest.approx(1.0 / max(mad, 0.5 * abs(MED)))
+
+
+def test_the_reference_is_the_latest_trusted_changes() -> None:
+    led = LossLedger(window=3)
+    vals = [(1, -0.9), (1, -0.8), (2, -0.3), (2, -0.2), (3, -0.1), (5, 9.0)]
+    assert led.reference(vals, 3) == [-0.3, -0.2, -0.1]  # the newest 3 up to the result's epoch
+    assert led.reference(vals, 2) == [-0.8, -0.3, -0.2]
+    assert led.reference(vals, 1) == []  # fewer than the window: the ledger waits
+    assert led.reference(vals, 3, since=3) == []
+
+
+def test_balance_steps() -> None:
+    led = LossLedger(slack=0.5, limit=6.0)
+    assert led.step(0.0, -3.0) == (0.0, True)  # never below zero: good work earns no credit
+    assert led.step(1.0, 0.5) == (1.0, True)  # at the slack: no change
+    b, ok, n = 0.0, True, 0
+    while ok:  # z = 1.5 each: +1 per result, refused when past 6
+        b, ok = led.step(b, 1.5)
+        n += 1
+    assert n == 7 and b == 6.0
+    assert led.step(6.0, 0.4) == pytest.approx((5.9, True))  # a result no worse than the slack passes
+    assert led.step(6.0, 0.6) == (6.0, False)  # a refused host stays at the limit, not beyond
+    assert led.step(0.0, math.inf) == (6.0, False) and led.step(0.0, 8.0) == (6.0, False)
+    assert led.step(float("nan"), 0.0) == (0.0, True)  # a corrupt stored balance reads as none
+
+
+def test_honest_scores_rarely_alarm_and_a_patient_host_is_held_to_the_slack() -> None:
+    led = LossLedger()
+    rng = np.random.default_rng(7)
+    b, refused = 0.0, 0
+    for z in rng.standard_normal(20_000):  # honest: scored like the trusted ones
+        b, ok = led.step(b, float(z))
+        refused += not ok
+    assert refused / 20_000 < 0.005
+    # a host scoring 2 on average (inside a per-result bound of 6): most of its results refused,
+    # and what passes averages no more than the slack plus the limit spread over them
+    b, passed = 0.0, []
+    for z in rng.normal(2.0, 1.0, 2_000):
+        b, ok = led.step(b, float(z))
+        if ok:
+            passed.append(float(z))
+    assert len(passed) < 0.25 * 2_000
+    assert sum(passed) <= led.slack * len(passed) + led.limit + 1e-9
+
+
+# ---- in Redis, with the verdicts -----------------------------------------------------------------
+
+def _verdict(x: float) -> dict:
+    return {**lc.decide(x, None), "loss_increase": x}
+
+
+def test_settle_moves_a_hosts_balance_once_per_verdict(job) -> None:
+    store, spec, *_ = job
+    seed_trusted(store, TRUSTED)
+    req = {"model": "0", "epoch": 1, "host": "17"}
+    v, _ = lc.settle(store, spec, "r1", req, _verdict(MED + 2 * SCALE))
+    assert v["ok"] and v["ledger_score"] == pytest.approx(2.0) and v["ledger_balance"] == pytest.approx(1.5)
+    # a second verdict on the same result (a re-queued request, a second checker): first wins,
+    # and the balance does not move again
+    again, _ = lc.settle(store, spec, "r1", req, _verdict(MED + 5 * SCALE))
+    assert again == v and store.ledger_balances() == {"17": pytest.approx(1.5)}
+    # without a host (one the job system did not name), or with a name that is not one: no ledger
+    v2, _ = lc.settle(store, spec, "r2", {"model": "0", "epoch": 1, "host": None}, _verdict(MED + 5 * SCALE))
+    v3, _ = lc.settle(store, spec, "r3", {"model": "0", "epoch": 1, "host": "../x"}, _verdict(MED + 5 * SCALE))
+    assert "ledger_score" not in v2 and "ledger_score" not in v3 and set(store.ledger_balances()) == {"17"}
+
+
+def test_settle_refuses_within_the_bound_once_the_ledger_is_spent(job) -> None:
+    store, spec, *_ = job
+    seed_trusted(store, TRUSTED)
+    verdicts = [lc.settle(store, spec, f"r{i}", {"model": "0", "epoch": 1, "host": "9"}, _verdict(MED + 3 * SCALE))[0]
+                for i in range(4)]
+    assert [v["ok"] for v in verdicts] == [True, True, False, False]  # 2.5, 5.0, then past 6
+    assert "the host's ledger" in verdicts[2]["reason"] and "limit 6" in verdicts[2]["reason"]
+    assert store.ledger_balances() == {"9": pytest.approx(6.0)}
+
+
+def test_concurrent_checkers_never_lose_a_step(job) -> None:
+    """Two daemons' checkers judging one host's results at once: each step applies to the
+    balance the other left (compare-and-set with the verdict)."""
+    store, spec, *_ = job
+    seed_trusted(store, TRUSTED)
+    out: list[dict] = []
+    start = threading.Barrier(8)
+
+    def one(i: int) -> None:
+        start.wait()
+        out.append(lc.settle(store, spec, f"c{i}", {"model": "0", "epoch": 1, "host": "5"}, _verdict(MED + 1.0 * SCALE))[0])
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert len(out) == 8 and all(v["ok"] for v in out)
+    assert sorted(v["ledger_balance"] for v in out) == pytest.approx([0.5 * k for k in range(1, 9)])
+    assert store.ledger_balances() == {"5": pytest.approx(4.0)}
+
+
+# ---- through the framework and the checker -----------------------------------------------------
+
+def _value_for(loss_increase: float) -> float:
+    """The uniform weight whose numpy loss is ``loss_increase`` above the base's (all zeros: 1)."""
+    return TARGET - math.sqrt(1.0 + loss_increase)
+
+
+def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(job, tmp_path: Path) -> None:
+    """Each of the patient host's results lowers the held-out loss less than honest ones do
+    (1.9 of the ledger's units above their median, still below zero: a non-rising loss
+    always passes the per-result bound). Its fifth is refused (+1.4 a result); the honest
+    host beside it merges every result. The host is the job system's, in the Delivery."""
+    store, spec, fp, job_dir = job
+    seed_trusted(store, TRUSTED)
+    base = store.unit_info("u0")
+    outs: dict[str, list[str]] = {"patient": [], "honest": []}
+    with checker_running(store, spec, job_dir):
+        for i in range(8):
+            for who, host, x in (("patient", "41", MED + 1.9 * SCALE), ("honest", "42", MED)):
+                unit = f"{who}{i}"
+                store.register_unit(unit, {**base, "shard": i % 4}, 1)
+                out = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, final=True, host=host,
+                                                 files=result(tmp_path, store, fp, unit, _value_for(x))), spec=spec)
+                outs[who].append(out.status)
+                if out.status == "rejected":
+                    assert "the host's ledger" in out.reason and out.host_fault
+    assert outs["honest"] == ["merged"] * 8
+    assert outs["patient"][:4] == ["merged"] * 4 and set(outs["patient"][4:]) == {"rejected"}
+    rec = store.assimilated()["patient3"]
+    assert rec["ledger_score"] == pytest.approx(1.9, rel=1e-3) and rec["ledger_balance"] == pytest.approx(5.6, rel=1e-3)
+    assert store.ledger_balances() == {"41": pytest.approx(6.0), "42": 0.0}
+    # the refusals went through the usual path: recorded, the unit given up (BOINC's final result)
+    assert {r["unit"] for r in store.rejections(50)} == {f"patient{i}" for i in range(4, 8)}
+
+
+def test_the_ledger_can_be_switched_off(tiny_job, tmp_path: Path) -> None:
+    store, _spec, fp = tiny_job
+    spec = tiny_spec(validation={"loss_check_min_trusted": 4, "loss_check_wait_s": 1.0, "loss_ledger": False})
+    job_dir = tmp_path / "jobdir"
+    job_dir.mkdir()
+    store.set_meta(job_dir=str(job_dir))
+    seed_trusted(store, TRUSTED)
+    base = store.unit_info("u0")
+    with checker_running(store, spec, job_dir):
+        for i in range(5):
+            unit = f"p{i}"
+            store.register_unit(unit, {**base, "shard": i % 4}, 1)
+            out = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, final=True, host="41",
+                                             files=result(tmp_path, store, fp, unit, _value_for(MED + 1.9 * SCALE))),
+                             spec=spec)
+            assert out.status == "merged"
+    assert store.ledger_balances() == {}
