@@ -87,7 +87,7 @@ class Job:
             "model_args": {"input_dim": 64, "hidden": 64, "n_classes": 10}, "dataset": {"name": "digits"},
             "training": {"epochs": args.epochs, "batch_size": 16, "local_epochs": 2, "learning_rate": 0.002},
             "vcasgd": {"n_subsets": args.subsets, "window": args.D},
-            "validation": {"loss_check": check},
+            "validation": {"loss_check": check, "loss_ledger": getattr(args, "ledger", "on") == "on"},
             "seed": args.seed,
         })
         self.store = JobStore(connect(srv.url), spec.name)
@@ -150,6 +150,7 @@ def main() -> None:
                     help="measure poisoning instead of the check's cost")
     ap.add_argument("--attackers", type=float, default=0.1, help="share of units an attacker returns")
     ap.add_argument("--check", choices=["on", "off"], default="on", help="with --attack: the loss check")
+    ap.add_argument("--ledger", choices=["on", "off"], default="on", help="with --attack: the hosts' loss ledgers")
     args = ap.parse_args()
     if args.attack is not None:
         poisoning(args)
@@ -273,7 +274,7 @@ def poisoning(args: argparse.Namespace) -> None:
         total = args.epochs * args.subsets
         inflight: deque[tuple[str, int, str]] = deque(issue(i) for i in range(min(args.D, total)))
         nxt = len(inflight)
-        done = sent = merged_bad = honest_refused = honest_untrusted = 0
+        done = sent = merged_bad = honest_refused = honest_untrusted = bad_ledger = honest_ledger = 0
         radii: list[float] = []
         while inflight:
             unit, k, base = inflight.popleft()
@@ -308,15 +309,20 @@ def poisoning(args: argparse.Namespace) -> None:
                 while len(store.trusted_values("0", lc.STAT, 64)) < spec.validation.loss_check_min_trusted \
                         and args.check == "on":
                     time.sleep(0.01)
+            # BOINC's host ids: honest units from 36 hosts, the colluders' from 4 of their own
+            host = f"{9000 + done % 4}" if bad else f"{100 + done % 36}"
             res = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, files=[out / "weights_out.h5"],
-                                             final=True, trusted=trusted), spec=spec)
+                                             final=True, trusted=trusted, host=host), spec=spec)
+            by_ledger = res.status == "rejected" and "the host's ledger" in (res.reason or "")
             done += 1
             if bad:
                 sent += 1
                 merged_bad += res.status == "merged"
+                bad_ledger += by_ledger
             elif not trusted:
                 honest_untrusted += 1
                 honest_refused += res.status == "rejected"
+                honest_ledger += by_ledger
             if nxt < total:
                 inflight.append(issue(nxt))
                 nxt += 1
@@ -325,11 +331,13 @@ def poisoning(args: argparse.Namespace) -> None:
                "D": args.D, "subsets": args.subsets, "epochs": args.epochs, "results": total,
                "attacker_sent": sent, "attacker_merged": merged_bad, "honest_untrusted": honest_untrusted,
                "honest_refused": honest_refused, "final_val_acc": round(float(acc), 4), "seed": args.seed,
+               "ledger": args.ledger, "attacker_refused_by_ledger": bad_ledger, "honest_refused_by_ledger": honest_ledger,
                "clip_radius_median": round(statistics.median(radii), 4) if radii else None,
                "honest_norm_median": round(statistics.median(honest_norms), 4) if honest_norms else None,
                "load": [round(x, 2) for x in os.getloadavg()], **machine()}
         print(f"digits, {args.attack} from {args.attackers:.0%} of units, check {args.check}: attacker results "
-              f"merged {merged_bad}/{sent}, honest refused {honest_refused}/{honest_untrusted}, "
+              f"merged {merged_bad}/{sent} ({bad_ledger} refused by the ledger), honest refused "
+              f"{honest_refused}/{honest_untrusted} ({honest_ledger} by the ledger), "
               f"final accuracy {row['final_val_acc']}")
         emit("loss_check_poisoning", **row)
     finally:

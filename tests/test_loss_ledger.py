@@ -45,7 +45,6 @@ def test_the_reference_is_the_latest_trusted_changes() -> None:
     assert led.reference(vals, 3) == [-0.3, -0.2, -0.1]  # the newest 3 up to the result's epoch
     assert led.reference(vals, 2) == [-0.8, -0.3, -0.2]
     assert led.reference(vals, 1) == []  # fewer than the window: the ledger waits
-    assert led.reference(vals, 3, since=3) == []
 
 
 def test_balance_steps() -> None:

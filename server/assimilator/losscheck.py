@@ -32,6 +32,11 @@ Redis (:class:`~boinc_dl.server.assimilator.store.JobStore`, keys ``losscheck:*`
    :class:`StoreUnavailable`: the transport keeps the result and hands it over again
    later, as for a Redis outage; the checker's verdict is then waiting for it.
 
+The host's ledger (:func:`settle`, :class:`~boinc_dl.server.assimilator.rules.LossLedger`)
+adds up what the check sees per host (BOINC's host id, passed with the request): a result
+inside the bound is still refused when its host's untrusted results together sit too far
+above trusted results' median; its balance is written with the verdict, once.
+
 Trusted results are never held back: they are queued as observations (no verdict,
 nobody waits) and their loss change joins the trusted statistic. Only trusted results
 feed it: a defence must not learn from the attacker. Observations are queued only while
@@ -140,12 +145,14 @@ def settle(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any],
         raw = store.ledger_balance(model, str(host))
         before = float(raw) if raw is not None else 0.0
         balance, ok = ledger.step(before, z)
-        v = {**verdict, "ledger_host": str(host), "ledger_score": round(z, 4) if math.isfinite(z) else None, "ledger_balance": round(balance, 4)}
+        v = {**verdict, "ledger_host": str(host), "ledger_score": round(z, 4) if math.isfinite(z) else None,
+             "ledger_balance": round(balance, 4)}
         if v.get("ok") and not ok:
             v.update(ok=False, reason=(
-                f"held-out loss check, the host's ledger: the update raises the loss {z:.3g} trusted scaled "
-                f"MADs above the median of trusted results, and the host's untrusted results together stand "
-                f"{before + z - ledger.slack:.3g} above their allowance (limit {ledger.limit:g})"))
+                f"held-out loss check, the host's ledger: the update's loss change scores {z:.3g} above the "
+                f"median of the latest trusted results' (in units of their spread), and the host's untrusted "
+                f"results together stand {before + z - ledger.slack:.3g} above their allowance "
+                f"(limit {ledger.limit:g})"))
         got = store.set_loss_verdict_with_ledger(rid, v, VERDICT_TTL_S, model, str(host), raw, balance)
         if got is not None:
             return got

@@ -590,9 +590,10 @@ class LossLedger:
     """A host's running account of its untrusted results' held-out loss changes: the
     per-result check bounds each result, the ledger bounds their sum.
 
-    Each result is scored in trusted units, ``z = (x - median) / (1.4826 * MAD)`` of the
-    same trusted loss changes the per-result bound uses (never the host's own), and the
-    host's balance is a one-sided CUSUM (Page's test)::
+    Each result's loss change ``x`` is scored against the latest ``window`` trusted loss
+    changes (never the host's own, nor its peers'),
+    ``z = (x - median) / max(1.4826 * MAD, rel_floor * |median|)``, and the host's balance
+    is a one-sided CUSUM (Page's test)::
 
         S <- max(0, S + z - slack);   refuse the result when S > limit   (S is then kept at limit)
 
@@ -604,7 +605,7 @@ class LossLedger:
     ``limit / (z - slack)`` results; once refused, its balance stays at the limit, so only
     results no worse than ``slack`` above the honest median pass until its honest-looking
     work has paid the balance down. The damage a host can do through its untrusted results is
-    thereby held to ``slack`` scaled MADs per result above what an honest result does,
+    thereby held to ``slack`` units per result above what an honest result does,
     plus ``limit`` once: a budget no number of results wears down (docs/merge-rules.md,
     "The host's ledger")."""
 
@@ -617,17 +618,17 @@ class LossLedger:
     #: happen to agree closely must not turn a small drift into a large score.
     rel_floor: float = 0.5
 
-    def reference(self, trusted: Sequence[tuple[int, float]], epoch: int, since: int | None = None) -> list[float]:
+    def reference(self, trusted: Sequence[tuple[int, float]], epoch: int) -> list[float]:
         """The trusted loss changes a result of ``epoch`` is scored against: the latest
-        ``window`` of ``trusted`` ((epoch, value), oldest first) up to ``epoch`` (and from
-        epoch ``since`` on, if given); fewer than ``window`` of them: none (the ledger waits)."""
-        lo = -1 if since is None else since
-        recent = [v for e, v in trusted if lo <= e <= epoch][-self.window:]
+        ``window`` of ``trusted`` ((epoch, value), oldest first) up to ``epoch``; fewer
+        than ``window`` of them: none (the ledger waits)."""
+        recent = [v for e, v in trusted if e <= epoch][-self.window:]
         return recent if len(recent) >= self.window else []
 
     def score(self, loss_increase: float, reference: Sequence[float]) -> float | None:
-        """``loss_increase`` in scaled MADs of ``reference`` above its median (None: an
-        empty reference; +inf for a non-finite change)."""
+        """``loss_increase`` above the median of ``reference``, in units of its spread
+        (1.4826 MAD, at least ``rel_floor`` of the median's size); None: an empty
+        reference; +inf for a non-finite change."""
         if not len(reference):
             return None
         if not math.isfinite(loss_increase):
