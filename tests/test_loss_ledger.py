@@ -4,7 +4,10 @@ changes in trusted units (rules.LossLedger), kept in Redis with the verdicts
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -186,3 +189,19 @@ def test_the_ledger_can_be_switched_off(tiny_job, tmp_path: Path) -> None:
                              spec=spec)
             assert out.status == "merged"
     assert store.ledger_balances() == {}
+
+
+def test_status_shows_the_hosts_nearest_their_limit(job, redis_server, tmp_path: Path) -> None:
+    """``boinc-dl status`` (the command as an admin runs it) lists the ledgers, fullest first."""
+    store, spec, *_ = job
+    seed_trusted(store, TRUSTED)
+    for i, (host, z) in enumerate((("31", 3.0), ("31", 3.0), ("32", 1.0), ("33", -2.0))):
+        lc.settle(store, spec, f"s{i}", {"model": "0", "epoch": 1, "host": host}, _verdict(MED + z * SCALE))
+    cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", store.job, "--redis-url", redis_server.url]
+    res = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["ledgers"] == {"0": {"31": 5.0, "32": 0.5, "33": 0.0}} and st["ledger_limit"] == 6.0
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout
+    assert "loss ledgers" in out and "refused past 6" in out and "5.00" in out
+    assert out.index("5.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]

@@ -48,9 +48,11 @@ def job_status(store: JobStore) -> dict[str, Any]:
     states = Counter(store.unit_states().values())
     last = epochs[max(epochs)] if epochs else {}
     try:
-        total = int(json.loads(store.spec_json())["training"]["epochs"])
+        spec = json.loads(store.spec_json())
+        total = int(spec["training"]["epochs"])
     except (BoincDLError, ValueError, KeyError, TypeError):
-        total = None
+        spec, total = {}, None
+    limit = (spec.get("validation") or {}).get("loss_ledger_limit") if isinstance(spec, dict) else None
     return {
         "job": store.job,
         "epochs_total": total,
@@ -65,6 +67,9 @@ def job_status(store: JobStore) -> dict[str, Any]:
         "counters": store.counters(),
         "weights_version": {m: store.version(m) for m in store.models()},
         "rejections": store.rejections(10),
+        # the hosts' loss ledgers (BOINC host id -> balance; refused past the limit)
+        "ledgers": {m: b for m in store.models() if (b := store.ledger_balances(m))},
+        "ledger_limit": limit,
         "failed": store.failed(),
         "epochs": epochs,
     }
@@ -102,6 +107,17 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
         for x in st["rejections"]:
             r.add_row(time.strftime("%H:%M:%S", time.localtime(x.get("t", 0))), x.get("unit", ""), x.get("reason", ""))
         console.print(r)
+    ledgers = [(m, h, b) for m, hosts in st.get("ledgers", {}).items() for h, b in hosts.items() if b > 0]
+    if ledgers:
+        limit = st.get("ledger_limit")
+        led = Table(title="hosts' loss ledgers (balance past the limit: results refused)" if limit is None else
+                    f"hosts' loss ledgers (results refused past {limit:g})")
+        led.add_column("host")
+        led.add_column("model")
+        led.add_column("balance")
+        for m, h, b in sorted(ledgers, key=lambda x: -x[2])[:10]:
+            led.add_row(h, m, f"{b:.2f}")
+        console.print(led)
     if st["failed"]:
         f = Table(title="units given up on")
         f.add_column("unit")
