@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 # ~3000 batches of 8: a few seconds of training, long enough to be interrupted twice
 UNIT = {"n": 2000, "n_val": 200, "batch_size": 8, "local_epochs": 12, "checkpoint_every_s": 0.3}
 # The notice test needs training to outlast the watcher's 2 s poll after the first
-# checkpoint, with room to spare (12 local epochs can train in under 2 s).
+# checkpoint, with room to spare (12 local epochs can train in under 2 s); the SIGKILL test
+# needs several of progress.json's once-a-second reports to land between checkpoints.
 LONG_UNIT = {**UNIT, "local_epochs": 60}
 
 
@@ -102,9 +103,12 @@ def long_unit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Fingerpri
     return _unit_with_reference(tmp_path_factory, "long_unit", LONG_UNIT)
 
 
-def test_sigkill_mid_unit_then_restart_resumes_bitwise(unit: tuple[Path, Fingerprint, np.ndarray, dict],
+def test_sigkill_mid_unit_then_restart_resumes_bitwise(long_unit: tuple[Path, Fingerprint, np.ndarray, dict],
                                                        tmp_path: Path) -> None:
-    src, fp, reference, ref_metrics = unit
+    # The long unit: progress is reported once a second and checkpoints come every 0.3 s,
+    # so "progress past the last checkpoint" is a short window each second; the short
+    # unit trains in under 2 s and a loaded machine can miss its only window.
+    src, fp, reference, ref_metrics = long_unit
     slot = copy_inputs(src, tmp_path / "slot")
     log = tmp_path / "stderr.txt"
     p = start_cli(slot, log)
