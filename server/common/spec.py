@@ -188,11 +188,12 @@ class ValidationSpec(_Strict):
     )
     loss_ledger: bool = Field(
         True, description="with the loss check: keep each host's running sum (CUSUM) of its untrusted results' "
-        "loss changes in trusted scaled MADs, and refuse its results once the sum passes loss_ledger_limit"
+        "loss changes, scored against the latest trusted ones, and refuse its results once the sum passes "
+        "loss_ledger_limit"
     )
     loss_ledger_slack: float = Field(
-        0.5, ge=0, le=100, description="loss ledger: the scaled MADs above trusted results' median a result may "
-        "score without adding to its host's balance"
+        0.5, ge=0, le=100, description="loss ledger: how far above trusted results' median loss change (in units "
+        "of their spread) a result may score without adding to its host's balance"
     )
     loss_ledger_limit: float = Field(
         6.0, gt=0, le=1000, description="loss ledger: the balance past which a host's results are refused"
