@@ -403,6 +403,14 @@ def centred_clip(delta: np.ndarray, ref: np.ndarray, radius: float) -> np.ndarra
 
 
 # ---- statistics that an attacker cannot feed ---------------------------------------------------
+def median_spread(values: Sequence[float]) -> tuple[float, float]:
+    """The median of ``values`` and their robust spread, 1.4826 x the median absolute
+    deviation (the standard deviation, for normal values)."""
+    a = np.asarray(values, np.float64)
+    med = float(np.median(a))
+    return med, 1.4826 * float(np.median(np.abs(a - med)))
+
+
 @dataclass
 class TrustedStatistic:
     """A bound computed from trusted observations only, frozen per epoch.
@@ -453,11 +461,10 @@ class TrustedStatistic:
         return True
 
     def _estimate(self, values: list[float]) -> float:
-        a = np.asarray(values, np.float64)
         if self.kind == "mad":
-            med = float(np.median(a))
-            return med + self.k * 1.4826 * float(np.median(np.abs(a - med))) + self.offset
-        return self.factor * float(np.quantile(a, self.quantile)) + self.offset
+            med, spread = median_spread(values)
+            return med + self.k * spread + self.offset
+        return self.factor * float(np.quantile(np.asarray(values, np.float64), self.quantile)) + self.offset
 
     def value(self, epoch: int) -> float | None:
         """The bound in force in ``epoch`` (frozen at its first computation; with
@@ -633,10 +640,8 @@ class LossLedger:
             return None
         if not math.isfinite(loss_increase):
             return math.inf
-        a = np.asarray(reference, np.float64)
-        med = float(np.median(a))
-        scale = max(1.4826 * float(np.median(np.abs(a - med))), self.rel_floor * abs(med), 1e-3 * abs(med), 1e-9)
-        return (float(loss_increase) - med) / scale
+        med, spread = median_spread(reference)
+        return (float(loss_increase) - med) / max(spread, self.rel_floor * abs(med), 1e-9)
 
     def step(self, balance: float, z: float) -> tuple[float, bool]:
         """(the host's balance after a result scored ``z``, whether the result passes)."""
