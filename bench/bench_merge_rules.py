@@ -349,6 +349,8 @@ class RunResult:
     attacker_honest: int = 0    # reputation: units the attacker computed honestly to regain trust
     attacker_ledger: int = 0    # attacker results refused by the host's ledger (within the per-result bound)
     honest_ledger: int = 0      # honest results refused by their host's ledger
+    ledger_unscored: int = 0    # untrusted results the ledger had no comparable trusted reference for
+    loss_unbounded: int = 0     # untrusted results the loss check had no comparable trusted changes for
     mean_staleness: float = 0.0
     honest_cos: list[float] = field(default_factory=list)
     attack_cos: list[float] = field(default_factory=list)
@@ -356,6 +358,7 @@ class RunResult:
     trusted: R.TrustedRadius | None = None
     cos_threshold: R.TrustedStatistic | None = None
     loss_threshold: R.TrustedStatistic | None = None
+    trusted_loss: list[tuple[int, float, float | None]] = field(default_factory=list)  # (epoch, change, base loss)
     today_window: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -374,7 +377,8 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
              stop_drop: float | None = None, max_attacker: int | None = None,
              radius: R.TrustedRadius | None = None, today_window: list[float] | None = None,
              flip_target: np.ndarray | None = None, cos_threshold: R.TrustedStatistic | None = None,
-             loss_threshold: R.TrustedStatistic | None = None) -> RunResult:
+             loss_threshold: R.TrustedStatistic | None = None,
+             trusted_loss: list[tuple[int, float, float | None]] | None = None) -> RunResult:
     """Replay one job: ``epochs`` x ``n_subsets`` units, ``d_inflight`` in flight."""
     t_start = time.perf_counter()
     epochs = epochs or task.epochs
@@ -419,6 +423,16 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     rep_draw = random.Random(seed * 7919 + 3)
     ledger = LEDGER
     balances: dict[str, float] = {}  # host -> its ledger balance
+    # the trusted loss changes with their bases' losses, as the job's Redis keeps them
+    ledger_ref: deque[tuple[int, float, float | None]] = deque(trusted_loss or [], maxlen=loss_th.window)
+
+    def loss_bound(e: int, bv: int) -> float | None:
+        """The per-result loss bound for a result of epoch ``e`` from base version ``bv``
+        (the checker's rule: rules.loss_increase_bound)."""
+        bound, comparable = R.loss_increase_bound(ledger_ref, e, base_loss[bv], k=loss_th.k,
+                                                  min_samples=loss_th.min_samples, ratio=LEDGER.base_ratio)
+        res.loss_unbounded += not comparable
+        return bound
 
     def host_of(uid: int, atk: bool) -> str:
         # The single attacker is one host; 10% colluders are 4 hosts; honest units come from 36.
@@ -535,10 +549,12 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
             if bv not in base_loss:
                 base_loss[bv] = task.check_loss(wb)
             dloss = task.check_loss(wb + (wc - wb) * np.float32(scale)) - base_loss[bv]
-            if accept and defence.zeroth and not replicated and not R.loss_check_passes(dloss, loss_th.value(e)):
-                accept = False
+            if accept and defence.zeroth and not replicated:
+                if not R.loss_check_passes(dloss, loss_bound(e, bv)):
+                    accept = False
             if defence.ledger and not replicated and dloss is not None:
-                z = ledger.score(dloss, ledger.reference(loss_th.values, e))
+                z = ledger.score(dloss, *ledger.reference(ledger_ref, e, base_loss[bv]))
+                res.ledger_unscored += not ledger.reference(ledger_ref, e, base_loss[bv])[1]
                 if z is not None:
                     h = host_of(uid, atk)
                     balances[h], ok = ledger.step(balances.get(h, 0.0), z)
@@ -554,6 +570,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 cos_th.observe(cos, R.trusted_observation(True, True), e)
             if dloss is not None:
                 loss_th.observe(dloss, R.trusted_observation(True, True), e)
+                ledger_ref.append((e, dloss, base_loss[bv]))
         if atk:
             res.attacker += 1
             if defence.reputation and not accept:
@@ -606,6 +623,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     res.trusted = trusted
     res.cos_threshold = cos_th
     res.loss_threshold = loss_th
+    res.trusted_loss = list(ledger_ref)
     res.today_window = window[-norms.WINDOW:]
     res.seconds = time.perf_counter() - t_start
     return res
@@ -724,12 +742,15 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[st
             if attack == "none":
                 clean[(rname, dk)] = r.final
             drop = clean[(rname, dk)] - r.final
-            out[f"{task.name}|{attack}|{rname}|{dk}"] = {
+            out[f"{task.name}|D={d}|{attack}|{rname}|{dk}"] = {
                 "final": r.final, "first": r.first, "drop_points": drop * 100,
                 "attacker_accepted": r.attacker_accepted, "attacker": r.attacker,
                 "honest_refused": r.honest_rejected / max(1, r.honest), "honest": r.honest,
-                "honest_refused_n": r.honest_rejected, "honest_refused_by_ledger": r.honest_ledger}
-            cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f} {r.honest_rejected}h")
+                "honest_refused_n": r.honest_rejected, "honest_refused_by_ledger": r.honest_ledger,
+                "ledger_unscored": r.ledger_unscored, "loss_unbounded": r.loss_unbounded}
+            cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f} {r.honest_rejected}h"
+                         + (f" {r.loss_unbounded}b" if "trusted0" in dk else "")
+                         + (f" {r.honest_ledger}L {r.ledger_unscored}u" if "+ledger" in dk else ""))
         print(f"{attack:10s} " + " ".join(f"{c:>34s}" for c in cells), flush=True)
     return out
 
@@ -778,7 +799,7 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "
                          defence=defence_of(dk),
                          init=start.final_weights, stop_drop=0.10, max_attacker=cap, radius=radius,
                          today_window=start.today_window, flip_target=flip_target, cos_threshold=cth,
-                         loss_threshold=lth)
+                         loss_threshold=lth, trusted_loss=[(0, v, bl) for _, v, bl in start.trusted_loss])
             hit = r.attacker_to_drop
             txt = (f"{hit} of {r.attacker}" if hit is not None
                    else f">{r.attacker_accepted} acc. of {r.attacker} ({r.final - acc0:+.3f})")
@@ -866,7 +887,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="digits only, fewer rules: a few minutes")
     ap.add_argument("--datasets", default=None, help="comma list of digits,mnist (default: both; quick: digits)")
     ap.add_argument("--rules", default=None, help="comma list of rule names (default: all candidates)")
-    ap.add_argument("--D", default=None, help="units in flight (default 8,32,128,1000; quick: 8,32,128)")
+    ap.add_argument("--D", default=None, help="units in flight (default 8,32,128,1000; quick: 8,32,128; the poison "
+                    "section: 32)")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--local-epochs", choices=("task", "derived"), default="task",
                     help="task: the task's own (digits 2, MNIST 1, the issue's setting); derived: what a job "
@@ -883,10 +905,14 @@ def main() -> None:
     ap.add_argument("--replicate-p", type=float, default=0.2,
                     help="share of honest results replicated (trusted) after the first epoch (a mature BOINC "
                          "project's spot checks: 0.05)")
+    ap.add_argument("--ledger-base-ratio", type=float, default=R.LossLedger.base_ratio,
+                    help="the ledger's reference: trusted changes from bases of held-out loss at most this many "
+                         "times the result's base loss (inf: the latest ones, whatever their base)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
-    global REPLICATE_P
+    global REPLICATE_P, LEDGER
     REPLICATE_P = args.replicate_p
+    LEDGER = R.LossLedger(base_ratio=args.ledger_base_ratio)
     t0 = time.perf_counter()
     allr = candidate_rules()
     if args.rules:
@@ -922,7 +948,9 @@ def main() -> None:
         if "staleness" in sections:
             result[f"{ds}_staleness"] = staleness_section(b, task, tr)
         if "poison" in sections:
-            result[f"{ds}_poison"] = poison_section(b, task, tr)
+            result[f"{ds}_poison"] = {}
+            for d in ([int(x) for x in args.D.split(",")] if args.D else [32]):
+                result[f"{ds}_poison"].update(poison_section(b, task, tr, d))
         if "single" in sections:
             result[f"{ds}_single"] = {}
             for seed in (int(x) for x in args.single_seeds.split(",")):

@@ -47,9 +47,15 @@ def job(tiny_job, tmp_path: Path):
     return store, spec, fp, job_dir
 
 
-def seed_trusted(store: JobStore, values=(-0.30, -0.25, -0.2, -0.28, -0.22, -0.26)) -> None:
+#: The held-out loss of the tests' base (all zeros) under np_loss.
+BASE_LOSS = 1.0
+
+
+def seed_trusted(store: JobStore, values=(-0.30, -0.25, -0.2, -0.28, -0.22, -0.26),
+                 base_loss: float | None = BASE_LOSS) -> None:
+    """Trusted loss changes, measured (by default) from a base as good as the tests' own."""
     for v in values:
-        store.push_trusted_value("0", lc.STAT, 1, v, lc.WINDOW)
+        store.push_trusted_value("0", lc.STAT, 1, v, lc.WINDOW, base_loss=base_loss)
 
 
 def result(tmp_path: Path, store: JobStore, fp, unit: str, value: float, seq: int = 0) -> list[Path]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.rules import LossLedger
 from tests import test_loss_check
 from tests.conftest import tiny_spec
-from tests.test_loss_check import TARGET, checker_running, result, seed_trusted
+from tests.test_loss_check import BASE_LOSS, TARGET, checker_running, result, seed_trusted
 
 job = test_loss_check.job  # the loss check's job fixture (a tiny job with a checker's directory)
 
@@ -42,12 +43,41 @@ def test_score_is_in_trusted_units_and_needs_enough_of_them() -> None:
     assert LossLedger().score(MED + 1.0, TRUSTED) == pytest.approx(1.0 / max(mad, 0.5 * abs(MED)))
 
 
-def test_the_reference_is_the_latest_trusted_changes() -> None:
+def test_the_reference_is_the_latest_comparable_trusted_changes() -> None:
     led = LossLedger(window=3)
-    vals = [(1, -0.9), (1, -0.8), (2, -0.3), (2, -0.2), (3, -0.1), (5, 9.0)]
-    assert led.reference(vals, 3) == [-0.3, -0.2, -0.1]  # the newest 3 up to the result's epoch
-    assert led.reference(vals, 2) == [-0.8, -0.3, -0.2]
-    assert led.reference(vals, 1) == []  # fewer than the window: the ledger waits
+    vals = [(1, -0.9, 0.5), (1, -0.8, 0.5), (2, -0.3, 0.5), (2, -0.2, 0.5), (3, -0.1, 0.5), (5, 9.0, 0.5)]
+    assert led.reference(vals, 3, 0.5) == ([-0.3, -0.2, -0.1], True)  # the newest 3 up to the result's epoch
+    assert led.reference(vals, 2, 0.5) == ([-0.8, -0.3, -0.2], True)
+    assert led.reference(vals, 1, 0.5) == ([], False)  # fewer than the window: the ledger waits
+    # measured from bases at most twice as bad as the result's: comparable
+    assert led.reference(vals, 3, 0.25) == ([-0.3, -0.2, -0.1], True)
+    # from much worse models (a converged model, no replication since): the latest, not comparable
+    assert led.reference(vals, 3, 0.2) == ([-0.3, -0.2, -0.1], False)
+    # the older, much worse ones do not make up the window of a comparable reference
+    mixed = [(1, -0.9, 2.0), (1, -0.8, 2.0), (2, -0.3, 0.3), (2, -0.2, 0.3), (3, -0.1, 0.3)]
+    assert led.reference(mixed, 3, 0.3) == ([-0.3, -0.2, -0.1], True)
+    assert led.reference(mixed[:4] + [(3, -0.1, None)], 3, 0.3) == ([-0.3, -0.2, -0.1], False)  # no base loss
+    assert led.reference(vals, 3, None)[1] is False and led.reference(vals, 3, math.nan)[1] is False
+
+
+def test_a_stale_reference_charges_only_a_rising_loss() -> None:
+    """The project stopped replicating: the trusted changes are the first epoch's large
+    improvements. An honest result of the converged model that no longer lowers the loss
+    scored against them would score 1/rel_floor = 2 each time, and its host be refused by
+    its fifth result; not comparable, it is scored from a centre no lower than 0."""
+    led = LossLedger()
+    early = [(1, v, 2.3) for v in TRUSTED]
+    ref, comparable = led.reference(early, 9, 0.1)
+    assert ref == list(TRUSTED) and not comparable
+    assert led.score(0.0, ref) == pytest.approx(2.0)  # what a comparable reference would say
+    b = 0.0
+    for _ in range(100):
+        b, ok = led.step(b, led.score(0.0, ref, comparable))
+        assert ok
+    assert b == 0.0
+    # a rising loss is still charged, in the reference's units
+    assert led.score(0.5 * SCALE, ref, comparable) == pytest.approx(0.5 * SCALE / SCALE)
+    assert led.score(math.inf, ref, comparable) == math.inf
 
 
 def test_balance_steps() -> None:
@@ -86,8 +116,8 @@ def test_honest_scores_rarely_alarm_and_a_patient_host_is_held_to_the_slack() ->
 
 # ---- in Redis, with the verdicts -----------------------------------------------------------------
 
-def _verdict(x: float) -> dict:
-    return {**lc.decide(x, None), "loss_increase": x}
+def _verdict(x: float, base_loss: float | None = BASE_LOSS) -> dict:
+    return {**lc.decide(x, None), "loss_increase": x, "base_loss": base_loss}
 
 
 def test_settle_moves_a_hosts_balance_once_per_verdict(job) -> None:
@@ -205,3 +235,67 @@ def test_status_shows_the_hosts_nearest_their_limit(job, redis_server, tmp_path:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout
     assert "loss ledgers" in out and "refused past 6" in out and "5.00" in out
     assert out.index("5.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
+
+
+# ---- trusted changes from much worse models (a project that stopped replicating) -----------------
+
+def test_the_bound_follows_comparable_changes_and_otherwise_only_their_spread() -> None:
+    from boinc_dl.server.assimilator.rules import loss_increase_bound, median_spread
+
+    med, spread = median_spread(TRUSTED)
+    near = [(1, v, 1.5) for v in TRUSTED]  # bases at most twice as bad as the result's (1.0)
+    far = [(1, v, 2.5) for v in TRUSTED]
+    assert loss_increase_bound(near, 1, 1.0, k=6, min_samples=8) == (pytest.approx(med + 6 * spread), True)
+    assert loss_increase_bound(far, 1, 1.0, k=6, min_samples=8) == (pytest.approx(6 * spread), False)
+    assert loss_increase_bound(far[:7], 1, 1.0, k=6, min_samples=8) == (None, False)  # too few at all
+    assert loss_increase_bound(far, 0, 1.0, k=6, min_samples=8) == (None, False)  # none up to the epoch
+    # a rising median is kept: a centre is only raised to 0, never lowered
+    up = [(1, v + 1.0, 2.5) for v in TRUSTED]
+    assert loss_increase_bound(up, 1, 1.0, k=6, min_samples=8)[0] == pytest.approx(med + 1.0 + 6 * spread)
+
+
+def test_a_converged_model_with_stale_trusted_changes_refuses_only_a_rising_loss(job, tmp_path: Path,
+                                                                                  redis_server) -> None:
+    """No result replicated since the first epoch, whose bases' loss was 5x the current
+    one: honest results that no longer lower the loss (+0.01, noise) merge, where a bound
+    and a reference centred on those first improvements would refuse them all (checked
+    here on the same store with comparable trusted changes); a host that raises the loss
+    inside the bound is still refused by its ledger. Each such verdict is counted once, and
+    ``boinc-dl status`` says to replicate more."""
+    store, spec, fp, job_dir = job
+    seed_trusted(store, TRUSTED, base_loss=5 * BASE_LOSS)
+    base = store.unit_info("u0")
+    bound, comparable = lc.bound_for(store, spec, "0", 1, BASE_LOSS)
+    assert not comparable and 0.01 < bound
+    rising = 0.9 * bound  # inside the per-result bound, far above honest noise
+    outs: dict[str, list[str]] = {"honest": [], "raiser": []}
+    with checker_running(store, spec, job_dir):
+        for i in range(10):
+            for who, host, x in (("honest", "42", 0.01), ("raiser", "43", rising)):
+                unit = f"{who}{i}"
+                store.register_unit(unit, {**base, "shard": i % 4}, 1)
+                out = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, final=True, host=host,
+                                                 files=result(tmp_path, store, fp, unit, _value_for(x))), spec=spec)
+                outs[who].append(out.status)
+    assert outs["honest"] == ["merged"] * 10
+    # +0.76 a result (z = 0.9 bound / (half the stale median's size) = 1.26): refused from its 8th
+    assert outs["raiser"] == ["merged"] * 7 + ["rejected"] * 3
+    assert "taken no lower than 0" in store.rejections(1)[0]["reason"]
+    assert store.loss_checks_stale() == {"0": 20}
+    rec = store.assimilated()["honest9"]
+    assert rec["ledger_comparable"] is False and rec["bound_comparable"] is False
+    # one more verdict counts once; judged again (a re-queued request), the verdict and the count stay
+    req = {"model": "0", "epoch": 1, "host": "42"}
+    first, _ = lc.settle(store, spec, "dup", req, _verdict(0.01))
+    again, _ = lc.settle(store, spec, "dup", req, _verdict(0.01))
+    assert again == first and store.loss_checks_stale() == {"0": 21}
+    # the same honest result against comparable trusted changes: refused by the bound
+    seed_trusted(store, TRUSTED * 6, base_loss=BASE_LOSS)
+    bound2, comparable2 = lc.bound_for(store, spec, "0", 1, BASE_LOSS)
+    assert comparable2 and not lc.decide(0.01, bound2)["ok"]
+    cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", store.job, "--redis-url", redis_server.url]
+    st = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout)
+    assert st["loss_checks_stale"] == {"0": 21}
+    wide = {**os.environ, "COLUMNS": "400"}  # one line per row
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=wide).stdout
+    assert "21 result(s) judged against trusted results from much worse models" in " ".join(out.split())

@@ -133,7 +133,11 @@ def assimilate_valid(
         # the checker's forward passes, and this delivery's whole wait for the verdict
         record.update(loss_increase=verdict.get("loss_increase"), loss_bound=verdict.get("bound"),
                       loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6),
-                      ledger_score=verdict.get("ledger_score"), ledger_balance=verdict.get("ledger_balance"))
+                      ledger_score=verdict.get("ledger_score"), ledger_balance=verdict.get("ledger_balance"),
+                      # whether the bound and the ledger's reference were made of trusted
+                      # changes from bases about as good as this one's (rules.BASE_RATIO)
+                      bound_comparable=verdict.get("bound_comparable"),
+                      ledger_comparable=verdict.get("ledger_comparable"))
         # Other results merged while this one waited: it is merged as stale as it now is
         # (the check judged the update itself, whose clip scale does not change).
         if plan.base_version is not None:

@@ -105,10 +105,21 @@ def threshold(spec: JobSpec) -> rules.TrustedStatistic:
 
 
 def bound_of(store: JobStore, spec: JobSpec, model: str, epoch: int) -> float | None:
-    """The bound on the loss increase in force for ``model`` (None: too few trusted ones)."""
+    """The bound on the loss increase from every trusted change of ``model`` (None: too
+    few trusted ones): whether a result can be checked at all."""
     th = threshold(spec)
     th.values = store.trusted_values(model, STAT, th.window)
     return th.value(epoch)
+
+
+def bound_for(store: JobStore, spec: JobSpec, model: str, epoch: int,
+              base_loss: float | None) -> tuple[float | None, bool]:
+    """The bound on the loss increase of a result whose base has held-out loss
+    ``base_loss``, and whether it was made of comparable trusted changes (measured from a
+    base about as good: :func:`rules.loss_increase_bound`)."""
+    v = spec.validation
+    return rules.loss_increase_bound(store.trusted_entries(model, STAT, WINDOW), epoch, base_loss,
+                                     k=v.loss_check_k, min_samples=v.loss_check_min_trusted)
 
 
 def ledger_of(spec: JobSpec) -> rules.LossLedger | None:
@@ -130,30 +141,45 @@ def settle(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any],
     The host is the job system's id of the host that computed the result (BOINC's
     ``result.hostid``, from BOINC's database), never a string from the result file; a
     request without one (a host BOINC did not name) is judged by the per-result bound alone.
+    The result is scored against trusted changes measured from a base about as good as its
+    own (:meth:`~boinc_dl.server.assimilator.rules.LossLedger.reference`, the verdict's
+    ``base_loss``); with too few of them, against the latest ones from a centre no lower
+    than 0 (only a rising loss is charged), and counted (:meth:`JobStore.loss_checks_stale`).
     Returns what :meth:`JobStore.set_loss_verdict` returns."""
     ledger = ledger_of(spec)
     host = request.get("host")
     model = str(request.get("model", "0"))
     x = verdict.get("loss_increase")
-    z = None
-    if ledger is not None and isinstance(host, str) and host and is_safe_name(host):
-        reference = ledger.reference(store.trusted_values(model, STAT, WINDOW), int(request.get("epoch", 0)))
-        z = ledger.score(float(x) if x is not None else math.inf, reference)
-    if z is None or ledger is None:
-        return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S)
+    # judged against trusted changes from worse models (the bound or the ledger's
+    # reference): counted for `boinc-dl status`, with the verdict
+    stale = model if verdict.get("bound") is not None and verdict.get("bound_comparable") is False else None
+    if ledger is None or not (isinstance(host, str) and host and is_safe_name(host)):
+        return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S, stale_model=stale)
+    base_loss = verdict.get("base_loss")
+    reference, comparable = ledger.reference(store.trusted_entries(model, STAT, WINDOW), int(request.get("epoch", 0)),
+                                             float(base_loss) if isinstance(base_loss, (int, float)) else None)
+    # a result whose loss change is not finite (or could not be measured: an unreadable
+    # upload) is worse than any trusted one, whatever the reference
+    z = ledger.score(float(x), reference, comparable) if x is not None else math.inf
+    if z is None:  # fewer trusted changes than the ledger's window: it waits
+        return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S, stale_model=stale)
+    if not comparable:
+        stale = model
     while True:
         raw = store.ledger_balance(model, str(host))
         before = float(raw) if raw is not None else 0.0
         balance, ok = ledger.step(before, z)
         v = {**verdict, "ledger_host": str(host), "ledger_score": round(z, 4) if math.isfinite(z) else None,
-             "ledger_balance": round(balance, 4)}
+             "ledger_balance": round(balance, 4), "ledger_comparable": comparable}
         if v.get("ok") and not ok:
+            centre = "median" if comparable else "median (taken no lower than 0)"
             v.update(ok=False, reason=(
                 f"held-out loss check, the host's ledger: the update's loss change scores {z:.3g} above the "
-                f"median of the latest trusted results' (in units of their spread), and the host's untrusted "
+                f"{centre} of trusted results' (in units of their spread), and the host's untrusted "
                 f"results together stand {before + z - ledger.slack:.3g} above their allowance "
                 f"(limit {ledger.limit:g})"))
-        got = store.set_loss_verdict_with_ledger(rid, v, VERDICT_TTL_S, model, str(host), raw, balance)
+        got = store.set_loss_verdict_with_ledger(rid, v, VERDICT_TTL_S, model, str(host), raw, balance,
+                                                 stale_model=stale)
         if got is not None:
             return got
 
@@ -162,7 +188,8 @@ def decide(loss_increase: float, bound: float | None) -> dict[str, Any]:
     """The verdict on a loss increase under ``bound`` (JSON-ready)."""
     ok = rules.loss_check_passes(loss_increase, bound)
     if ok:
-        why = "no trusted bound yet" if bound is None else f"loss change {loss_increase:.4g} within {bound:.4g}"
+        why = ("no trusted bound for a model this good yet" if bound is None
+               else f"loss change {loss_increase:.4g} within {bound:.4g}")
     elif not math.isfinite(loss_increase):
         why = f"the held-out loss is not finite after the update ({loss_increase})"
     else:

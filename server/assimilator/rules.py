@@ -575,6 +575,38 @@ def zeno_score(loss_before: float, loss_after: float, delta_sq_norm: float, rho:
     return float(loss_before) - float(loss_after) - float(rho) * float(delta_sq_norm)
 
 
+#: Trusted loss changes are comparable with a result's when measured from a base whose
+#: held-out loss was at most this many times the result's base loss. A change measured on a
+#: much worse model (the first epoch's large improvements) says nothing of what an honest
+#: result from a converged model does: where a project replicates little or nothing, the
+#: trusted changes are from such models, and a bound or reference centred on their
+#: improvements refuses honest results (an update that no longer lowers the loss, or raises
+#: it by noise). Without enough comparable ones, the loss check and the ledger fall back
+#: to the latest trusted changes with their centre taken no lower than 0 (see
+#: :func:`loss_increase_bound`, :class:`LossLedger`). A model made worse (by an attack) only
+#: admits more of them: stricter, never a way out.
+BASE_RATIO = 2.0
+
+
+def comparable_base(entry_base_loss: float | None, base_loss: float | None, ratio: float = BASE_RATIO) -> bool:
+    """Whether a trusted loss change measured from a base of held-out loss
+    ``entry_base_loss`` may judge a result whose base has loss ``base_loss`` (see
+    :data:`BASE_RATIO`; a missing or non-finite loss on either side: never)."""
+    if entry_base_loss is None or base_loss is None:
+        return False
+    if not (math.isfinite(entry_base_loss) and math.isfinite(base_loss)):
+        return False
+    return float(entry_base_loss) <= ratio * max(float(base_loss), 0.0) + 1e-12
+
+
+def comparable_values(trusted: Sequence[tuple[int, float, float | None]], epoch: int, base_loss: float | None,
+                      ratio: float = BASE_RATIO) -> list[tuple[int, float]]:
+    """Of ``trusted`` ((epoch, loss change, its base's held-out loss), oldest first), the
+    (epoch, change) pairs up to ``epoch`` that may judge a result from a base of loss
+    ``base_loss`` (:func:`comparable_base`)."""
+    return [(e, v) for e, v, bl in trusted if e <= epoch and comparable_base(bl, base_loss, ratio)]
+
+
 def loss_increase_threshold(k: float = 6.0, offset: float = 0.0, fallback: float | None = None,
                             min_samples: int = 16, window: int = 32) -> TrustedStatistic:
     """Zeno++'s zeroth-order check, made scale-free by trusted statistics: the bound on
@@ -582,6 +614,29 @@ def loss_increase_threshold(k: float = 6.0, offset: float = 0.0, fallback: float
     confirmed results (median + ``k`` scaled MADs of the latest ``window``)."""
     return TrustedStatistic(kind="mad", k=k, offset=offset, fallback=fallback, min_samples=min_samples,
                             window=window, freeze=False)
+
+
+def loss_increase_bound(trusted: Sequence[tuple[int, float, float | None]], epoch: int, base_loss: float | None,
+                        k: float = 6.0, min_samples: int = 16, ratio: float = BASE_RATIO) -> tuple[float | None, bool]:
+    """The bound on the held-out loss increase of a result of ``epoch`` whose base has loss
+    ``base_loss``, from ``trusted`` ((epoch, change, its base's loss), oldest first), and
+    whether it was made of comparable changes.
+
+    With ``min_samples`` comparable changes (:func:`comparable_values`): their median +
+    ``k`` scaled MADs (Zeno++'s test made scale-free). Otherwise, from every trusted change
+    up to ``epoch``, with the median taken no lower than 0: those changes come from worse
+    models, whose improvements an honest result of this one cannot match, so only their
+    spread is used (a rise beyond ``k`` of their spreads is refused). Fewer than
+    ``min_samples`` trusted changes at all: None (no bound)."""
+    fresh = [v for _, v in comparable_values(trusted, epoch, base_loss, ratio)]
+    if len(fresh) >= min_samples:
+        med, spread = median_spread(fresh)
+        return med + k * spread, True
+    older = [v for e, v, _ in trusted if e <= epoch]
+    if len(older) >= min_samples:
+        med, spread = median_spread(older)
+        return max(med, 0.0) + k * spread, False
+    return None, False
 
 
 def loss_check_passes(loss_increase: float, bound: float | None) -> bool:
@@ -598,7 +653,8 @@ class LossLedger:
     per-result check bounds each result, the ledger bounds their sum.
 
     Each result's loss change ``x`` is scored against the latest ``window`` trusted loss
-    changes (never the host's own, nor its peers'),
+    changes measured from a base about as good as the result's (never the host's own, nor
+    its peers'),
     ``z = (x - median) / max(1.4826 * MAD, rel_floor * |median|)``, and the host's balance
     is a one-sided CUSUM (Page's test)::
 
@@ -624,24 +680,38 @@ class LossLedger:
     #: The scale's floor, as a share of the reference median's size: honest results that
     #: happen to agree closely must not turn a small drift into a large score.
     rel_floor: float = 0.5
+    #: Which trusted changes may score a result (:func:`comparable_base`).
+    base_ratio: float = BASE_RATIO
 
-    def reference(self, trusted: Sequence[tuple[int, float]], epoch: int) -> list[float]:
-        """The trusted loss changes a result of ``epoch`` is scored against: the latest
-        ``window`` of ``trusted`` ((epoch, value), oldest first) up to ``epoch``; fewer
-        than ``window`` of them: none (the ledger waits)."""
-        recent = [v for e, v in trusted if e <= epoch][-self.window:]
-        return recent if len(recent) >= self.window else []
+    def reference(self, trusted: Sequence[tuple[int, float, float | None]], epoch: int,
+                  base_loss: float | None) -> tuple[list[float], bool]:
+        """The trusted loss changes a result of ``epoch`` from a base of held-out loss
+        ``base_loss`` is scored against, and whether they are comparable: of ``trusted``
+        ((epoch, change, its base's loss), oldest first), the latest ``window`` up to
+        ``epoch`` measured from a base about as good as the result's
+        (:func:`comparable_values`); too few of them: the latest ``window`` up to ``epoch``
+        (not comparable: :meth:`score` then charges only a loss that rises); fewer than
+        ``window`` at all: none (the ledger waits)."""
+        fresh = [v for _, v in comparable_values(trusted, epoch, base_loss, self.base_ratio)][-self.window:]
+        if len(fresh) >= self.window:
+            return fresh, True
+        older = [v for e, v, _ in trusted if e <= epoch][-self.window:]
+        return (older, False) if len(older) >= self.window else ([], False)
 
-    def score(self, loss_increase: float, reference: Sequence[float]) -> float | None:
-        """``loss_increase`` above the median of ``reference``, in units of its spread
+    def score(self, loss_increase: float, reference: Sequence[float], comparable: bool = True) -> float | None:
+        """``loss_increase`` above the centre of ``reference``, in units of its spread
         (1.4826 MAD, at least ``rel_floor`` of the median's size); None: an empty
-        reference; +inf for a non-finite change."""
+        reference; +inf for a non-finite change. The centre is the reference's median; for
+        a reference not ``comparable`` (from worse models: their improvements say nothing
+        of what this one allows) it is no lower than 0, so a result is charged only for
+        raising the loss."""
         if not len(reference):
             return None
         if not math.isfinite(loss_increase):
             return math.inf
         med, spread = median_spread(reference)
-        return (float(loss_increase) - med) / max(spread, self.rel_floor * abs(med), 1e-9)
+        centre = med if comparable else max(med, 0.0)
+        return (float(loss_increase) - centre) / max(spread, self.rel_floor * abs(med), 1e-9)
 
     def step(self, balance: float, z: float) -> tuple[float, bool]:
         """(the host's balance after a result scored ``z``, whether the result passes)."""

@@ -28,7 +28,7 @@ Keys of job J:
 ``bdl:J:counters``             hash: counters (rejected, superseded calls, ...)
 ``bdl:J:fingerprints``         hash model -> its fingerprint (tensor names, shapes, dtypes)
 ``bdl:J:opt:M``                MOP: the optimizer state hopping with model M (its version)
-``bdl:J:trusted:S:M``          list: trusted values [epoch, value] of statistic S (clip radius)
+``bdl:J:trusted:S:M``          list: trusted values [epoch, value(, base loss)] of statistic S
 ``bdl:J:trusted_frozen:S:M``   hash epoch -> the value of S frozen for that epoch
 ``bdl:J:once:<token>``         idempotency tokens of retried increments (expire in an hour)
 ``bdl:J:losscheck:queue``      list: ids of results waiting for the held-out loss check (each once)
@@ -38,6 +38,7 @@ Keys of job J:
 ``bdl:J:losscheck:done:<id>``  list: notice that the verdict is set, for a waiting assimilator (1 min)
 ``bdl:J:losscheck:alive``      the loss checker's heartbeat (expires unless refreshed)
 ``bdl:J:losscheck:ledger:M``   hash host id -> its loss ledger balance (written with its verdicts)
+``bdl:J:losscheck:stale``      hash model -> results judged against trusted changes from worse models
 =============================  ===================================================
 
 Other owners keep their own keys in the job's namespace: BOINC's workunit records
@@ -584,17 +585,28 @@ class JobStore(ShardMerging):
     def trusted_values(self, model: str, name: str, window: int) -> list[tuple[int, float]]:
         """The newest ``window`` trusted values of statistic ``name``, oldest first, each
         with its epoch."""
-        raw = self.call(lambda: self.r.lrange(self.k("trusted", name, model), 0, window - 1))
-        out = [json.loads(v) for v in raw]
-        return [(int(e), float(x)) for e, x in reversed(out)]
+        return [(e, x) for e, x, _ in self.trusted_entries(model, name, window)]
 
-    def push_trusted_value(self, model: str, name: str, epoch: int, value: float, window: int) -> None:
-        """Add a trusted value (after the merge of the result it comes from)."""
+    def trusted_entries(self, model: str, name: str, window: int) -> list[tuple[int, float, float | None]]:
+        """:meth:`trusted_values` with what each was measured against (the held-out loss
+        of the result's base, for the loss check; None where not recorded)."""
+        raw = self.call(lambda: self.r.lrange(self.k("trusted", name, model), 0, window - 1))
+        out: list[tuple[int, float, float | None]] = []
+        for v in reversed(raw):
+            e, x, *rest = json.loads(v)
+            out.append((int(e), float(x), float(rest[0]) if rest and rest[0] is not None else None))
+        return out
+
+    def push_trusted_value(self, model: str, name: str, epoch: int, value: float, window: int,
+                           base_loss: float | None = None) -> None:
+        """Add a trusted value (after the merge of the result it comes from); ``base_loss``:
+        the held-out loss of the result's base, for a loss change."""
         key = self.k("trusted", name, model)
+        entry = [int(epoch), float(value)] + ([float(base_loss)] if base_loss is not None else [])
 
         def op() -> None:
             p = self.r.pipeline(transaction=True)
-            p.lpush(key, json.dumps([int(epoch), float(value)]))
+            p.lpush(key, json.dumps(entry))
             p.ltrim(key, 0, window - 1)
             p.execute()
         self.call(op)
@@ -696,12 +708,16 @@ class JobStore(ShardMerging):
 
     _LOSS_VERDICT = """
     if redis.call('EXISTS', KEYS[1]) == 0 then
-      if #KEYS > 3 then
+      if ARGV[4] ~= '' then
         -- the host's ledger moves with the verdict, once: only from the balance it was
         -- computed from (another verdict of the host landed meanwhile: compute again)
         local cur = redis.call('HGET', KEYS[4], ARGV[4]) or ''
         if cur ~= ARGV[5] then return {'conflict'} end
         redis.call('HSET', KEYS[4], ARGV[4], ARGV[6])
+      end
+      if ARGV[7] ~= '' then
+        -- judged against trusted changes from worse models: counted with the verdict, once
+        redis.call('HINCRBY', KEYS[5], ARGV[7], 1)
       end
       redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
     end
@@ -725,32 +741,48 @@ class JobStore(ShardMerging):
         raw = self.call(lambda: self.r.hgetall(self._ledger_key(model)))
         return {k.decode(): float(v) for k, v in raw.items()}
 
-    def set_loss_verdict(self, rid: str, verdict: dict[str, Any], ttl_s: int) -> tuple[dict[str, Any], str | None]:
+    def loss_checks_stale(self) -> dict[str, int]:
+        """Per model: untrusted results judged against trusted changes measured from much
+        worse models (no comparable ones: the project replicates too little for the loss
+        check and the ledger to follow the model; docs/merge-rules.md)."""
+        raw = self.call(lambda: self.r.hgetall(self.k("losscheck", "stale")))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    def set_loss_verdict(self, rid: str, verdict: dict[str, Any], ttl_s: int,
+                         stale_model: str | None = None) -> tuple[dict[str, Any], str | None]:
         """Record the verdict on ``rid`` unless one exists (the first verdict wins: a
         replayed or re-queued request never flips it) and retire its request; returns the
         verdict in force and the file of the request retired (it may be a later one than
-        the caller judged: the caller removes it)."""
-        got = self._set_verdict(rid, verdict, ttl_s, None)
+        the caller judged: the caller removes it). ``stale_model``: the verdict was judged
+        against trusted changes from worse models; :meth:`loss_checks_stale` counts it with
+        the verdict's write, once."""
+        got = self._set_verdict(rid, verdict, ttl_s, None, stale_model)
         assert got is not None  # only a ledger step can conflict
         return got
 
     def set_loss_verdict_with_ledger(self, rid: str, verdict: dict[str, Any], ttl_s: int, model: str, host: str,
-                                     expected: str | None, balance: float) -> tuple[dict[str, Any], str | None] | None:
+                                     expected: str | None, balance: float,
+                                     stale_model: str | None = None) -> tuple[dict[str, Any], str | None] | None:
         """:meth:`set_loss_verdict`, and host ``host``'s ledger balance for ``model`` set to
         ``balance`` in the same script, only if no verdict exists yet and the balance is
         still ``expected`` (what :meth:`ledger_balance` gave when the verdict was
         computed). None when the balance changed meanwhile (nothing written: judge again)."""
-        return self._set_verdict(rid, verdict, ttl_s, (model, host, expected, balance))
+        return self._set_verdict(rid, verdict, ttl_s, (model, host, expected, balance), stale_model)
 
     def _set_verdict(self, rid: str, verdict: dict[str, Any], ttl_s: int,
-                     ledger: tuple[str, str, str | None, float] | None) -> tuple[dict[str, Any], str | None] | None:
+                     ledger: tuple[str, str, str | None, float] | None,
+                     stale_model: str | None) -> tuple[dict[str, Any], str | None] | None:
         script = self._script("loss_verdict", self._LOSS_VERDICT)
-        keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending"), self.k("losscheck", "done", rid)]
+        model = ledger[0] if ledger is not None else (stale_model or "0")
+        keys = [self._loss_verdict_key(rid), self.k("losscheck", "pending"), self.k("losscheck", "done", rid),
+                self._ledger_key(model), self.k("losscheck", "stale")]
         args: list[Any] = [json.dumps(verdict), int(ttl_s), rid]
         if ledger is not None:
-            model, host, expected, new = ledger
-            keys.append(self._ledger_key(model))
+            _, host, expected, new = ledger
             args += [host, expected if expected is not None else "", repr(float(new))]
+        else:
+            args += ["", "", ""]
+        args.append(stale_model or "")
         got = self.call(lambda: script(keys=keys, args=args))
         if len(got) == 1:
             return None

@@ -70,6 +70,9 @@ def job_status(store: JobStore) -> dict[str, Any]:
         # the hosts' loss ledgers (BOINC host id -> balance; refused past the limit)
         "ledgers": {m: b for m in store.models() if (b := store.ledger_balances(m))},
         "ledger_limit": limit,
+        # untrusted results judged against trusted changes from much worse models (the
+        # project replicates too little for the loss check to follow the model)
+        "loss_checks_stale": store.loss_checks_stale(),
         "failed": store.failed(),
         "epochs": epochs,
     }
@@ -98,6 +101,10 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
     c = st["counters"]
     if c:
         t.add_row("counters", ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    stale = sum(st.get("loss_checks_stale", {}).values())
+    if stale:
+        t.add_row("loss check", f"{stale} result(s) judged against trusted results from much worse models: "
+                  "replicate more to keep the check and the hosts' ledgers comparable (docs/merge-rules.md)")
     console.print(t)
     if st["rejections"]:
         r = Table(title="recent rejected results", show_lines=False)

@@ -95,11 +95,13 @@ class JobChecker:
             self._base_loss.move_to_end(path)
         return hit
 
-    def loss_increase(self, wc: np.ndarray, base_path: str, scale: float) -> float:
-        """``L(W_b + scale * (W_c - W_b)) - L(W_b)``: what the merge would apply, clipped."""
+    def loss_increase(self, wc: np.ndarray, base_path: str, scale: float) -> tuple[float, float]:
+        """``L(W_b + scale * (W_c - W_b)) - L(W_b)`` (what the merge would apply, clipped),
+        and ``L(W_b)``."""
         wb = read_weights(base_path, self.fp).flat
         cand = wb + np.float32(scale) * (wc - wb)
-        return self.loss(cand) - self.base_loss(base_path, wb)
+        lb = self.base_loss(base_path, wb)
+        return self.loss(cand) - lb, lb
 
     # ---- one request ---------------------------------------------------------------------
     def handle(self, req: dict[str, Any]) -> str:
@@ -118,7 +120,8 @@ class JobChecker:
             if kind == "observe":
                 if verdict is not None and verdict.get("loss_increase") is not None:
                     self.store.push_trusted_value(str(req.get("model", "0")), lc.STAT, int(req.get("epoch", 0)),
-                                                  float(verdict["loss_increase"]), lc.WINDOW)
+                                                  float(verdict["loss_increase"]), lc.WINDOW,
+                                                  base_loss=verdict.get("base_loss"))
                     return "observed"
                 return "not observed"
             if verdict is None:
@@ -149,16 +152,19 @@ class JobChecker:
             return {**v, "reason": f"held-out loss check: the result's weights cannot be read: {e}"}
         t0 = time.perf_counter()
         try:
-            dl = self.loss_increase(wc, base, scale)
+            dl, lb = self.loss_increase(wc, base, scale)
         except WeightsFormatError as e:  # the server's own base file: log it, judge nothing
             log.error("job %s: base weights %s unreadable: %s", self.store.job, base, e)
             return None
+        base_loss = lb if math.isfinite(lb) else None
         if req.get("kind") == "observe":
-            return {"loss_increase": dl if math.isfinite(dl) else None}
-        bound = lc.bound_of(self.store, self.spec, str(req.get("model", "0")), int(req.get("epoch", 0)))
+            return {"loss_increase": dl if math.isfinite(dl) else None, "base_loss": base_loss}
+        bound, comparable = lc.bound_for(self.store, self.spec, str(req.get("model", "0")),
+                                         int(req.get("epoch", 0)), base_loss)
         # the forward passes' own time, for the merge record (the rest of a result's wait
         # is the queue)
-        return {**lc.decide(dl, bound), "check_s": round(time.perf_counter() - t0, 6)}
+        return {**lc.decide(dl, bound), "base_loss": base_loss, "bound_comparable": comparable,
+                "check_s": round(time.perf_counter() - t0, 6)}
 
     def sweep(self, now: float | None = None) -> int:
         """Remove spool files of requests lost in a crash (older than ORPHAN_AGE_S)."""
