@@ -4,11 +4,13 @@ An untrusted result's update ``d = scale * (W_c - W_b)`` (clipped as the merge w
 apply it) is refused when it raises the loss of a held-out batch by more than the upper
 tail of the same change over *trusted* results::
 
-    L(W_b + d) - L(W_b) > median + k * 1.4826 * MAD   (the latest 32 trusted increases)
+    L(W_b + d) - L(W_b) > median + k * 1.4826 * MAD   (of the latest 32 trusted increases
+                                                        measured from a base about as good)
 
-(:func:`~boinc_dl.server.assimilator.rules.loss_increase_threshold`; a loss that does not
+(:func:`~boinc_dl.server.assimilator.rules.loss_increase_bound`; a loss that does not
 rise always passes; with fewer than ``loss_check_min_trusted`` trusted increases there
-is no bound and every result passes).
+is no bound and every result passes; with fewer comparable ones, the latest with the
+median taken no lower than 0).
 
 The forward pass needs TensorFlow, which neither the merge nor BOINC's per-result
 assimilator processes may import. It runs in the long-lived work generator (a checker
