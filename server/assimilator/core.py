@@ -37,6 +37,10 @@ class AssimilationOutcome:
     host_fault: bool = False
     """A rejection that judges the host's work (:class:`ResultRejected`'s ``host_fault``):
     the job system may withdraw the host's trust (BOINC: ``backends/boinc/hosttrust.py``)."""
+    judged_stale: bool = False
+    """The held-out loss check judged the result against trusted changes from much worse
+    models (no comparable ones: too little replication); the job system may ask for more
+    (BOINC: ``backends/boinc/hosttrust.py``, ``cap_host_trust``)."""
 
 
 def merge_into(ws: np.ndarray, wc: np.ndarray, alpha: float) -> np.ndarray:
@@ -175,4 +179,5 @@ def assimilate_valid(
     if out.applied and carry is not None and out.version != predicted:
         store.set_optimizer_state(model, carry.to_bytes(out.version))
     status = "merged" if out.applied else "duplicate"
-    return AssimilationOutcome(status, unit, out.version, retries=out.retries)
+    stale = verdict is not None and False in (verdict.get("bound_comparable"), verdict.get("ledger_comparable"))
+    return AssimilationOutcome(status, unit, out.version, retries=out.retries, judged_stale=stale)

@@ -169,3 +169,30 @@ def test_update_over_the_hard_cap_costs_its_host_trust(boinc) -> None:
     assert "max_update_norm" in store.failed()[far] and store.is_assimilated(near)
     assert hav(project, 7) == 0 and hav(project, 8) == 12
     assert "max_update_norm" in store.host_demotion(r_far)["reason"]
+
+
+def test_a_stale_judgement_caps_the_hosts_run_so_boinc_spot_checks_it_more(boinc) -> None:
+    """``cap_host_trust`` (called for a merged result the loss check judged against trusted
+    results from much worse models): a host above the cap keeps the cap, one below keeps
+    its own count, a second call changes nothing, BOINC's database down changes nothing
+    and raises nothing; BOINC's scheduler then spot-checks the capped host at 1/cap."""
+    from boinc_dl.server.backends.boinc.hosttrust import cap_host_trust
+
+    project, store, spec, e = boinc
+    fake_server._exec(project, "UPDATE host_app_version SET consecutive_valid = 60 WHERE host_id = 7")
+    r7, r8 = returned(project, unit(spec, 0), 7), returned(project, unit(spec, 1), 8)
+    got = cap_host_trust(project, r7, cap=20)
+    assert got is not None and (got.hostid, got.before) == (7, 60) and hav(project, 7) == 20
+    assert cap_host_trust(project, r7, cap=20).before == 20 and hav(project, 7) == 20  # idempotent
+    assert cap_host_trust(project, r8, cap=20).before == 12 and hav(project, 8) == 12  # below the cap
+    assert cap_host_trust(project, "no_such_result", cap=20) is None
+    good_config = project.config_xml.read_text()
+    fake_server._exec(project, "UPDATE host_app_version SET consecutive_valid = 60 WHERE host_id = 8")
+    project.config_xml.write_text(re.sub(r"<db_port>\d+</db_port>", "<db_port>1</db_port>", good_config))
+    assert cap_host_trust(type(project)(project.root), r8, cap=20) is None  # a fresh read of config.xml
+    project.config_xml.write_text(good_config)
+    assert hav(project, 8) == 60
+    # the scheduler's spot check for a capped host: replicated with probability 1/20
+    rng = random.Random(3)
+    replicated = sum(not fake_server.trusted(project, 7, AV, 1, rng) for _ in range(1000))
+    assert 25 <= replicated <= 80  # 1/20 of 1,000 = 50 (at 60 it would be about 17)

@@ -130,12 +130,12 @@ class Play:
     def base(self, wu: str) -> np.ndarray:
         return read_weights(self.store.unit_info(wu)["files"][WEIGHTS_IN], self.fp).flat
 
-    def weights_for(self, wu: str, role: str, i: int) -> np.ndarray:
+    def weights_for(self, wu: str, role: str, i: int, share: float = 0.05) -> np.ndarray:
         wb = self.base(wu)
         # honest hosts: a twentieth of the way to the trained model, a little apart (small
         # steps: the model's held-out loss stays within a factor 2 of the trusted results'
         # bases during a test, so they stay comparable, rules.BASE_RATIO)
-        honest = (0.05 + 0.004 * (i % 4)) * (self.good - wb)
+        honest = (share + 0.004 * (i % 4)) * (self.good - wb)
         if role == "honest":
             return wb + honest
         size = float(np.linalg.norm(honest))
@@ -190,10 +190,10 @@ def play(db_project, redis_server, tmp_path):
     pl.stop()
 
 
-def feed_trusted(play: Play) -> None:
+def feed_trusted(play: Play, share: float = 0.05) -> None:
     """The replicated results that teach the checker what an honest loss change is."""
     for i, wu in enumerate(play.new_workunits(N_TRUSTED)):
-        paths = play.upload(wu, play.weights_for(wu["name"], "honest", i), trusted=True)
+        paths = play.upload(wu, play.weights_for(wu["name"], "honest", i, share), trusted=True)
         assert play.assimilate_until_handled(wu, paths) == 1  # trusted: never held back
     deadline = time.monotonic() + 60
     while len(play.store.trusted_values("0", lc.STAT, 64)) < N_TRUSTED:
@@ -243,6 +243,42 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
     # only the trusted results fed the statistic: untrusted ones, honest or not, never do
     assert len(store.trusted_values("0", lc.STAT, 64)) == N_TRUSTED
     assert store.loss_pending_count() == 0 and not list(lc.spool_dir(play.files.job_dir).iterdir())
+
+
+def test_without_comparable_trusted_results_hosts_are_spot_checked_more(play: Play) -> None:
+    """The only replicated results took the model most of the way (their bases' held-out
+    loss is more than twice the next units'): later results are judged against the latest
+    trusted changes from a centre no lower than 0. Honest ones merge, each such verdict is
+    counted, and the host of each gets BOINC's ``consecutive_valid`` lowered to the cap, so
+    BOINC's scheduler spot-checks it more and comparable trusted results come again; a host
+    below the cap keeps its count."""
+    from boinc_dl.server.backends.boinc.hosttrust import STALE_TRUST_CAP
+
+    store = play.store
+    play.start()
+    play.wait_checker()
+    feed_trusted(play, share=0.9)
+    veteran, newer = 51, 52
+    for host, cv in ((veteran, 60), (newer, 12)):
+        _exec(play.project, "INSERT INTO host_app_version (host_id, app_version_id, consecutive_valid) "
+                            "VALUES (%s, 5, %s)", (host, cv))
+    # the next units were sent as the replicated results merged: the first from bases a
+    # little better than theirs (comparable), the last from the model they made (not)
+    wus = play.new_workunits(N_TRUSTED)
+    for i, wu in enumerate(wus):
+        host = newer if i < N_TRUSTED // 2 else veteran
+        assert send(play.project, [wu["name"]], hostid=host, app_version_id=5, rng=random.Random(0))
+        paths = play.upload(wu, play.weights_for(wu["name"], "honest", i), trusted=False)
+        play.assimilate_until_handled(wu, paths)
+    merged = store.assimilated()
+    stale = [wu["name"] for wu in wus if merged[wu["name"]]["bound_comparable"] is False]
+    assert wus[-1]["name"] in stale and wus[0]["name"] not in stale, stale
+    assert all(merged[n]["ledger_comparable"] is False for n in stale)
+    assert store.loss_checks_stale() == {"0": len(stale)}
+    trust = {r["host_id"]: r["consecutive_valid"]
+             for r in rows(play.project, "SELECT host_id, consecutive_valid FROM host_app_version")}
+    assert trust == {veteran: STALE_TRUST_CAP, newer: 12}
+    assert not store.rejections(), store.rejections()
 
 
 def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) -> None:

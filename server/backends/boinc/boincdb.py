@@ -282,6 +282,15 @@ class BoincDB:
         except self._pymysql.MySQLError as e:
             raise BoincDBError(f"query on BOINC's database failed: {e}") from None
 
+    def cap_consecutive_valid(self, result: str, cap: int) -> TrustReset | None:
+        """Lower the ``consecutive_valid`` of result ``result``'s host app version to ``cap``
+        if it is above: BOINC's scheduler then sends that host's jobs replicated with
+        probability at least ``1 / cap`` (``set_trust``, ``sched/sched_send.cpp``). What it
+        was before, as :meth:`reset_consecutive_valid` returns it (``before`` at or below
+        the cap: nothing changed); None when BOINC has no such result sent to a host.
+        Idempotent."""
+        return self._set_consecutive_valid(result, int(cap))
+
     def reset_consecutive_valid(self, result: str) -> TrustReset | None:
         """What BOINC's validator does to the host of an invalid result (``is_invalid`` in
         ``sched/validator.cpp``): set the ``consecutive_valid`` of the result's host app
@@ -292,8 +301,13 @@ class BoincDB:
 
         BOINC's ``is_invalid`` also lowers the row's ``max_jobs_per_day`` by one; that is
         left alone here, because a re-delivered result would lower it twice."""
+        return self._set_consecutive_valid(result, 0)
+
+    def _set_consecutive_valid(self, result: str, at_most: int) -> TrustReset | None:
+        """Set ``consecutive_valid`` of ``result``'s host app version to ``at_most`` where it
+        is above (see the two callers)."""
         if not self.writable:
-            raise BoincDBError("reset_consecutive_valid needs a session opened with writable=True")
+            raise BoincDBError("changing consecutive_valid needs a session opened with writable=True")
         rows = self.query("SELECT hostid, appid, app_version_id FROM result WHERE name = %s", (result,), limit=1)
         if not rows or not int(rows[0]["hostid"] or 0):
             return None
@@ -306,8 +320,8 @@ class BoincDB:
             return TrustReset(hostid, avid, None)
         try:
             with self.conn.cursor() as c:
-                c.execute("UPDATE host_app_version SET consecutive_valid = 0 WHERE host_id = %s AND app_version_id = %s",
-                          (hostid, avid))
+                c.execute("UPDATE host_app_version SET consecutive_valid = %s WHERE host_id = %s AND app_version_id = %s "
+                          "AND consecutive_valid > %s", (at_most, hostid, avid, at_most))
         except self._pymysql.MySQLError as e:
             raise BoincDBError(f"update of BOINC's host_app_version failed: {e}") from None
         return TrustReset(hostid, avid, int(have[0]["consecutive_valid"]))

@@ -23,6 +23,14 @@ single replica).
 * *Failure-tolerant.* The refusal stands whatever happens here. With BOINC's database
   unreachable the demotion is logged, counted (``host_demotions_failed``) and kept as
   pending; the next refusal of the job retries the pending ones (a few per call).
+
+A merged result that the held-out loss check could only judge against trusted changes
+from much worse models (too little replication since the model improved; see
+docs/merge-rules.md, "Trusted changes from worse models") lowers its host's
+``consecutive_valid`` to at most :data:`STALE_TRUST_CAP` (:func:`cap_host_trust`): BOINC
+then spot-checks that host's jobs at least once in that many, and the replicas are the
+trusted results the check needs. Hosts below the cap are untouched; nothing is recorded
+beyond the log (the count of such verdicts is the job's ``loss_checks_stale``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,27 @@ log = logging.getLogger("boinc-dl.hosttrust")
 
 #: Pending demotions retried per refusal: a bounded amount of work per assimilator call.
 RETRY_PER_CALL = 8
+#: The most ``consecutive_valid`` a host keeps while the loss check lacks comparable
+#: trusted results: BOINC replicates its jobs with probability at least 1/20 (the 5%
+#: spot checks under which the check and the ledgers were measured).
+STALE_TRUST_CAP = 20
+
+
+def cap_host_trust(project: BoincProject, result: str, cap: int = STALE_TRUST_CAP) -> TrustReset | None:
+    """Lower the ``consecutive_valid`` of merged result ``result``'s host app version to
+    at most ``cap`` (see the module doc); what it was (None: nothing, or BOINC's database
+    could not be reached). Never raises: the merge stands either way."""
+    try:
+        with BoincDB.connect(project, writable=True) as db:
+            got = db.cap_consecutive_valid(result, cap)
+    except BoincDBError as e:
+        log.warning("host of %s not asked for more spot checks (BOINC's database: %s)", result, e)
+        return None
+    if got is not None and got.before is not None and got.before > cap:
+        log.info("result %s was judged against trusted results from much worse models: host %d (app version %d) "
+                 "consecutive_valid %d -> %d, so BOINC spot-checks its jobs more often",
+                 result, got.hostid, got.app_version_id, got.before, cap)
+    return got
 
 
 def demote_host(project: BoincProject, store: JobStore, result: str, reason: str) -> TrustReset | None:

@@ -25,7 +25,7 @@ from boinc_dl.server.assimilator.core import AssimilationOutcome
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
-from boinc_dl.server.backends.boinc.hosttrust import demote_host
+from boinc_dl.server.backends.boinc.hosttrust import cap_host_trust, demote_host
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common import bounded, diskfaults
@@ -193,6 +193,9 @@ def assimilate_upload(project: BoincProject, store: JobStore, wu: str, result: s
             # BOINC's validator called the result valid; the refusal must cost the host
             # the trust an invalid result would have (BOINC's adaptive replication).
             demote_host(project, store, result, out.reason)
+        elif out.status == "merged" and out.judged_stale and result:
+            # the loss check lacked comparable trusted results: more spot checks make them
+            cap_host_trust(project, result)
         return out
     finally:
         # The working copies go; a durable merge has already given the weights copy a
