@@ -380,3 +380,6 @@ def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
             b, _ = ledger.step(b, v["ledger_score"] if v["ledger_score"] is not None else float("inf"))
             assert v["ledger_balance"] == pytest.approx(b, abs=1e-3)
         assert want == pytest.approx(b, abs=1e-3)
+    # the verdicts judged against trusted results from worse models were counted once each
+    stale = sum(False in (v.get("bound_comparable"), v.get("ledger_comparable")) for v in verdicts)
+    assert sum(store.loss_checks_stale().values()) == stale
