@@ -190,8 +190,7 @@ def decide(loss_increase: float, bound: float | None) -> dict[str, Any]:
     """The verdict on a loss increase under ``bound`` (JSON-ready)."""
     ok = rules.loss_check_passes(loss_increase, bound)
     if ok:
-        why = ("no trusted bound for a model this good yet" if bound is None
-               else f"loss change {loss_increase:.4g} within {bound:.4g}")
+        why = "no trusted bound yet" if bound is None else f"loss change {loss_increase:.4g} within {bound:.4g}"
     elif not math.isfinite(loss_increase):
         why = f"the held-out loss is not finite after the update ({loss_increase})"
     else:
