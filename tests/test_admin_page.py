@@ -273,6 +273,32 @@ def test_page_shows_late_results_and_replication(page: PhpServer, redis_tcp) -> 
     assert q["across users"] == "6 (66.7%)" and q["same host"] == "1 (11.1%)" and q["hosts unknown"] == "1 (11.1%)"
 
 
+def test_page_shows_the_loss_check_ledgers_and_stale_verdicts(page: PhpServer, redis_tcp) -> None:
+    """What ``boinc-dl status`` shows of the held-out loss check, on the admin page: the
+    hosts' ledgers nearest their limit (hostile host ids as text) and the results judged
+    against trusted results from much worse models, written as the checker writes them."""
+    from boinc_dl.server.assimilator import losscheck as lc
+
+    _srv, r, _facts = redis_tcp
+    status, html = page.get("/boincdl.php?job=digits-vcasgd")
+    assert status == 200 and "Held-out loss check" not in html  # nothing yet, no section
+    store = JobStore(r, "digits-vcasgd")
+    spec = json.loads(store.spec_json())
+    r.set(store.k("spec"), json.dumps({**spec, "validation": {"loss_ledger_limit": 6.0}}))  # as submit stores it
+    for i, (host, balance) in enumerate((("31", 5.5), ("32", 0.75), ("<b>h</b>", 2.0), ("33", 0.0))):
+        got = store.set_loss_verdict_with_ledger(f"r{i}", {**lc.decide(0.0, None)}, 60, "0", host, None, balance,
+                                                 stale_model="0" if i < 3 else None)
+        assert got is not None
+    status, html = page.get("/boincdl.php?job=digits-vcasgd")
+    assert status == 200 and "<b>Fatal" not in html and "Warning</b>" not in html and "Notice</b>" not in html
+    t = parse(html)
+    head, *rows = t.tables["bdl-ledgers"]
+    assert head == ["host", "model", "ledger balance (refused past 6)"]
+    assert rows == [["31", "0", "5.50"], ["<b>h</b>", "0", "2.00"], ["32", "0", "0.75"]]  # fullest first, none at 0
+    assert "&lt;b&gt;h&lt;/b&gt;" in html and "<b>h</b>" not in html
+    assert "3 results judged against trusted results from much worse models" in " ".join(html.split())
+
+
 def test_page_shows_mop_models_with_hyper_parameters(page: PhpServer, redis_tcp) -> None:
     from boinc_dl.server.work_generator.mop.state import MopState
 

@@ -656,6 +656,27 @@ function bdl_load_job($r, $job) {
     // how each model's weights are cut into shards (JobStore.layout): {"n": params, "shards": S}
     $layout = array();
     foreach ($r->hgetall("$ns:layout") as $model => $json) $layout[$model] = bdl_json($json);
+    // the held-out loss check (server/assimilator/losscheck.py): each model's hosts' loss
+    // ledgers (BOINC host id -> balance) and the results judged against trusted results
+    // from much worse models (too little replication)
+    $ledgers = array();
+    foreach (array_keys($versions) as $model) {
+        $b = array();
+        foreach ($r->hgetall("$ns:losscheck:ledger:$model") as $h => $v) $b[$h] = (float)$v;
+        if ($b) {
+            arsort($b);
+            $ledgers[$model] = $b;
+        }
+    }
+    $stale = array();
+    foreach ($r->hgetall("$ns:losscheck:stale") as $m => $v) $stale[$m] = (int)$v;
+    $ledger_limit = null;
+    if ($ledgers) {
+        $spec = bdl_json((string)$r->cmd('GET', "$ns:spec"));
+        if (isset($spec['validation']['loss_ledger_limit']) && is_numeric($spec['validation']['loss_ledger_limit'])) {
+            $ledger_limit = (float)$spec['validation']['loss_ledger_limit'];
+        }
+    }
     // BOINC's records (server/backends/boinc/registry.py): late results the validator left
     // unchecked, and the replica comparisons of min_quorum >= 2 (each pair once)
     $late = (int)$r->cmd('HLEN', "$ns:boinc:late_results");
@@ -683,6 +704,7 @@ function bdl_load_job($r, $job) {
     return array('name' => $job, 'meta' => $meta, 'epochs' => $epochs, 'states' => $states,
                  'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions,
                  'layout' => $layout, 'late' => $late, 'quorum' => $quorum,
+                 'ledgers' => $ledgers, 'ledger_limit' => $ledger_limit, 'loss_checks_stale' => $stale,
                  'configs' => $configs, 'model_results' => $model_results,
                  // the fleet controller writes bdl:J:cost_summary under that name on
                  // a cluster too (server/fleet/cost.py): a key of its own slot there
@@ -888,6 +910,7 @@ function bdl_job_detail($j) {
     }
 
     $o .= bdl_quorum_table($j['quorum']);
+    $o .= bdl_loss_check_section($j);
     $o .= bdl_cost_table($j['cost']);
     if ($mop) {
         $o .= "<h4>Models</h4>\n" . bdl_models_table($j);
@@ -956,6 +979,36 @@ function bdl_params_text($params) {
 }
 
 /** min_quorum >= 2: how many replica comparisons were made across hosts and users. */
+/** The held-out loss check: results judged against trusted results from much worse models,
+ * and the hosts' ledgers nearest their limit (docs/merge-rules.md). Empty without either. */
+function bdl_loss_check_section($j) {
+    $stale = array_sum($j['loss_checks_stale']);
+    $rows = array();
+    foreach ($j['ledgers'] as $model => $hosts) {
+        foreach ($hosts as $h => $b) {
+            if ($b > 0) $rows[] = array($b, (string)$model, (string)$h);
+        }
+    }
+    if (!$stale && !$rows) return '';
+    $o = "<h4>Held-out loss check</h4>\n";
+    if ($stale) {
+        $o .= '<p id="bdl-loss-stale" class=warn>' . (int)$stale . ' result' . ($stale === 1 ? '' : 's')
+            . ' judged against trusted results from much worse models: replicate more (the app\'s'
+            . " target_nresults at 2) so the check and the hosts' ledgers follow the model.</p>\n";
+    }
+    if ($rows) {
+        usort($rows, function ($a, $b) { return $b[0] <=> $a[0]; });
+        $lim = $j['ledger_limit'] === null ? '' : ' (refused past ' . bdl_h(rtrim(rtrim(number_format($j['ledger_limit'], 2), '0'), '.')) . ')';
+        $o .= "<table id=\"bdl-ledgers\"><tr><th class=l>host</th><th>model</th><th>ledger balance$lim</th></tr>\n";
+        foreach (array_slice($rows, 0, 10) as $row) {
+            $o .= '<tr><td class=l>' . bdl_h($row[2]) . '</td><td>' . bdl_h($row[1]) . '</td><td>'
+                . bdl_h(number_format($row[0], 2)) . "</td></tr>\n";
+        }
+        $o .= "</table>\n";
+    }
+    return $o;
+}
+
 function bdl_quorum_table($q) {
     if (empty($q['comparisons'])) return '';
     $n = (int)$q['comparisons'];
