@@ -12,6 +12,7 @@ BOINC's database shows agreed with a replica from another host.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -39,6 +40,8 @@ from tests.boinc.fake_server import _exec, rows, send
 pytestmark = pytest.mark.slow
 
 N_TRUSTED = 8  # the loss ledger's reference (the per-result bound needs 4)
+#: The trained targets per job data and start weights (one training per test process).
+_TARGETS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _spec(name: str):
@@ -75,13 +78,18 @@ class Play:
         self._train_targets()
 
     def _train_targets(self) -> None:
-        """A model trained on the job's data (honest direction) and one on shifted labels."""
+        """A model trained on the job's data (honest direction) and one on shifted labels
+        (trained once per process for the same data and start)."""
         from boinc_dl.server.common.keras_model import configure_tf, get_flat, set_flat
 
-        tf = configure_tf(threads=1)
         x = np.concatenate([np.load(p)["x"] for p in sorted(self.files.dir.glob("*__shard*.npz"))])
         y = np.concatenate([np.load(p)["y"] for p in sorted(self.files.dir.glob("*__shard*.npz"))])
         w0 = self.store.get_weights("0")[0]
+        key = hashlib.sha256(x.tobytes() + y.tobytes() + np.asarray(w0).tobytes()).hexdigest()
+        if key in _TARGETS:
+            self.good, self.flipped = _TARGETS[key]
+            return
+        tf = configure_tf(threads=1)
         out = []
         for labels in (y, (y + 1) % 10):
             m = tf.keras.models.load_model(self.files.model, compile=False)
@@ -89,7 +97,7 @@ class Play:
             m.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy")
             m.fit(x, labels, epochs=30, batch_size=64, verbose=0)
             out.append(get_flat(m).astype(np.float32))
-        self.good, self.flipped = out
+        self.good, self.flipped = _TARGETS[key] = out[0], out[1]
 
     # ---- the daemon -------------------------------------------------------------------------
     def start(self) -> None:
@@ -105,7 +113,12 @@ class Play:
     def stop(self) -> None:
         if self.daemon is not None and self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)
-            self.daemon.wait(30)
+            try:
+                self.daemon.wait(30)
+            except subprocess.TimeoutExpired:  # never leave a daemon writing to the next test's tables
+                self.daemon.kill()
+                self.daemon.wait(30)
+                raise
 
     def wait_checker(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -119,7 +132,7 @@ class Play:
         deadline = time.monotonic() + timeout
         while True:
             got = [w for w in rows(self.project, "SELECT id, name FROM workunit ORDER BY id")
-                   if w["name"] not in self.seen]
+                   if w["name"] not in self.seen and w["name"].startswith(f"{self.spec.name}__")]
             if len(got) >= n:
                 self.seen.update(w["name"] for w in got[:n])
                 return got[:n]
@@ -185,7 +198,8 @@ class Play:
 
 @pytest.fixture
 def play(db_project, redis_server, tmp_path):
-    pl = Play(db_project, redis_server.url, "digits-losscheck", tmp_path)
+    # a job name of its own: nothing another test left in BOINC's tables can pass for its units
+    pl = Play(db_project, redis_server.url, f"digits-losscheck-{os.urandom(3).hex()}", tmp_path)
     yield pl
     pl.stop()
 
