@@ -293,9 +293,10 @@ def test_a_converged_model_with_stale_trusted_changes_refuses_only_a_rising_loss
     seed_trusted(store, TRUSTED * 6, base_loss=BASE_LOSS)
     bound2, comparable2 = lc.bound_for(store, spec, "0", 1, BASE_LOSS)
     assert comparable2 and not lc.decide(0.01, bound2)["ok"]
+    from boinc_dl.server.run.status import job_status
+
+    assert job_status(store)["loss_checks_stale"] == {"0": 21}  # what --json prints
     cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", store.job, "--redis-url", redis_server.url]
-    st = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout)
-    assert st["loss_checks_stale"] == {"0": 21}
     wide = {**os.environ, "COLUMNS": "400"}  # one line per row
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=wide).stdout
     assert "21 result(s) judged against trusted results from much worse models" in " ".join(out.split())
