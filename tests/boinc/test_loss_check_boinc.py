@@ -51,7 +51,7 @@ def _spec(name: str):
         "training": {"epochs": 4, "batch_size": 32, "local_epochs": 1, "learning_rate": 0.01},
         "vcasgd": {"n_subsets": 8, "window": 8},
         "units": {"timeout_s": 600, "max_error_results": 3, "max_total_results": 6},
-        "validation": {"loss_check_min_trusted": 4, "loss_check_wait_s": 15, "clip_min_trusted": 4},
+        "validation": {"loss_check_min_trusted": 4, "loss_check_wait_s": 6, "clip_min_trusted": 4},
         "seed": 5,
     })
 

@@ -1,7 +1,7 @@
 """``boinc-dl plan SPEC --project DIR``: a BOINC job calibrates the plan from its own records.
 
-The job's units are merged by the project's installed assimilator script (the merge
-records in Redis carry the app's own durations); BOINC's result table, in a real
+The job's units are merged by the assimilator script's entry point with BOINC's arguments
+(the merge records in Redis carry the app's own durations); BOINC's result table, in a real
 MariaDB, gets the rows BOINC's scheduler and the hosts' reports would write (sent,
 received, elapsed and CPU time, per host, replicas, a regenerated unit with a late
 original, failed results, rows no host could have produced). The installed ``boinc-dl``
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from tests.boinc import fake_server
-from tests.boinc.conftest import make_result, run_script, unit
+from tests.boinc.conftest import make_result, unit
 from tests.support.cli import boinc_dl
 
 N = 15  # the tiny job's parameters
@@ -49,8 +49,13 @@ params: 15
 WALL = [2.0, 2.5, 3.0, 3.5]
 
 
-def _merge_units(project, spec, e) -> None:
-    """Each unit's result merged by the installed assimilator script, as BOINC runs it."""
+def _merge_units(project, spec) -> None:
+    """Each unit's result merged by the assimilator script's own entry point, with BOINC's
+    arguments (in this process: the script as BOINC runs it is tested in
+    test_scripts.py and test_end_to_end.py; here only its records matter)."""
+    from boinc_dl.server.backends.boinc.project import BoincProject
+    from boinc_dl.server.backends.boinc.scripts import EXIT_OK, assimilate
+
     for i, wall in enumerate(WALL):
         u = unit(spec, i)
         res = f"{u}_r1_0" if i == 2 else f"{u}_0"  # subset 2 merged from its regenerated workunit
@@ -59,8 +64,7 @@ def _merge_units(project, spec, e) -> None:
             "job": spec.name, "unit": u, "val_acc": 0.5, "train_loss": 1.0, "host": f"h{i}",
             "wall_s": wall, "train_s": wall - 0.5, "train_cpu_s": wall - 0.5, "cpu_s": wall - 0.2}))
         wu_id = 17 + i
-        p = run_script(project.root, f"../bin/bdl_assimilate {wu_id} {' '.join(paths)}", e)
-        assert p.returncode == 0, p.stderr
+        assert assimilate(BoincProject(project.root), [str(wu_id), *map(str, paths)]) == EXIT_OK
 
 
 def _create(project, wu: str, n: int = 1) -> None:
@@ -87,7 +91,7 @@ def _run(project, wu: str, host: int, sent: int, received: int, elapsed: float, 
 def boinc_job(env, db_project, tmp_path):
     """(project, spec dir, expected numbers): the tiny job merged, and BOINC's rows of it."""
     project, store, spec, e = env
-    _merge_units(project, spec, e)
+    _merge_units(project, spec)
     assert [m["wall_s"] for m in store.metrics("merge")] == WALL
     t0 = int(time.time()) - 3600  # all sent and received before the merges above
     u = [unit(spec, i) for i in range(4)]
