@@ -122,10 +122,12 @@ def test_restart_in_slot_resumes_from_checkpoint(tmp_path: Path, redis_server) -
     """SIGKILL mid-unit, restart in the same slot: the unit resumes from its checkpoint
     (not from batch 0), is not re-issued, and is merged once. Reports the work redone."""
     # Long local epochs (1437 batches of 1), so that the checkpoint timer, not the
-    # local-epoch boundary, decides what is lost.
-    spec = small_spec("restart", training={"epochs": 1, "local_epochs": 2, "batch_size": 1},
+    # local-epoch boundary, decides what is lost; four of them and a checkpoint a second,
+    # so that even a fast machine (a unit of 2-3 s at two epochs) reports progress past a
+    # checkpoint before the unit ends (progress is written at most once a second).
+    spec = small_spec("restart", training={"epochs": 1, "local_epochs": 4, "batch_size": 1},
                       dataset={"name": "digits", "limit": None}, vcasgd={"n_subsets": 1},
-                      units={"timeout_s": 300, "checkpoint_every_s": 2.0},
+                      units={"timeout_s": 300, "checkpoint_every_s": 1.0},
                       backend={"local": {"workers": 1, "slots": 1, "assimilators": 1}})
     holder: dict = {}
 
