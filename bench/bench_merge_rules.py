@@ -553,8 +553,9 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 if not R.loss_check_passes(dloss, loss_bound(e, bv)):
                     accept = False
             if defence.ledger and not replicated and dloss is not None:
-                z = ledger.score(dloss, *ledger.reference(ledger_ref, e, base_loss[bv]))
-                res.ledger_unscored += not ledger.reference(ledger_ref, e, base_loss[bv])[1]
+                reference, comparable = ledger.reference(ledger_ref, e, base_loss[bv])
+                z = ledger.score(dloss, reference, comparable)
+                res.ledger_unscored += not comparable
                 if z is not None:
                     h = host_of(uid, atk)
                     balances[h], ok = ledger.step(balances.get(h, 0.0), z)

@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 #: The trusted statistic the bound is computed from (per model).
 STAT = "loss_increase"
-#: Trusted increases the bound follows (the latest ones; rules.loss_increase_threshold).
+#: Trusted increases the bound and the ledgers follow (the latest ones: rules.loss_increase_threshold, rules.loss_increase_bound).
 WINDOW = 32
 #: Requests the queue may hold; past it a request waits for room (the assimilator's
 #: poll retries) and an observation is dropped.
