@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from boinc_dl.server.assimilator import retained
 from boinc_dl.server.assimilator import snapshot as snaps
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into
@@ -31,7 +30,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec, parse_spec
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 from tests.support.audit import audit_job
-from tests.support.results import assimilate_files
+from tests.support.results import assimilate_files, finish_retained
 
 N = 2000
 SHARD_BYTES = "2000"  # -> 4 shards of 500 float32
@@ -245,7 +244,7 @@ def test_a_damaged_input_is_refused(env) -> None:
     store = new_job(srv.url, tmp / "job", units=2)
     for i in range(2):
         assert merge_file(store, result_file(tmp / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
-    retained._finish_pending()  # the SHA-256 is recorded off the merge's critical path
+    finish_retained(tmp)  # the SHA-256 is recorded off the merge's critical path
     assert len(input_sha(store, "u0") or "") == 64
     path = retained_path(store, tmp / "job", "u0")
     data = bytearray(path.read_bytes())

@@ -29,7 +29,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.spec import parse_spec
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
-from tests.support.results import assimilate_files
+from tests.support.results import assimilate_files, finish_retained
 from tests.test_merge_log import ALPHA, SHARD_BYTES, N, merge_file, new_job, result_file
 
 #: The bound the log may add to the AOF per merge of a 16-shard model (the intent, the
@@ -120,7 +120,7 @@ def test_a_merge_of_a_16_shard_model_logs_under_a_kilobyte(redis_dir, monkeypatc
         write_weights(p, WeightsFile(wc, fp, job=job, model="0", unit=u))
         before = len(_aof(tmp / "redis"))
         assert assimilate_files(store, [p], spec, unit=u).status == "merged"
-        retained._finish_pending()  # the SHA-256 is recorded by the hashing thread
+        finish_retained(tmp)  # the SHA-256 is recorded by the hashing thread
         log = shard = 0
         grown = _aof(tmp / "redis")[before:]
         for block in _blocks(_commands(grown)):
@@ -313,7 +313,7 @@ def test_an_intent_whose_input_never_reached_the_disk_is_taken_over(env) -> None
     dying = JobStore(connect(srv.url), "lj", on_merge_step=_raise_at("intent"))
     with pytest.raises(KeyboardInterrupt):
         merge_file(dying, result_file(tmp / "a", "lj", "u0", 1), "u0")
-    retained._finish_pending()
+    finish_retained(tmp)
     for f in (tmp / "job" / "durable" / "inputs" / "0").iterdir():
         f.unlink()
     assert merge_file(store, result_file(tmp / "b", "lj", "u0", 2), "u0") == "merged"
@@ -326,7 +326,7 @@ def test_an_intent_whose_input_never_reached_the_disk_is_taken_over(env) -> None
     cut = JobStore(connect(srv.url), "lj", on_shard_applied=_dies_after(1))
     with pytest.raises(KeyboardInterrupt):
         merge_file(cut, result_file(tmp / "c", "lj", "u1", 3), "u1")
-    retained._finish_pending()
+    finish_retained(tmp)
     entry = store.r.hget(store.mlog_key("0"), "u1")
     first = next(f for f in (tmp / "job" / "durable" / "inputs" / "0").iterdir() if f.name.startswith("u1."))
     first.rename(tmp / "aside.h5")

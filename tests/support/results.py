@@ -34,3 +34,18 @@ def assimilate_error(store: JobStore, unit: str, reason: str) -> AssimilationOut
 def validate(paths: Sequence[str | Path], store: JobStore, max_bytes: int, unit: str) -> ValidResult:
     """Validate a result of ``unit`` against what the job expects of it."""
     return validate_result(paths, expected_of(store, unit), max_bytes)
+
+
+def finish_retained(under: Path) -> None:
+    """Let the hashing threads of the inputs retained under ``under`` (a test's own
+    directory) finish and record their SHA-256, as a process's exit does for all of them
+    (``retained._finish_pending``); threads another test left behind, whose Redis may be
+    gone, are not waited for."""
+    from boinc_dl.server.assimilator import retained
+
+    under = Path(under).resolve()
+    for inp in list(retained._inputs):
+        if under in Path(inp.path).resolve().parents:
+            inp._go.set()
+            inp._handed.set()
+            inp._thread.join(60)
