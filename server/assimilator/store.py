@@ -597,6 +597,10 @@ class JobStore(ShardMerging):
             out.append((int(e), float(x), float(rest[0]) if rest and rest[0] is not None else None))
         return out
 
+    def trusted_count(self, model: str, name: str) -> int:
+        """How many trusted values of statistic ``name`` are kept (at most its window)."""
+        return int(self.call(lambda: self.r.llen(self.k("trusted", name, model))))
+
     def push_trusted_value(self, model: str, name: str, epoch: int, value: float, window: int,
                            base_loss: float | None = None) -> None:
         """Add a trusted value (after the merge of the result it comes from); ``base_loss``:

@@ -186,6 +186,12 @@ class ValidationSpec(_Strict):
     loss_check_min_trusted: int = Field(
         16, ge=1, le=100_000, description="trusted results needed before the loss check refuses anything"
     )
+    loss_check_spot_every: int = Field(
+        20, ge=0, le=100_000, description="BOINC, project min_quorum 1: the work generator replicates a unit on "
+        "a second host (a spot check) while fewer than loss_check_min_trusted trusted results exist, and once "
+        "this many results have been judged against trusted results from much worse models since the last; "
+        "0 never"
+    )
     loss_ledger: bool = Field(
         True, description="with the loss check: keep each host's running sum (CUSUM) of its untrusted results' "
         "loss changes, scored against the latest trusted ones, and refuse its results once the sum passes "

@@ -29,6 +29,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.project import dir_hier_path
+from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.spec import parse_spec
 from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weights
@@ -44,14 +45,14 @@ N_TRUSTED = 8  # the loss ledger's reference (the per-result bound needs 4)
 _TARGETS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _spec(name: str):
+def _spec(name: str, **validation):
     return parse_spec({
         "name": name, "model": "models:mlp", "model_args": {"input_dim": 64, "hidden": 16, "n_classes": 10},
         "dataset": {"name": "digits"},
         "training": {"epochs": 4, "batch_size": 32, "local_epochs": 1, "learning_rate": 0.01},
         "vcasgd": {"n_subsets": 8, "window": 8},
         "units": {"timeout_s": 600, "max_error_results": 3, "max_total_results": 6},
-        "validation": {"loss_check_min_trusted": 4, "loss_check_wait_s": 6, "clip_min_trusted": 4},
+        "validation": {"loss_check_min_trusted": 4, "loss_check_wait_s": 6, "clip_min_trusted": 4, **validation},
         "seed": 5,
     })
 
@@ -59,11 +60,11 @@ def _spec(name: str):
 class Play:
     """The test's side of BOINC: the daemon, the hosts, and the results they return."""
 
-    def __init__(self, project, redis_url: str, name: str, tmp_path: Path):
+    def __init__(self, project, redis_url: str, name: str, tmp_path: Path, validation: dict | None = None):
         install(project.root, InstallOptions(redis_url=redis_url, gpu=False,
                                              command=[os.sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
         self.project = project
-        self.spec = _spec(name)
+        self.spec = _spec(name, **(validation or {}))
         submit_job(self.spec, project.root, search_path=REPO / "examples")
         self.store = JobStore(connect(redis_url), name)
         self.files = JobFiles(project.job_dir(name), name)
@@ -175,9 +176,12 @@ class Play:
         if trusted:
             _exec(self.project, "UPDATE result SET validate_state = 1, hostid = 1, userid = 1, server_state = 5 "
                                 "WHERE name = %s", (result,))
-            _exec(self.project, "INSERT INTO result (create_time, workunitid, server_state, validate_state, hostid, "
-                                "userid, name) VALUES (%s, %s, 5, 1, 2, 2, %s)", (int(time.time()), wu["id"],
-                                                                                  f"{wu['name']}_1"))
+            replica = f"{wu['name']}_1"  # a spot check's second result exists already
+            if not _exec(self.project, "UPDATE result SET validate_state = 1, hostid = 2, userid = 2, "
+                                       "server_state = 5 WHERE name = %s", (replica,)):
+                _exec(self.project, "INSERT INTO result (create_time, workunitid, server_state, validate_state, "
+                                    "hostid, userid, name) VALUES (%s, %s, 5, 1, 2, 2, %s)",
+                      (int(time.time()), wu["id"], replica))
         return [str(p) for p in paths]
 
     def assimilate(self, wu: dict, paths: list[str]) -> subprocess.Popen[str]:
@@ -197,9 +201,10 @@ class Play:
 
 
 @pytest.fixture
-def play(db_project, redis_server, tmp_path):
+def play(db_project, redis_server, tmp_path, request):
     # a job name of its own: nothing another test left in BOINC's tables can pass for its units
-    pl = Play(db_project, redis_server.url, f"digits-losscheck-{os.urandom(3).hex()}", tmp_path)
+    pl = Play(db_project, redis_server.url, f"digits-losscheck-{os.urandom(3).hex()}", tmp_path,
+              getattr(request, "param", None))
     yield pl
     pl.stop()
 
@@ -213,6 +218,23 @@ def feed_trusted(play: Play, share: float = 0.05) -> None:
     while len(play.store.trusted_values("0", lc.STAT, 64)) < N_TRUSTED:
         assert time.monotonic() < deadline, play.log.read_text()[-3000:]
         time.sleep(0.2)
+
+
+def spot_checks_as_in_boinc(play: Play, timeout: float = 60) -> dict[str, dict]:
+    """The work generator's spot checks, once it has stopped: each recorded one is a
+    workunit of quorum 2 in BOINC's table and the other way round, the first
+    ``loss_check_min_trusted`` units were the bootstrap ones, and no stale count was used twice."""
+    play.stop()  # it creates what it has queued
+    checks = spot_checks(play.store)
+    q2 = {w["name"] for w in rows(play.project, "SELECT name FROM workunit WHERE name LIKE %s AND min_quorum = 2 "
+                                                "AND target_nresults = 2", (f"{play.spec.name}__%",))}
+    assert q2 == set(checks), (q2, checks)
+    first = [w["name"] for w in rows(play.project, "SELECT name FROM workunit WHERE name LIKE %s ORDER BY id",
+                                     (f"{play.spec.name}__%",))][:play.spec.validation.loss_check_min_trusted]
+    assert sorted(u for u, c in checks.items() if c["why"] == "bootstrap") == sorted(first)
+    used = [c["stale"] for c in checks.values() if c["why"] == "stale"]
+    assert len(set(used)) == len(used), checks
+    return checks
 
 
 def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) -> None:
@@ -259,13 +281,15 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
     assert store.loss_pending_count() == 0 and not list(lc.spool_dir(play.files.job_dir).iterdir())
 
 
+@pytest.mark.parametrize("play", [{"loss_check_spot_every": 1}], indirect=True)
 def test_without_comparable_trusted_results_hosts_are_spot_checked_more(play: Play) -> None:
     """The only replicated results took the model most of the way (their bases' held-out
     loss is more than twice the next units'): later results are judged against the latest
     trusted changes from a centre no lower than 0. Honest ones merge, each such verdict is
     counted, and the host of each gets BOINC's ``consecutive_valid`` lowered to the cap, so
     BOINC's scheduler spot-checks it more and comparable trusted results come again; a host
-    below the cap keeps its count."""
+    below the cap keeps its count. The work generator replicates its next unit itself
+    (a spot check, here after every such verdict)."""
     from boinc_dl.server.backends.boinc.hosttrust import STALE_TRUST_CAP
 
     store = play.store
@@ -293,6 +317,12 @@ def test_without_comparable_trusted_results_hosts_are_spot_checked_more(play: Pl
              for r in rows(play.project, "SELECT host_id, consecutive_valid FROM host_app_version")}
     assert trust == {veteran: STALE_TRUST_CAP, newer: 12}
     assert not store.rejections(), store.rejections()
+    deadline = time.monotonic() + 60
+    while not any(c["why"] == "stale" for c in spot_checks(store).values()):
+        assert time.monotonic() < deadline, (spot_checks(store), play.log.read_text()[-3000:])
+        time.sleep(0.2)
+    checks = spot_checks_as_in_boinc(play)
+    assert all(1 <= c["stale"] <= len(stale) for c in checks.values() if c["why"] == "stale")
 
 
 def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) -> None:
@@ -341,8 +371,10 @@ def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) ->
     assert trust[patient] == 0  # BOINC replicates its next jobs
 
 
+@pytest.mark.parametrize("play", [{"loss_check_spot_every": 1}], indirect=True)
 def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
-    """Every result ends merged or refused exactly once, whenever the checker dies."""
+    """Every result ends merged or refused exactly once, whenever the checker dies; the
+    work generator's spot checks agree with BOINC's table through the kill."""
     store = play.store
     play.start()
     play.wait_checker()
@@ -397,3 +429,4 @@ def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
     # the verdicts judged against trusted results from worse models were counted once each
     stale = sum(False in (v.get("bound_comparable"), v.get("ledger_comparable")) for v in verdicts)
     assert sum(store.loss_checks_stale().values()) == stale
+    spot_checks_as_in_boinc(play)

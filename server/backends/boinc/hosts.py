@@ -79,7 +79,13 @@ class HostCensus:
         self.spare_per_host = spare_per_host
         self._at = -float("inf")
         self._value: int | None = None
+        self._hosts: int | None = None
         self._warned = False
+
+    def hosts(self) -> int | None:
+        """Hosts heard from recently (as :meth:`window` counts them); None if the DB is unreadable."""
+        self.window()
+        return self._hosts
 
     def window(self) -> int | None:
         """Units in flight that the active hosts can take now; None if the DB is unreadable."""
@@ -95,8 +101,9 @@ class HostCensus:
             if not self._warned:
                 log.warning("cannot read BOINC's host table (%s): window from the spec instead", e)
                 self._warned = True
-            self._value = None
+            self._value = self._hosts = None
             return None
         self._warned = False
         self._value = active_window(rows, wall, active_s, self.spare_per_host)
+        self._hosts = sum(1 for h in rows if wall - h.rpc_time <= active_s)
         return self._value

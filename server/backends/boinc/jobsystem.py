@@ -74,6 +74,7 @@ from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.hosts import HostCensus
 from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
+from boinc_dl.server.backends.boinc.spotcheck import SpotChecks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
 from boinc_dl.server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit, parse_unit_name
@@ -115,6 +116,7 @@ class _Pending:
     wu: Workunit
     limits: RetryLimits
     name: str = ""  # the BOINC workunit name: the unit's own, or <unit>_r<n> once regenerated
+    quorum: int = 0  # min_quorum and target_nresults (0: the project's)
 
     def __post_init__(self) -> None:
         self.name = self.name or self.wu.unit
@@ -153,6 +155,7 @@ class BoincJobSystem(JobSystem):
         self._specs: dict[str, JobSpec] = {}
         self._db: BoincDB | None = None
         self._fpops: dict[str, tuple[float, tuple[float, float]]] = {}
+        self.spot_checks = SpotChecks(lambda job: JobStore(self.r, job), self._active_hosts)
 
     # ---- JobSystem ------------------------------------------------------------------------
     def live_capacity(self) -> int | None:
@@ -161,6 +164,11 @@ class BoincJobSystem(JobSystem):
         if self._census is None:
             self._census = HostCensus(self.project)
         return self._census.window()
+
+    def _active_hosts(self) -> int | None:
+        if self._census is None:
+            self._census = HostCensus(self.project)
+        return self._census.hosts()
 
     def submit(self, wu: Workunit, limits: RetryLimits) -> None:
         """Queue a unit for the next create_work batch (flushed when the batch is full)."""
@@ -177,6 +185,11 @@ class BoincJobSystem(JobSystem):
         if self.is_created(item.wu.job, item.name):
             log.info("workunit %s already exists in BOINC; not creating it again", item.name)
             return
+        # a spot check for the loss check's trusted results, decided (and recorded) before
+        # the workunit exists (:mod:`.spotcheck`)
+        item.quorum = self.spot_checks.quorum(
+            self._spec(item.wu.job), item.wu.unit, int((parse_unit_name(item.name) or {}).get("attempt", 0)),
+            self.settings.min_quorum, int(item.limits.max_total_results))
         self._pending = [p for p in self._pending if p.wu.unit != item.wu.unit]
         self._pending.append(item)
         if len(self._pending) >= self.batch_size:
@@ -427,14 +440,14 @@ class BoincJobSystem(JobSystem):
         On failure the units not created stay queued (a later flush retries them) and
         :class:`BoincToolError` is raised.
         """
-        groups: dict[tuple[str, RetryLimits], list[_Pending]] = defaultdict(list)
+        groups: dict[tuple[str, RetryLimits, int], list[_Pending]] = defaultdict(list)
         for p in self._pending:
-            groups[(p.wu.job, p.limits)].append(p)
+            groups[(p.wu.job, p.limits, p.quorum)].append(p)
         created = 0
-        for (job, limits), items in groups.items():
+        for (job, limits, quorum), items in groups.items():
             for i in range(0, len(items), self.batch_size):
                 chunk = items[i : i + self.batch_size]
-                self._create_batch(job, limits, chunk)
+                self._create_batch(job, limits, chunk, quorum)
                 done = {p.name for p in chunk}
                 self._pending = [p for p in self._pending if p.name not in done]
                 created += len(chunk)
@@ -448,9 +461,10 @@ class BoincJobSystem(JobSystem):
         return max(1, math.ceil(limits.delay_bound_s + host_wait_s(self.project.config)))
 
     def create_work_args(self, job: str, limits: RetryLimits, result_template: str,
-                         disk_bound: float) -> list[str]:
-        """The command line (without stdin lines) for one batch of ``job``'s units."""
-        q = self.settings.min_quorum
+                         disk_bound: float, quorum: int = 0) -> list[str]:
+        """The command line (without stdin lines) for one batch of ``job``'s units
+        (``quorum``: their ``min_quorum``; 0, the project's)."""
+        q = quorum or self.settings.min_quorum
         total = int(limits.max_total_results)
         errors = int(limits.max_error_results)
         if total < q:
@@ -477,7 +491,7 @@ class BoincJobSystem(JobSystem):
             "--stdin",
         ]
 
-    def _create_batch(self, job: str, limits: RetryLimits, items: list[_Pending]) -> None:
+    def _create_batch(self, job: str, limits: RetryLimits, items: list[_Pending], quorum: int = 0) -> None:
         spec = self._spec(job)
         result_template = self.ensure_output_template(artifacts.job_upload_bound(JobStore(self.r, job), spec))
         lines: list[str] = []
@@ -493,18 +507,18 @@ class BoincJobSystem(JobSystem):
                                    "--result_template", result_template, *phys]))
         # slot copies of the inputs, the outputs and a checkpoint (model + optimizer state)
         disk_bound = 2.0 * input_bytes + 6.0 * weights_bytes + 256 * 1024 * 1024
-        args = self.create_work_args(job, limits, result_template, disk_bound)
+        args = self.create_work_args(job, limits, result_template, disk_bound, quorum)
         proc = self._run(args, stdin="".join(line + "\n" for line in lines), check=False)
         if proc.returncode == 0:
             self._mark_created(job, items)
-            log.info("created %d workunit(s) of job %s (delay_bound %ss, %d errors / %d results)",
-                     len(items), job, args[args.index("--delay_bound") + 1],
+            log.info("created %d workunit(s) of job %s (delay_bound %ss, quorum %s, %d errors / %d results)",
+                     len(items), job, args[args.index("--delay_bound") + 1], args[args.index("--min_quorum") + 1],
                      limits.max_error_results, limits.max_total_results)
             return
         if "Duplicate entry" in proc.stderr and len(items) > 1:
             log.warning("create_work: a unit of the batch already exists; creating them one by one")
             for p in items:
-                self._create_batch(job, limits, [p])
+                self._create_batch(job, limits, [p], quorum)
             return
         if "Duplicate entry" in proc.stderr:
             log.warning("workunit %s already exists in BOINC (created before a restart)", items[0].name)

@@ -46,9 +46,13 @@ def boinc_bool(el: ET.Element | None) -> bool:
 
 
 def wanted_flags(min_quorum: int, across: Across) -> dict[str, bool]:
-    """The flags quorum needs (empty for ``min_quorum`` 1: nothing to enforce)."""
+    """The flags quorum needs. With ``min_quorum`` 1 a workunit is still replicated now
+    and then (the work generator's spot checks for the loss check, :mod:`.spotcheck`;
+    BOINC's adaptive replication): its replica must go to another host, and the user
+    rule (which would leave it unsendable on a fleet attached with one account) is the
+    admin's to choose."""
     if min_quorum < 2:
-        return {}
+        return {PER_HOST: True}
     if across == "users":
         return {PER_USER: True}
     if across == "hosts":
@@ -66,6 +70,7 @@ def set_quorum_flags(config_xml: Path, min_quorum: int, across: Across) -> list[
     cfg = doc.root.find("config")
     if cfg is None:
         raise BoincProjectError(f"{config_xml}: no <config> section (not a BOINC project config?)")
+    goal = across if min_quorum >= 2 else "hosts"
     for tag, value in want.items():
         el = cfg.find(tag)
         if el is not None and boinc_bool(el) == value:
@@ -77,10 +82,10 @@ def set_quorum_flags(config_xml: Path, min_quorum: int, across: Across) -> list[
             el = ET.Element(tag)
             el.text = text
             append_child(cfg, el, 1)
-            doc.changes.append(f"set <{tag}> to 1 (replicas of a workunit go to different {across})")
+            doc.changes.append(f"set <{tag}> to 1 (replicas of a workunit go to different {goal})")
         else:
             el.text = text
-            doc.changes.append(f"changed <{tag}> to {text} (replicas of a workunit go to different {across})")
+            doc.changes.append(f"changed <{tag}> to {text} (replicas of a workunit go to different {goal})")
     doc.save()
     return list(doc.changes)
 
