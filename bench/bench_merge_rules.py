@@ -296,6 +296,10 @@ class Defence:
     radius_factor: float = 2.0
     cos_k: float = 4.0           # descent check: median + k scaled MADs of trusted cosines (+ 0.05)
     warm_epochs: int = 1         # epochs whose honest results are all replicated (every host is new)
+    # The work generator's spot checks (server/backends/boinc/spotcheck.py), when > 0: no warm
+    # epochs; a unit is replicated while trusted + open spot checks < loss_check_min_trusted,
+    # and once this many results were judged against no comparable trusted changes since the last.
+    spot_every: int = 0
     observe_cos: bool = False    # record trusted cosines even when not checking (to warm a start)
     today_k: float = 10.0
     today_warmup: int = 10
@@ -325,13 +329,18 @@ class Defence:
 
 #: Share of honest results replicated in the poisoning section (``--replicate-p``).
 REPLICATE_P = 0.2
+#: The work generator's spot checks (``--spot-every``; 0: off, the warm epoch instead).
+SPOT_EVERY = 0
+BOUND_RATIO = R.BASE_RATIO  # the per-result bound's comparable ratio (``--bound-base-ratio``)
+SPOT_RULE = "fresh"  # or "stale" (``--spot-rule``)
 
 
 def defence_of(name: str) -> Defence:
     """A defence by its bench name: the kind, then ``+rep`` (BOINC's adaptive replication
     of the attacker's host) and ``+ledger`` (the hosts' loss ledgers), e.g. ``trusted0+rep+ledger``."""
     kind, *extras = name.split("+")
-    return Defence(kind, reputation="rep" in extras, ledger="ledger" in extras, replicate_p=REPLICATE_P)
+    return Defence(kind, reputation="rep" in extras, ledger="ledger" in extras, replicate_p=REPLICATE_P,
+                   spot_every=SPOT_EVERY if kind in ("trusted0", "trusted01") else 0)
 
 
 # ---- the simulated order -------------------------------------------------------------------------------
@@ -351,6 +360,8 @@ class RunResult:
     honest_ledger: int = 0      # honest results refused by their host's ledger
     ledger_unscored: int = 0    # untrusted results the ledger had no comparable trusted reference for
     loss_unbounded: int = 0     # untrusted results the loss check had no comparable trusted changes for
+    spot_checks: int = 0        # units the work generator replicated (spot_every > 0)
+    stale: int = 0              # untrusted results judged against no comparable trusted changes (either check)
     mean_staleness: float = 0.0
     honest_cos: list[float] = field(default_factory=list)
     attack_cos: list[float] = field(default_factory=list)
@@ -426,13 +437,35 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     # the trusted loss changes with their bases' losses, as the job's Redis keeps them
     ledger_ref: deque[tuple[int, float, float | None]] = deque(trusted_loss or [], maxlen=loss_th.window)
 
-    def loss_bound(e: int, bv: int) -> float | None:
+    def loss_bound(e: int, bv: int) -> tuple[float | None, bool]:
         """The per-result loss bound for a result of epoch ``e`` from base version ``bv``
-        (the checker's rule: rules.loss_increase_bound)."""
+        (the checker's rule: rules.loss_increase_bound), and whether comparable changes made it."""
         bound, comparable = R.loss_increase_bound(ledger_ref, e, base_loss[bv], k=loss_th.k,
-                                                  min_samples=loss_th.min_samples, ratio=LEDGER.base_ratio)
+                                                  min_samples=loss_th.min_samples, ratio=BOUND_RATIO)
         res.loss_unbounded += not comparable
-        return bound
+        return bound, comparable
+
+    spot: set[int] = set()  # units the work generator made spot checks, not yet back
+    spot_seen = 0           # the count the last spot check used
+    judged = 0              # untrusted results judged
+    judged_at_trusted = 0   # ... when the latest trusted change arrived
+    warm_epochs = 0 if defence.spot_every else defence.warm_epochs
+
+    def spot_check() -> bool:
+        """The work generator's decision for the next honest unit (spotcheck.wanted)."""
+        nonlocal spot_seen
+        if not defence.spot_every:
+            return False
+        if len(ledger_ref) + len(spot) < loss_th.min_samples:
+            return True
+        if SPOT_RULE == "stale":
+            count, since = res.stale, spot_seen
+        else:  # fresh: results judged since the later of the last trusted change and spot check
+            count, since = judged, max(spot_seen, judged_at_trusted)
+        if count - since >= defence.spot_every:
+            spot_seen = count
+            return True
+        return False
 
     def host_of(uid: int, atk: bool) -> str:
         # The single attacker is one host; 10% colluders are 4 hosts; honest units come from 36.
@@ -467,6 +500,10 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 role, atk = "caught", False  # the workunit's canonical result is the honest replica's
         roles[uid] = role
         info[uid] = (e, sh, version, atk)
+        # the attackers never draw a spot check (the worst case: they would be caught)
+        if not atk and role == "honest" and spot_check():
+            spot.add(uid)
+            res.spot_checks += 1
         if not atk or attack.trains:  # type: ignore[union-attr]
             pending[uid] = None
         heapq.heappush(heap, (now + float(rng.lognormal(0.0, sigma)), uid))
@@ -536,8 +573,10 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
         # honest result whose replica agrees is confirmed (trusted): its statistics feed
         # the trusted bounds whatever they are, and it skips the descent check. The
         # attackers' results are never replicated here (the worst case: trusted hosts).
-        replicated = role in ("caught", "rebuild") or (
-            not atk and (e <= defence.warm_epochs or rep_rng.random() < defence.replicate_p))
+        replicated = role in ("caught", "rebuild") or uid in spot or (
+            not atk and (e <= warm_epochs or rep_rng.random() < defence.replicate_p))
+        spot.discard(uid)
+        stale_here = False
         cos = None
         if (defence.descent or defence.observe_cos) and math.isfinite(dnorm):
             cos = R.descent_cosine_parts(grad_at(bv), wc, wb)
@@ -550,12 +589,16 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 base_loss[bv] = task.check_loss(wb)
             dloss = task.check_loss(wb + (wc - wb) * np.float32(scale)) - base_loss[bv]
             if accept and defence.zeroth and not replicated:
-                if not R.loss_check_passes(dloss, loss_bound(e, bv)):
+                bound, comparable = loss_bound(e, bv)
+                stale_here = bound is not None and not comparable
+                if not R.loss_check_passes(dloss, bound):
                     accept = False
             if defence.ledger and not replicated and dloss is not None:
-                reference, comparable = ledger.reference(ledger_ref, e, base_loss[bv])
-                z = ledger.score(dloss, reference, comparable)
+                reference = ledger.reference(ledger_ref, e, base_loss[bv])
+                comparable = reference.comparable
+                z = ledger.score(dloss, reference, base_loss=base_loss[bv])
                 res.ledger_unscored += not comparable
+                stale_here = stale_here or (z is not None and not comparable)
                 if z is not None:
                     h = host_of(uid, atk)
                     balances[h], ok = ledger.step(balances.get(h, 0.0), z)
@@ -565,6 +608,10 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                             res.attacker_ledger += 1
                         else:
                             res.honest_ledger += 1
+        res.stale += stale_here
+        judged += not replicated and dloss is not None
+        if replicated and dloss is not None:
+            judged_at_trusted = judged
         if replicated:
             trusted.observe(dnorm, R.trusted_observation(True, True), e)
             if cos is not None:
@@ -720,14 +767,19 @@ def trained_start(task: Task, tr: VecTrainer, epochs: int, n_subsets: int = 32) 
                     defence=Defence("none", replicate_p=1.0, observe_cos=True))
 
 
-def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[str, Any]:
-    """10% of units from colluding attackers, D = subsets = d."""
+def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32, only: str = "") -> dict[str, Any]:
+    """10% of units from colluding attackers, D = subsets = d (``only``: a comma list of
+    the columns' defences to run, e.g. ``trusted0+ledger``)."""
     rules = candidate_rules()
     configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0"),
                (REC, "trusted0+ledger")]
+    if only:
+        configs = [c for c in configs if c[1] in only.split(",")]
     flip_target = trained_flip_target(task, tr)
     print(f"\n{task.name}: 10% colluding attackers, D = {d} in flight, {d} subsets, {b.epochs} epochs, "
-          f"{REPLICATE_P:g} of honest results replicated: final accuracy (first epoch) [attacker results "
+          f"{REPLICATE_P:g} of honest results replicated"
+          + (f" (trusted0: no warm epoch, spot checks: bootstrap, then 1 per {SPOT_EVERY} stale; Ns)" if SPOT_EVERY else "")
+          + ": final accuracy (first epoch) [attacker results "
           "accepted / sent] change from clean, honest refused")
     print(f"{'attack':10s} " + " ".join(f"{r + ' + ' + dk:>34s}" for r, dk in configs))
     print("(today: paper-era adaptive bound on ||wc - ws||; clip: trusted radius only; trusted: + first-order "
@@ -748,10 +800,12 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32) -> dict[st
                 "attacker_accepted": r.attacker_accepted, "attacker": r.attacker,
                 "honest_refused": r.honest_rejected / max(1, r.honest), "honest": r.honest,
                 "honest_refused_n": r.honest_rejected, "honest_refused_by_ledger": r.honest_ledger,
-                "ledger_unscored": r.ledger_unscored, "loss_unbounded": r.loss_unbounded}
+                "ledger_unscored": r.ledger_unscored, "loss_unbounded": r.loss_unbounded,
+                "spot_checks": r.spot_checks, "stale": r.stale, "units": r.honest + r.attacker}
             cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f} {r.honest_rejected}h"
                          + (f" {r.loss_unbounded}b" if "trusted0" in dk else "")
-                         + (f" {r.honest_ledger}L {r.ledger_unscored}u" if "+ledger" in dk else ""))
+                         + (f" {r.honest_ledger}L {r.ledger_unscored}u" if "+ledger" in dk else "")
+                         + (f" {r.spot_checks}s" if r.spot_checks else ""))
         print(f"{attack:10s} " + " ".join(f"{c:>34s}" for c in cells), flush=True)
     return out
 
@@ -909,11 +963,28 @@ def main() -> None:
     ap.add_argument("--ledger-base-ratio", type=float, default=R.LossLedger.base_ratio,
                     help="the ledger's reference: trusted changes from bases of held-out loss at most this many "
                          "times the result's base loss (inf: the latest ones, whatever their base)")
+    ap.add_argument("--poison-only", default="", help="poisoning section: only the columns with these defences "
+                    "(comma list, e.g. trusted0+ledger)")
+    ap.add_argument("--spot-every", type=int, default=0,
+                    help="the work generator's spot checks with the loss check (validation.loss_check_spot_every; "
+                         "replaces the warm epoch): 0 off")
+    ap.add_argument("--ledger-window", type=int, default=R.LossLedger.window,
+                    help="trusted changes the ledger scores against (the latest comparable ones)")
+    ap.add_argument("--ledger-z-cap", type=float, default=R.LossLedger.z_cap,
+                    help="the most one result's score adds to its host's balance, plus the slack (inf: no cap)")
+    ap.add_argument("--bound-base-ratio", type=float, default=None,
+                    help="the per-result bound's comparable ratio (default: --ledger-base-ratio)")
+    ap.add_argument("--spot-rule", choices=("fresh", "stale"), default="fresh",
+                    help="spot checks: after N results judged since the last trusted one (fresh) or N judged "
+                         "against stale trusted changes (stale)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
-    global REPLICATE_P, LEDGER
+    global REPLICATE_P, LEDGER, SPOT_EVERY, SPOT_RULE, BOUND_RATIO
+    BOUND_RATIO = args.bound_base_ratio if args.bound_base_ratio is not None else args.ledger_base_ratio
     REPLICATE_P = args.replicate_p
-    LEDGER = R.LossLedger(base_ratio=args.ledger_base_ratio)
+    SPOT_EVERY = args.spot_every
+    SPOT_RULE = args.spot_rule
+    LEDGER = R.LossLedger(base_ratio=args.ledger_base_ratio, window=args.ledger_window, z_cap=args.ledger_z_cap)
     t0 = time.perf_counter()
     allr = candidate_rules()
     if args.rules:
@@ -951,7 +1022,7 @@ def main() -> None:
         if "poison" in sections:
             result[f"{ds}_poison"] = {}
             for d in ([int(x) for x in args.D.split(",")] if args.D else [32]):
-                result[f"{ds}_poison"].update(poison_section(b, task, tr, d))
+                result[f"{ds}_poison"].update(poison_section(b, task, tr, d, args.poison_only))
         if "single" in sections:
             result[f"{ds}_single"] = {}
             for seed in (int(x) for x in args.single_seeds.split(",")):

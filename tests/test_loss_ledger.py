@@ -26,7 +26,7 @@ job = test_loss_check.job  # the loss check's job fixture (a tiny job with a che
 
 TRUSTED = (-0.30, -0.25, -0.2, -0.28, -0.22, -0.26, -0.24, -0.27)  # the ledger's reference: 8
 MED = float(np.median(TRUSTED))
-SCALE = 1.0 / LossLedger().score(MED + 1.0, TRUSTED)  # the scale it scores in (its floor: half the |median|)
+SCALE = 1.0 / LossLedger(z_cap=math.inf).score(MED + 1.0, TRUSTED)  # its scale (its floor: half the |median|)
 
 
 # ---- the rule ------------------------------------------------------------------------------
@@ -40,24 +40,52 @@ def test_score_is_in_trusted_units_and_needs_enough_of_them() -> None:
     assert led.score(float("nan"), TRUSTED) == math.inf
     # the scale's floor: a share of the median's size (trusted results that agree closely)
     assert LossLedger(rel_floor=0.25).score(-0.25 + 0.0625, [-0.25] * 8) == pytest.approx(1.0)
-    assert LossLedger().score(MED + 1.0, TRUSTED) == pytest.approx(1.0 / max(mad, 0.5 * abs(MED)))
+    assert LossLedger(z_cap=math.inf).score(MED + 1.0, TRUSTED) == pytest.approx(1.0 / max(mad, 0.5 * abs(MED)))
+    # one result adds at most z_cap - slack to its host's balance (a non-finite one: everything)
+    assert LossLedger().score(MED + 1.0, TRUSTED) == 2.0 and LossLedger().score(math.inf, TRUSTED) == math.inf
+
+
+def test_a_comparable_reference_is_taken_at_the_results_base() -> None:
+    """Trusted changes measured from older, worse bases improved more than a result from
+    today's base can: their trend in the base loss, taken at the result's base, is what an
+    honest result is expected to do (the plain median would charge it)."""
+    led = LossLedger()
+    bases = [round(2.0 - i / 7, 4) for i in range(8)]  # 2.0 down to the result's 1.0
+    trend = [(1, -0.1 * b + 0.002 * (-1) ** i, b) for i, b in enumerate(bases)]  # a change of -0.1 x the base loss
+    ref = led.reference(trend, 1, 1.0)
+    assert ref.comparable and ref.bases == bases
+    centre, _ = led.centre_scale(ref, base_loss=1.0)
+    assert centre == pytest.approx(-0.1, abs=0.003)
+    assert abs(led.score(-0.1, ref, base_loss=1.0)) < 0.1
+    assert led.score(-0.1, ref.values) > 0.6  # against the median of older bases' changes (-0.15): charged
+    # never beyond the trusted changes' range (a trend is not extrapolated)
+    assert led.centre_scale(ref, base_loss=0.6)[0] == pytest.approx(max(ref.values))
+    # no trend without every base, or from a stale reference
+    assert led.centre_scale(ref._replace(bases=bases[:-1] + [None]), base_loss=1.0)[0] == pytest.approx(
+        float(np.median(ref.values)))
+    assert led.centre_scale(ref._replace(comparable=False), base_loss=1.0)[0] == 0.0
 
 
 def test_the_reference_is_the_latest_comparable_trusted_changes() -> None:
     led = LossLedger(window=3)
     vals = [(1, -0.9, 0.5), (1, -0.8, 0.5), (2, -0.3, 0.5), (2, -0.2, 0.5), (3, -0.1, 0.5), (5, 9.0, 0.5)]
-    assert led.reference(vals, 3, 0.5) == ([-0.3, -0.2, -0.1], True)  # the newest 3 up to the result's epoch
-    assert led.reference(vals, 2, 0.5) == ([-0.8, -0.3, -0.2], True)
-    assert led.reference(vals, 1, 0.5) == ([], False)  # fewer than the window: the ledger waits
+    def ref(*a):  # noqa: ANN202
+        got = led.reference(*a)
+        return got.values, got.comparable
+
+    assert ref(vals, 3, 0.5) == ([-0.3, -0.2, -0.1], True)  # the newest 3 up to the result's epoch
+    assert ref(vals, 2, 0.5) == ([-0.8, -0.3, -0.2], True)
+    assert ref(vals, 1, 0.5) == ([], False)  # fewer than the window: the ledger waits
     # measured from bases at most twice as bad as the result's: comparable
-    assert led.reference(vals, 3, 0.25) == ([-0.3, -0.2, -0.1], True)
+    assert ref(vals, 3, 0.25) == ([-0.3, -0.2, -0.1], True)
     # from much worse models (a converged model, no replication since): the latest, not comparable
-    assert led.reference(vals, 3, 0.2) == ([-0.3, -0.2, -0.1], False)
+    assert ref(vals, 3, 0.2) == ([-0.3, -0.2, -0.1], False)
     # the older, much worse ones do not make up the window of a comparable reference
     mixed = [(1, -0.9, 2.0), (1, -0.8, 2.0), (2, -0.3, 0.3), (2, -0.2, 0.3), (3, -0.1, 0.3)]
-    assert led.reference(mixed, 3, 0.3) == ([-0.3, -0.2, -0.1], True)
-    assert led.reference(mixed[:4] + [(3, -0.1, None)], 3, 0.3) == ([-0.3, -0.2, -0.1], False)  # no base loss
-    assert led.reference(vals, 3, None)[1] is False and led.reference(vals, 3, math.nan)[1] is False
+    assert ref(mixed, 3, 0.3) == ([-0.3, -0.2, -0.1], True)
+    assert led.reference(mixed, 3, 0.3).bases == [0.3, 0.3, 0.3]
+    assert ref(mixed[:4] + [(3, -0.1, None)], 3, 0.3) == ([-0.3, -0.2, -0.1], False)  # no base loss
+    assert ref(vals, 3, None)[1] is False and ref(vals, 3, math.nan)[1] is False
 
 
 def test_a_stale_reference_charges_only_a_rising_loss() -> None:
@@ -67,7 +95,7 @@ def test_a_stale_reference_charges_only_a_rising_loss() -> None:
     its fifth result; not comparable, it is scored from a centre no lower than 0."""
     led = LossLedger()
     early = [(1, v, 2.3) for v in TRUSTED]
-    ref, comparable = led.reference(early, 9, 0.1)
+    ref, comparable, _ = led.reference(early, 9, 0.1)
     assert ref == list(TRUSTED) and not comparable
     assert led.score(0.0, ref) == pytest.approx(2.0)  # what a comparable reference would say
     b = 0.0
@@ -140,8 +168,11 @@ def test_settle_refuses_within_the_bound_once_the_ledger_is_spent(job) -> None:
     store, spec, *_ = job
     seed_trusted(store, TRUSTED)
     verdicts = [lc.settle(store, spec, f"r{i}", {"model": "0", "epoch": 1, "host": "9"}, _verdict(MED + 3 * SCALE))[0]
-                for i in range(4)]
-    assert [v["ok"] for v in verdicts] == [True, True, False, False]  # 2.5, 5.0, then past 6
+                for i in range(6)]
+    # each scores 3, counted as 2 (z_cap): 1.5, 3.0, 4.5, 6.0, then past 6
+    assert [v["ok"] for v in verdicts] == [True, True, True, True, False, False]
+    assert [v["ledger_score"] for v in verdicts[:4]] == [2.0] * 4
+    verdicts = verdicts[2:]
     assert "the host's ledger" in verdicts[2]["reason"] and "limit 6" in verdicts[2]["reason"]
     assert store.ledger_balances() == {"9": pytest.approx(6.0)}
 
@@ -225,16 +256,16 @@ def test_status_shows_the_hosts_nearest_their_limit(job, redis_server, tmp_path:
     """``boinc-dl status`` (the command as an admin runs it) lists the ledgers, fullest first."""
     store, spec, *_ = job
     seed_trusted(store, TRUSTED)
-    for i, (host, z) in enumerate((("31", 3.0), ("31", 3.0), ("32", 1.0), ("33", -2.0))):
+    for i, (host, z) in enumerate((("31", 2.0), ("31", 2.0), ("32", 1.0), ("33", -2.0))):
         lc.settle(store, spec, f"s{i}", {"model": "0", "epoch": 1, "host": host}, _verdict(MED + z * SCALE))
     cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", store.job, "--redis-url", redis_server.url]
     res = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)
-    assert st["ledgers"] == {"0": {"31": 5.0, "32": 0.5, "33": 0.0}} and st["ledger_limit"] == 6.0
+    assert st["ledgers"] == {"0": {"31": 3.0, "32": 0.5, "33": 0.0}} and st["ledger_limit"] == 6.0
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout
-    assert "loss ledgers" in out and "refused past 6" in out and "5.00" in out
-    assert out.index("5.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
+    assert "loss ledgers" in out and "refused past 6" in out and "3.00" in out
+    assert out.index("3.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
 
 
 # ---- trusted changes from much worse models (a project that stopped replicating) -----------------

@@ -158,11 +158,12 @@ def settle(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any],
     if ledger is None or not (isinstance(host, str) and host and is_safe_name(host)):
         return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S, stale_model=stale)
     base_loss = verdict.get("base_loss")
-    reference, comparable = ledger.reference(store.trusted_entries(model, STAT, WINDOW), int(request.get("epoch", 0)),
-                                             float(base_loss) if isinstance(base_loss, (int, float)) else None)
+    base = float(base_loss) if isinstance(base_loss, (int, float)) else None
+    reference = ledger.reference(store.trusted_entries(model, STAT, WINDOW), int(request.get("epoch", 0)), base)
+    comparable = reference.comparable
     # a result whose loss change is not finite (or could not be measured: an unreadable
     # upload) is worse than any trusted one, whatever the reference
-    z = ledger.score(float(x), reference, comparable) if x is not None else math.inf
+    z = ledger.score(float(x), reference, base_loss=base) if x is not None else math.inf
     if z is None:  # fewer trusted changes than the ledger's window: it waits
         return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S, stale_model=stale)
     if not comparable:

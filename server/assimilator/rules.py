@@ -83,7 +83,7 @@ import os
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -647,6 +647,15 @@ def loss_check_passes(loss_increase: float, bound: float | None) -> bool:
     return bound is None or loss_increase <= max(0.0, bound)
 
 
+class LedgerReference(NamedTuple):
+    """What :meth:`LossLedger.reference` picked: the trusted loss changes, whether they
+    are comparable with the result's base, and their bases' held-out losses."""
+
+    values: list[float]
+    comparable: bool
+    bases: list[float | None]
+
+
 @dataclass(frozen=True)
 class LossLedger:
     """A host's running account of its untrusted results' held-out loss changes: the
@@ -682,36 +691,75 @@ class LossLedger:
     rel_floor: float = 0.5
     #: Which trusted changes may score a result (:func:`comparable_base`).
     base_ratio: float = BASE_RATIO
+    #: The most one result adds to its host's balance (``z_cap - slack``): an honest
+    #: result's loss change has a long upper tail once the model has converged (a unit
+    #: trained on a small subset overfits it), and those results alone took honest hosts
+    #: past the limit; a patient host above the honest trend is charged on every result.
+    z_cap: float = 2.0
 
     def reference(self, trusted: Sequence[tuple[int, float, float | None]], epoch: int,
-                  base_loss: float | None) -> tuple[list[float], bool]:
+                  base_loss: float | None) -> LedgerReference:
         """The trusted loss changes a result of ``epoch`` from a base of held-out loss
-        ``base_loss`` is scored against, and whether they are comparable: of ``trusted``
-        ((epoch, change, its base's loss), oldest first), the latest ``window`` up to
-        ``epoch`` measured from a base about as good as the result's
-        (:func:`comparable_values`); too few of them: the latest ``window`` up to ``epoch``
+        ``base_loss`` is scored against, whether they are comparable, and their bases'
+        losses: of ``trusted`` ((epoch, change, its base's loss), oldest first), the latest
+        ``window`` up to ``epoch`` measured from a base about as good as the result's
+        (:func:`comparable_base`); too few of them: the latest ``window`` up to ``epoch``
         (not comparable: :meth:`score` then charges only a loss that rises); fewer than
         ``window`` at all: none (the ledger waits)."""
-        fresh = [v for _, v in comparable_values(trusted, epoch, base_loss, self.base_ratio)][-self.window:]
+        fresh = [(v, bl) for e, v, bl in trusted
+                 if e <= epoch and comparable_base(bl, base_loss, self.base_ratio)][-self.window:]
         if len(fresh) >= self.window:
-            return fresh, True
-        older = [v for e, v, _ in trusted if e <= epoch][-self.window:]
-        return (older, False) if len(older) >= self.window else ([], False)
+            return LedgerReference([v for v, _ in fresh], True, [bl for _, bl in fresh])
+        older = [(v, bl) for e, v, bl in trusted if e <= epoch][-self.window:]
+        if len(older) < self.window:
+            return LedgerReference([], False, [])
+        return LedgerReference([v for v, _ in older], False, [bl for _, bl in older])
 
-    def score(self, loss_increase: float, reference: Sequence[float], comparable: bool = True) -> float | None:
-        """``loss_increase`` above the centre of ``reference``, in units of its spread
-        (1.4826 MAD, at least ``rel_floor`` of the median's size); None: an empty
-        reference; +inf for a non-finite change. The centre is the reference's median; for
-        a reference not ``comparable`` (from worse models: their improvements say nothing
-        of what this one allows) it is no lower than 0, so a result is charged only for
-        raising the loss."""
-        if not len(reference):
+    def centre_scale(self, reference: Sequence[float] | LedgerReference, comparable: bool = True,
+                     base_loss: float | None = None) -> tuple[float, float]:
+        """What an honest result's loss change is expected to be, and its spread (1.4826
+        MAD, at least ``rel_floor`` of the reference median's size).
+
+        For a comparable :class:`LedgerReference` and the result's ``base_loss``: the
+        changes' linear trend in their bases' loss, taken at ``base_loss`` (kept within
+        the changes' range), with the spread of the changes around the trend. The
+        trusted changes were all measured from bases older than the result's (about as
+        good, up to ``base_ratio`` times worse): their plain median lags the model, and
+        scored honest results 0.3-1 spreads high on average, all through a 30-epoch run
+        (the bench's honest runs, docs/merge-rules.md). Otherwise the median; for a
+        reference not ``comparable`` (from worse models: their improvements say nothing of
+        what this one allows) no lower than 0, so a result is charged only for raising the
+        loss."""
+        bases: Sequence[float | None] = ()
+        if isinstance(reference, LedgerReference):
+            comparable, bases, reference = reference.comparable, reference.bases, reference.values
+        med, spread = median_spread(reference)
+        floor = max(self.rel_floor * abs(med), 1e-9)
+        if not comparable:
+            return max(med, 0.0), max(spread, floor)
+        if base_loss is not None and math.isfinite(base_loss) and len(bases) == len(reference) \
+                and all(b is not None and math.isfinite(b) for b in bases):
+            b = np.asarray(bases, np.float64)
+            y = np.asarray(reference, np.float64)
+            if float(np.ptp(b)) > 0:
+                slope, icpt = np.polyfit(b, y, 1)
+                centre = float(np.clip(icpt + slope * float(base_loss), y.min(), y.max()))
+                _, rs = median_spread(y - (icpt + slope * b))
+                return centre, max(rs, floor)
+        return med, max(spread, floor)
+
+    def score(self, loss_increase: float, reference: Sequence[float] | LedgerReference, comparable: bool = True,
+              base_loss: float | None = None) -> float | None:
+        """``loss_increase`` above what an honest result's is expected to be, in units of
+        its spread (:meth:`centre_scale`), at most ``z_cap``; None: an empty reference;
+        +inf for a non-finite change (always refused)."""
+        values = reference.values if isinstance(reference, LedgerReference) else reference
+        if not len(values):
             return None
         if not math.isfinite(loss_increase):
             return math.inf
-        med, spread = median_spread(reference)
-        centre = med if comparable else max(med, 0.0)
-        return (float(loss_increase) - centre) / max(spread, self.rel_floor * abs(med), 1e-9)
+        centre, scale = self.centre_scale(reference, comparable, base_loss)
+        return min((float(loss_increase) - centre) / scale, self.z_cap)
 
     def step(self, balance: float, z: float) -> tuple[float, bool]:
         """(the host's balance after a result scored ``z``, whether the result passes)."""

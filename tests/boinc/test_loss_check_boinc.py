@@ -33,7 +33,7 @@ from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.spec import parse_spec
 from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weights
-from boinc_dl.server.common.workunit import WEIGHTS_IN
+from boinc_dl.server.common.workunit import WEIGHTS_IN, parse_unit_name
 from boinc_dl.server.work_generator.prepare import JobFiles
 from tests.boinc.conftest import REPO, run_script, script_env
 from tests.boinc.fake_server import _exec, rows, send
@@ -327,19 +327,16 @@ def test_without_comparable_trusted_results_hosts_are_spot_checked_more(play: Pl
 
 def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) -> None:
     """A trusted host whose every result is only a little worse than honest work: each one
-    changes the held-out loss 1.9 of the ledger's units above trusted results' median (it
-    still lowers it: inside the per-result bound). Its ledger refuses the fifth (+1.4 a
-    result), and BOINC's trust goes with it."""
+    changes the held-out loss 1.9 of the ledger's units above what trusted results make an
+    honest one expected to (it still lowers it: inside the per-result bound). Its ledger
+    refuses the fifth (+1.4 a result), and BOINC's trust goes with it."""
     from boinc_dl.server.work_generator.losscheck import keras_loss
 
     store = play.store
     play.start()
     play.wait_checker()
     feed_trusted(play)
-    reference = [v for _, v in store.trusted_values("0", lc.STAT, 64)]
-    med = float(np.median(reference))
-    target = med + 1.9 / lc.ledger_of(play.spec).score(med + 1.0, reference)  # 1.9 of the ledger's units
-    assert target < 0
+    ledger = lc.ledger_of(play.spec)
     loss = keras_loss(play.files.model, play.files.val, play.spec)  # the checker's own measure
     patient = 13
     _exec(play.project, "INSERT INTO host_app_version (host_id, app_version_id, consecutive_valid) "
@@ -349,6 +346,13 @@ def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) ->
         wb = play.base(wu["name"])
         honest, flip = play.weights_for(wu["name"], "honest", i) - wb, play.weights_for(wu["name"], "labelflip", i) - wb
         base_loss = loss(wb)
+        # 1.9 of the ledger's units above what it expects of an honest result from this base
+        ref = ledger.reference(store.trusted_entries("0", lc.STAT, lc.WINDOW),
+                               parse_unit_name(wu["name"])["epoch"], base_loss)
+        assert ref.comparable
+        centre, scale = ledger.centre_scale(ref, base_loss=base_loss)
+        target = centre + 1.9 * scale
+        assert target < 0
         lo, hi = 0.0, 1.0  # the share of the label-flip direction: its loss change is target
         for _ in range(30):
             t = (lo + hi) / 2
