@@ -297,6 +297,14 @@ def test_page_shows_the_loss_check_ledgers_and_stale_verdicts(page: PhpServer, r
     assert rows == [["31", "0", "5.50"], ["<b>h</b>", "0", "2.00"], ["32", "0", "0.75"]]  # fullest first, none at 0
     assert "&lt;b&gt;h&lt;/b&gt;" in html and "<b>h</b>" not in html
     assert "3 results judged against trusted results from much worse models" in " ".join(html.split())
+    # the work generator's spot checks, as spotcheck.py records them (a hostile-looking entry counts as "?")
+    r.hset(store.k("boinc", "spot_checks"), mapping={"u1": json.dumps({"why": "bootstrap"}),
+                                                     "u2": json.dumps({"why": "bootstrap"}),
+                                                     "u3": json.dumps({"why": "stale", "stale": 20}), "u4": "{"})
+    status, html = page.get("/boincdl.php?job=digits-vcasgd")
+    assert status == 200 and "Warning</b>" not in html and "Notice</b>" not in html
+    assert ("4 units replicated on a second host for the check (spot checks): 2 until it had enough trusted "
+            "results, 1 after results judged against much worse models") in " ".join(html.split())
 
 
 def test_page_shows_mop_models_with_hyper_parameters(page: PhpServer, redis_tcp) -> None:

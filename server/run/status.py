@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.procs import pid_alive
 
@@ -73,6 +74,8 @@ def job_status(store: JobStore) -> dict[str, Any]:
         # untrusted results judged against trusted changes from much worse models (the
         # project replicates too little for the loss check to follow the model)
         "loss_checks_stale": store.loss_checks_stale(),
+        # units the BOINC work generator replicated for the loss check, by why
+        "spot_checks": dict(Counter(c.get("why", "?") for c in spot_checks(store).values())),
         "failed": store.failed(),
         "epochs": epochs,
     }
@@ -105,6 +108,11 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
     if stale:
         t.add_row("loss check", f"{stale} result(s) judged against trusted results from much worse models: "
                   "replicate more to keep the check and the hosts' ledgers comparable (docs/merge-rules.md)")
+    spots = st.get("spot_checks") or {}
+    if spots:
+        t.add_row("spot checks", f"{sum(spots.values())} unit(s) replicated for the loss check: "
+                  f"{spots.get('bootstrap', 0)} until enough trusted results, "
+                  f"{spots.get('stale', 0)} after results judged against much worse models")
     console.print(t)
     if st["rejections"]:
         r = Table(title="recent rejected results", show_lines=False)

@@ -4,6 +4,8 @@ the fake project's ``create_work`` with its database in MariaDB."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -17,6 +19,7 @@ from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 from boinc_dl.server.backends.boinc.project import BoincSettings
 from boinc_dl.server.backends.boinc.spotcheck import spot_checks, wanted
+from boinc_dl.server.run.status import job_status
 from tests.boinc.fake_server import _exec, rows
 from tests.boinc.test_backend import make_inputs
 from tests.conftest import tiny_fingerprint, tiny_spec
@@ -121,6 +124,12 @@ def test_bootstrap_then_one_per_stale_stretch(spot) -> None:
     # `boinc install` made sure the replicas go to different hosts
     cfg = (project.root / "config.xml").read_text()
     assert "<one_result_per_host_per_wu>1</one_result_per_host_per_wu>" in cfg
+    # what the admin reads (the command as run)
+    cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", spec.name, "--redis-url", url]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=project.root).stdout
+    assert "spot checks" in out and "7 unit(s) replicated for the loss check: 5 until enough trusted results, 2 " \
+        "after results judged against much worse models" in " ".join(out.replace("│", " ").split())
+    assert job_status(store)["spot_checks"] == {"bootstrap": 5, "stale": 2}
 
 
 def test_a_restart_makes_the_same_decision(spot) -> None:

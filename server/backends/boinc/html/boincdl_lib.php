@@ -680,6 +680,13 @@ function bdl_load_job($r, $job) {
     // BOINC's records (server/backends/boinc/registry.py): late results the validator left
     // unchecked, and the replica comparisons of min_quorum >= 2 (each pair once)
     $late = (int)$r->cmd('HLEN', "$ns:boinc:late_results");
+    // units the work generator replicated for the loss check (spotcheck.py), by why
+    $spots = array();
+    foreach ($r->hgetall("$ns:boinc:spot_checks") as $u => $json) {
+        $c = bdl_json($json);
+        $why = (isset($c['why']) && is_string($c['why'])) ? $c['why'] : '?';
+        $spots[$why] = (isset($spots[$why]) ? $spots[$why] : 0) + 1;
+    }
     $quorum = array();
     foreach ($r->hgetall("$ns:boinc:quorum") as $k => $v) $quorum[$k] = (int)$v;
     // MOP (server/work_generator/mop/state.py): each model's configuration and its
@@ -705,6 +712,7 @@ function bdl_load_job($r, $job) {
                  'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions,
                  'layout' => $layout, 'late' => $late, 'quorum' => $quorum,
                  'ledgers' => $ledgers, 'ledger_limit' => $ledger_limit, 'loss_checks_stale' => $stale,
+                 'spot_checks' => $spots,
                  'configs' => $configs, 'model_results' => $model_results,
                  // the fleet controller writes bdl:J:cost_summary under that name on
                  // a cluster too (server/fleet/cost.py): a key of its own slot there
@@ -989,12 +997,20 @@ function bdl_loss_check_section($j) {
             if ($b > 0) $rows[] = array($b, (string)$model, (string)$h);
         }
     }
-    if (!$stale && !$rows) return '';
+    $spots = $j['spot_checks'];
+    if (!$stale && !$rows && !$spots) return '';
     $o = "<h4>Held-out loss check</h4>\n";
+    if ($spots) {
+        $n = array_sum($spots);
+        $o .= '<p id="bdl-spot-checks">' . (int)$n . ' unit' . ($n === 1 ? '' : 's')
+            . ' replicated on a second host for the check (spot checks): '
+            . (int)(isset($spots['bootstrap']) ? $spots['bootstrap'] : 0) . ' until it had enough trusted results, '
+            . (int)(isset($spots['stale']) ? $spots['stale'] : 0) . " after results judged against much worse models.</p>\n";
+    }
     if ($stale) {
         $o .= '<p id="bdl-loss-stale" class=warn>' . (int)$stale . ' result' . ($stale === 1 ? '' : 's')
-            . ' judged against trusted results from much worse models: replicate more (the app\'s'
-            . " target_nresults at 2) so the check and the hosts' ledgers follow the model.</p>\n";
+            . ' judged against trusted results from much worse models: replicate more (the work generator\'s'
+            . " spot checks, the app's target_nresults at 2) so the check and the hosts' ledgers follow the model.</p>\n";
     }
     if ($rows) {
         usort($rows, function ($a, $b) { return $b[0] <=> $a[0]; });
