@@ -33,7 +33,8 @@ def test_install_sets_next_rpc_delay_once(project) -> None:
     assert after["next_rpc_delay"] == "60" == f"{DEFAULT_NEXT_RPC_DELAY_S:g}"
     assert after["maintenance_delay"] == "30"
     assert after["min_sendwork_interval"] == "0" and before["min_sendwork_interval"] == "6"
-    changed = ("next_rpc_delay", "maintenance_delay", "min_sendwork_interval")
+    # (and the host rule for replicas, tests/boinc/test_install.py)
+    changed = ("next_rpc_delay", "maintenance_delay", "min_sendwork_interval", "one_result_per_host_per_wu")
     assert {k: v for k, v in after.items() if k not in changed} == {k: v for k, v in before.items() if k not in changed}
     assert any("next_rpc_delay" in c for c in rep.changes)
     assert any("60 times an hour" in n for n in rep.notes)

@@ -64,10 +64,13 @@ def test_install_then_nothing_to_change(project, wrapper) -> None:
     assert text.startswith('<?xml version="1.0" ?>')
     # PHP's parse_bool() searches for the literal "<tag/>"
     assert "<show_results/>" in text and "<one_result_per_user_per_wu/>" in text
+    # a replica of a unit (a spot check, adaptive replication) goes to another host
+    assert "    <one_result_per_host_per_wu>1</one_result_per_host_per_wu>\n" in text
     # untouched parts byte for byte: everything before <daemons> is unchanged but for the
     # the lines of <next_rpc_delay>, <maintenance_delay> and <min_sendwork_interval>
-    # (test_host_contact.py)
+    # (test_host_contact.py) and that one
     head = (text.split("<daemons>")[0].replace("    <next_rpc_delay>60</next_rpc_delay>\n", "")
+            .replace("    <one_result_per_host_per_wu>1</one_result_per_host_per_wu>\n", "")
             .replace("    <maintenance_delay>30</maintenance_delay>\n", "")
             .replace("<min_sendwork_interval>0<", "<min_sendwork_interval>6<"))
     assert head == original_config.split("<daemons>")[0]
