@@ -332,7 +332,7 @@ REPLICATE_P = 0.2
 #: The work generator's spot checks (``--spot-every``; 0: off, the warm epoch instead).
 SPOT_EVERY = 0
 BOUND_RATIO = R.BASE_RATIO  # the per-result bound's comparable ratio (``--bound-base-ratio``)
-SPOT_RULE = "fresh"  # or "stale" (``--spot-rule``)
+SPOT_RULE = "stale"  # as the work generator does; or "fresh" (``--spot-rule``)
 
 
 def defence_of(name: str) -> Defence:
@@ -974,9 +974,9 @@ def main() -> None:
                     help="the most one result's score adds to its host's balance, plus the slack (inf: no cap)")
     ap.add_argument("--bound-base-ratio", type=float, default=None,
                     help="the per-result bound's comparable ratio (default: --ledger-base-ratio)")
-    ap.add_argument("--spot-rule", choices=("fresh", "stale"), default="fresh",
+    ap.add_argument("--spot-rule", choices=("stale", "fresh"), default="stale",
                     help="spot checks: after N results judged since the last trusted one (fresh) or N judged "
-                         "against stale trusted changes (stale)")
+                         "against stale trusted changes (stale: the work generator's rule)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
     global REPLICATE_P, LEDGER, SPOT_EVERY, SPOT_RULE, BOUND_RATIO
