@@ -298,6 +298,26 @@ def test_trusted_results_feed_the_statistic_only_through_a_live_checker(job, tmp
     assert not list(lc.spool_dir(job_dir).iterdir())
 
 
+def test_on_boinc_a_trusted_result_waits_for_a_restarting_checker(job, tmp_path: Path) -> None:
+    """The work generator (the checker) is down when a replicated result merges: on a
+    BOINC job its measurement waits in the queue and is taken once the daemon is back (the
+    check and the spot checks need it); nothing is lost."""
+    store, spec, fp, job_dir = job
+    store.set_meta(backend="boinc")
+    lc._on_boinc.clear()
+    assert not lc.checker_alive(store)
+    out = deliver(store, spec, "u5", result(tmp_path, store, fp, "u5", 0.5), trusted=True)
+    assert out.status == "merged" and store.r.llen(store.k("losscheck", "observe")) == 1
+    assert len(list(lc.spool_dir(job_dir).iterdir())) == 1  # its copy waits with it
+    with checker_running(store, spec, job_dir):
+        deadline = time.monotonic() + 10
+        while not store.trusted_values("0", lc.STAT, 32) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    vals = store.trusted_values("0", lc.STAT, 32)
+    assert len(vals) == 1 and vals[0][1] == pytest.approx(np_loss(np.full(fp.n_params, 0.5)) - 1.0, rel=1e-5)
+    assert not list(lc.spool_dir(job_dir).iterdir())
+
+
 def test_whether_a_checker_is_alive_is_asked_once_per_interval(job) -> None:
     """The local backend's assimilators (every result trusted, no checker) do not pay a
     round trip per merge for it."""

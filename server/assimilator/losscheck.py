@@ -278,9 +278,21 @@ def checker_alive(store: JobStore) -> bool:
     return alive
 
 
+#: job -> whether it runs on BOINC (it never changes): see :func:`_observe`.
+_on_boinc: dict[tuple[Any, ...], bool] = {}
+
+
 def _observe(store: JobStore, request: dict[str, Any], weights: Path) -> None:
-    """A trusted result: its loss change feeds the statistic, if a checker is there."""
-    if not checker_alive(store):
+    """A trusted result: its loss change feeds the statistic, measured by the checker.
+
+    On BOINC the checker is the work generator's: a trusted result that merges while the
+    daemon restarts waits in the queue for it (the check needs these measurements, and the
+    work generator's spot checks count them; a lost one is replicated again). Elsewhere
+    (the local backend: every result trusted, no checker) nothing waits without a live one."""
+    key = _where(store)
+    if key not in _on_boinc:
+        _on_boinc[key] = store.meta().get("backend") == "boinc"
+    if not _on_boinc[key] and not checker_alive(store):
         return
     job_dir = store.meta().get("job_dir")
     if not job_dir:

@@ -11,6 +11,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.common.errors import BoincDLError
@@ -53,7 +54,14 @@ def job_status(store: JobStore) -> dict[str, Any]:
         total = int(spec["training"]["epochs"])
     except (BoincDLError, ValueError, KeyError, TypeError):
         spec, total = {}, None
-    limit = (spec.get("validation") or {}).get("loss_ledger_limit") if isinstance(spec, dict) else None
+    validation = (spec.get("validation") or {}) if isinstance(spec, dict) else {}
+    limit = validation.get("loss_ledger_limit")
+    # the held-out loss check (VC-ASGD on BOINC): how many trusted results it has measured
+    # of those it needs before it refuses anything
+    check = None
+    if meta.get("backend") == "boinc" and meta.get("mode", "vcasgd") == "vcasgd" and validation.get("loss_check", True):
+        check = {"trusted": store.trusted_count("0", lc.STAT),
+                 "needed": min(int(validation.get("loss_check_min_trusted", 16)), lc.WINDOW)}
     return {
         "job": store.job,
         "epochs_total": total,
@@ -74,6 +82,7 @@ def job_status(store: JobStore) -> dict[str, Any]:
         # untrusted results judged against trusted changes from much worse models (the
         # project replicates too little for the loss check to follow the model)
         "loss_checks_stale": store.loss_checks_stale(),
+        "loss_check": check,
         # units the BOINC work generator replicated for the loss check, by why
         "spot_checks": dict(Counter(c.get("why", "?") for c in spot_checks(store).values())),
         "failed": store.failed(),
@@ -104,6 +113,10 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
     c = st["counters"]
     if c:
         t.add_row("counters", ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    check = st.get("loss_check")
+    if check and check["trusted"] < check["needed"]:
+        t.add_row("loss check", f"not active yet: {check['trusted']} of {check['needed']} trusted (replicated) "
+                  "results measured; until then every result merges unchecked")
     stale = sum(st.get("loss_checks_stale", {}).values())
     if stale:
         t.add_row("loss check", f"{stale} result(s) judged against trusted results from much worse models: "

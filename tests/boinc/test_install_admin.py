@@ -90,13 +90,19 @@ def test_quorum_two_sends_replicas_to_different_users(project) -> None:
     root = project.root
     (root / "config.xml").write_text((root / "config.xml").read_text().replace(
         "<one_result_per_user_per_wu/>", "<one_result_per_user_per_wu>0</one_result_per_user_per_wu>"))
-    install(root, InstallOptions(run_db_tools=False, checks=False))  # min_quorum 1: left alone
+    rep = install(root, InstallOptions(run_db_tools=False, checks=False))  # min_quorum 1: the user rule left alone
     assert config_values(root)["one_result_per_user_per_wu"] == "0"
+    assert config_values(root)["one_result_per_host_per_wu"] == "1"  # a spot check's replica: another host
+    assert not any("one_result_per_user_per_wu" in n for n in rep.notes)
     rep = install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=2))
     assert "config.xml: changed <one_result_per_user_per_wu> to 1 (replicas of a workunit go to different users)" \
         in rep.changes
     assert any("different users" in n for n in rep.notes)
     assert install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=2)).changes == []
+    # back to min_quorum 1 with the user rule on: install says what it means for spot checks
+    rep = install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=1))
+    assert any("<one_result_per_user_per_wu> is on" in n and "never sent" in n for n in rep.notes)
+    install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=2))
     # a fleet attached with one account: different hosts instead
     rep = install(root, InstallOptions(run_db_tools=False, checks=False, min_quorum=2, quorum_across="hosts"))
     cfg = config_values(root)

@@ -223,7 +223,9 @@ def feed_trusted(play: Play, share: float = 0.05) -> None:
 def spot_checks_as_in_boinc(play: Play, timeout: float = 60) -> dict[str, dict]:
     """The work generator's spot checks, once it has stopped: each recorded one is a
     workunit of quorum 2 in BOINC's table and the other way round, the first
-    ``loss_check_min_trusted`` units were the bootstrap ones, and no stale count was used twice."""
+    ``loss_check_min_trusted`` units were bootstrap ones (a few more may follow while the
+    checker is a moment behind the merges it measures, at most a window's worth), and no
+    stale count was used twice."""
     play.stop()  # it creates what it has queued
     checks = spot_checks(play.store)
     q2 = {w["name"] for w in rows(play.project, "SELECT name FROM workunit WHERE name LIKE %s AND min_quorum = 2 "
@@ -231,7 +233,8 @@ def spot_checks_as_in_boinc(play: Play, timeout: float = 60) -> dict[str, dict]:
     assert q2 == set(checks), (q2, checks)
     first = [w["name"] for w in rows(play.project, "SELECT name FROM workunit WHERE name LIKE %s ORDER BY id",
                                      (f"{play.spec.name}__%",))][:play.spec.validation.loss_check_min_trusted]
-    assert sorted(u for u, c in checks.items() if c["why"] == "bootstrap") == sorted(first)
+    boot = {u for u, c in checks.items() if c["why"] == "bootstrap"}
+    assert set(first) <= boot and len(boot) <= len(first) + play.spec.vcasgd.window, (first, boot)
     used = [c["stale"] for c in checks.values() if c["why"] == "stale"]
     assert len(set(used)) == len(used), checks
     return checks

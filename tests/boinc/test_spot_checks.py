@@ -103,7 +103,8 @@ def test_bootstrap_then_one_per_stale_stretch(spot) -> None:
     # the first 3 (loss_check_min_trusted) replicated on two hosts, the rest as the project says
     assert [q[u] for u in first] == [2, 2, 2, 1, 1]
     assert {u: c["why"] for u, c in spot_checks(store).items()} == dict.fromkeys(first[:3], "bootstrap")
-    # the replicas end without a trusted result (e.g. they disagreed): bootstrap goes on
+    # the replicas end without a trusted measurement (they disagreed, or the checker's
+    # daemon died measuring one): bootstrap goes on
     _settle(store, first[:3], trusted=False)
     got = _submit(be, project, spec, range(5, 7))
     assert [_quorums(project, spec.name)[u] for u in got] == [2, 2]
@@ -130,6 +131,18 @@ def test_bootstrap_then_one_per_stale_stretch(spot) -> None:
     assert "spot checks" in out and "7 unit(s) replicated for the loss check: 5 until enough trusted results, 2 " \
         "after results judged against much worse models" in " ".join(out.replace("│", " ").split())
     assert job_status(store)["spot_checks"] == {"bootstrap": 5, "stale": 2}
+    assert "not active yet" not in out  # 3 trusted measured of the 3 it needs
+
+
+def test_status_says_when_the_check_is_not_active_yet(spot) -> None:
+    project, url = spot
+    store, spec = _job(url, project, "spotidle")
+    _settle(store, [f"{spec.name}__m0_e0001_s0099"])
+    cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", spec.name, "--redis-url", url]
+    out = " ".join(subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                                  cwd=project.root).stdout.replace("│", " ").split())
+    assert "loss check not active yet: 1 of 3 trusted (replicated) results measured" in out
+    assert job_status(store)["loss_check"] == {"trusted": 1, "needed": 3}
 
 
 def test_a_restart_makes_the_same_decision(spot) -> None:

@@ -445,6 +445,11 @@ class Installer:
             self.note(f"min_quorum {q}: BOINC sends the replicas of a workunit to different {across} "
                       "(config.xml, every app of the project); the admin page counts the comparisons "
                       "made across hosts and users")
+        elif replicas_across(self._config()) == "users":
+            self.note("config.xml's <one_result_per_user_per_wu> is on: the replica of a unit the work "
+                      "generator spot-checks for the loss check goes to another account, so on a fleet whose "
+                      "hosts all attach with one account it is never sent and its unit waits for its deadline "
+                      "(set the element to 0 there, or validation.loss_check_spot_every: 0)")
 
     def _config(self) -> dict[str, str]:
         self.p.__dict__.pop("config", None)

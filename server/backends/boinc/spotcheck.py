@@ -48,7 +48,6 @@ import time
 from collections.abc import Callable
 
 from boinc_dl.server.assimilator import losscheck as lc
-from boinc_dl.server.assimilator import policy
 from boinc_dl.server.assimilator.framework import SETTLED
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
@@ -125,10 +124,11 @@ class SpotChecks:
     def _why(self, store: JobStore, spec: JobSpec) -> tuple[str | None, int]:
         v = spec.validation
         model = "0"  # VC-ASGD's one model
-        # Trusted results merged so far: the clip radius's statistic gets each one with its
-        # merge (the loss check measures it later, on the checker's thread), so a spot
-        # check that merged is never counted as neither open nor trusted.
-        trusted = max(store.trusted_count(model, policy.RADIUS), store.trusted_count(model, lc.STAT))
+        # Trusted results the loss check has measured: what it needs. One merged but not yet
+        # measured (the checker is a moment behind) counts as neither open nor trusted and
+        # may bring one spot check more; one whose measurement was lost (the daemon killed
+        # mid-measurement) is made up for, where counting merges would leave the check off.
+        trusted = store.trusted_count(model, lc.STAT)
         need = min(v.loss_check_min_trusted, lc.WINDOW)  # the bound needs that many of the latest
         stale = store.loss_checks_stale().get(model, 0)
         keys = _keys(store)
