@@ -227,7 +227,7 @@ class LossChecker:
             if not lc.enabled(spec):
                 return None
             c = self.checkers[job] = JobChecker(store, spec, job_dir)
-            log.info("job %s: loss checker serving (held-out batch %d, k %g, %d trusted results needed)",
+            log.info("job %s: loss checker serving (held-out batch of up to %d, k %g, %d trusted results needed)",
                      job, spec.validation.loss_check_batch, spec.validation.loss_check_k,
                      spec.validation.loss_check_min_trusted)
         return c
