@@ -161,14 +161,15 @@ class BoincJobSystem(JobSystem):
     def live_capacity(self) -> int | None:
         """Slots of the hosts that contacted the scheduler recently, plus one spare unit
         per host (BOINC's host table, cached; None when the database is unreadable)."""
-        if self._census is None:
-            self._census = HostCensus(self.project)
-        return self._census.window()
+        return self._host_census().window()
 
     def _active_hosts(self) -> int | None:
+        return self._host_census().hosts()
+
+    def _host_census(self) -> HostCensus:
         if self._census is None:
             self._census = HostCensus(self.project)
-        return self._census.hosts()
+        return self._census
 
     def submit(self, wu: Workunit, limits: RetryLimits) -> None:
         """Queue a unit for the next create_work batch (flushed when the batch is full)."""
