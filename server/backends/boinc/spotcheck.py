@@ -13,9 +13,10 @@ judges results against changes from much worse models (counted per model in
 Here the work generator asks for the replicas itself: it gives a unit ``min_quorum``
 and ``target_nresults`` 2 (a *spot check*)
 
-* while the job has fewer trusted loss changes than ``loss_check_min_trusted``, counting
-  spot checks still open (``bootstrap``): at most that many units are replicated at the
-  start, and more only if some end without a trusted result;
+* while the job has fewer trusted loss changes measured than ``loss_check_min_trusted``,
+  counting spot checks still open (``bootstrap``): that many units are replicated at the
+  start, and more only if some end without a trusted measurement (or merge a moment
+  before the checker measures them);
 * once ``validation.loss_check_spot_every`` more results have been judged against
   changes from much worse models since the last such spot check (``stale``): about one
   unit in that many while the reference is stale, none once it is not.
