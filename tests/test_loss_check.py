@@ -290,9 +290,14 @@ def test_trusted_results_feed_the_statistic_only_through_a_live_checker(job, tmp
         assert deliver(store, spec, "u6", result(tmp_path, store, fp, "u6", 0.5), trusted=True).status == "merged"
         # untrusted results never feed it (no bound yet: they pass unmeasured)
         assert deliver(store, spec, "u7", result(tmp_path, store, fp, "u7", 0.4)).status == "merged"
-        deadline = time.monotonic() + 10
-        while not store.trusted_values("0", lc.STAT, 32) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _measured_once(store, fp, job_dir)
+
+
+def _measured_once(store: JobStore, fp, job_dir: Path) -> None:
+    """The checker measured the one trusted result (weights all 0.5), and its copy is gone."""
+    deadline = time.monotonic() + 10
+    while not store.trusted_values("0", lc.STAT, 32) and time.monotonic() < deadline:
+        time.sleep(0.02)
     vals = store.trusted_values("0", lc.STAT, 32)
     assert len(vals) == 1 and vals[0][1] == pytest.approx(np_loss(np.full(fp.n_params, 0.5)) - 1.0, rel=1e-5)
     assert not list(lc.spool_dir(job_dir).iterdir())
@@ -310,12 +315,7 @@ def test_on_boinc_a_trusted_result_waits_for_a_restarting_checker(job, tmp_path:
     assert out.status == "merged" and store.r.llen(store.k("losscheck", "observe")) == 1
     assert len(list(lc.spool_dir(job_dir).iterdir())) == 1  # its copy waits with it
     with checker_running(store, spec, job_dir):
-        deadline = time.monotonic() + 10
-        while not store.trusted_values("0", lc.STAT, 32) and time.monotonic() < deadline:
-            time.sleep(0.02)
-    vals = store.trusted_values("0", lc.STAT, 32)
-    assert len(vals) == 1 and vals[0][1] == pytest.approx(np_loss(np.full(fp.n_params, 0.5)) - 1.0, rel=1e-5)
-    assert not list(lc.spool_dir(job_dir).iterdir())
+        _measured_once(store, fp, job_dir)
 
 
 def test_whether_a_checker_is_alive_is_asked_once_per_interval(job) -> None:
