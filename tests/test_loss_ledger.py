@@ -258,12 +258,15 @@ def test_status_shows_the_hosts_nearest_their_limit(job, redis_server, tmp_path:
     seed_trusted(store, TRUSTED)
     for i, (host, z) in enumerate((("31", 2.0), ("31", 2.0), ("32", 1.0), ("33", -2.0))):
         lc.settle(store, spec, f"s{i}", {"model": "0", "epoch": 1, "host": host}, _verdict(MED + z * SCALE))
+    store.record_rejection("tiny__m0_e0001_s0009", "r9", "held-out loss check, the host's ledger", "31")
     cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", store.job, "--redis-url", redis_server.url]
     res = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)
     assert st["ledgers"] == {"0": {"31": 3.0, "32": 0.5, "33": 0.0}} and st["ledger_limit"] == 6.0
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout
+    rejected = next(line for line in out.splitlines() if "s0009" in line)  # the refusal names BOINC's host
+    assert " 31 " in rejected.replace("│", " ")
     assert "loss ledgers" in out and "refused past 6" in out and "3.00" in out
     assert out.index("3.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
 

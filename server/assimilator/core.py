@@ -119,10 +119,13 @@ def assimilate_valid(
         # from the merge record is a finite number or None, the host a short string.
         **{k: _number(m.get(k), *METRIC_RANGES[k]) for k in METRIC_RANGES},
         "host": str(m["host"])[:64] if isinstance(m.get("host"), str | int) else None,
+        # the job system's id of the host (BOINC's result.hostid: what its ledger and the
+        # admin's tables name), never the name the host reported
+        "host_id": str(host)[:64] if host else None,
         **{k: _number(v, 0.0, 30 * 86400.0) for k, v in (timing or {}).items()},
     }
     if rejected or plan is None:
-        store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0])
+        store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0], host)
         # Both checks judge the update the host computed: a refusal the host answers for.
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0], host_fault=True)
     record.update(plan.record(), trusted=trusted)

@@ -260,7 +260,7 @@ def _prefetch(store: JobStore, unit: str, model: str, paths: Sequence[Path], max
 def reject(store: JobStore, delivery: Delivery, unit: str, reason: str, host_fault: bool = False) -> AssimilationOutcome:
     """Record a rejected result of ``unit`` (and give the unit up when the result was final);
     ``host_fault``: the refusal judges the host's work (:class:`ResultRejected`)."""
-    store.record_rejection(unit, delivery.result, reason)
+    store.record_rejection(unit, delivery.result, reason, delivery.host)
     return _settle_rejection(store, delivery, unit,
                              AssimilationOutcome("rejected", unit, reason=reason, host_fault=host_fault))
 

@@ -453,12 +453,16 @@ class JobStore(ShardMerging):
     return 1
     """
 
-    def record_rejection(self, unit: str, result: str, reason: str) -> None:
-        """A result that failed validation (the unit itself may still succeed later).
+    def record_rejection(self, unit: str, result: str, reason: str, host: str | None = None) -> None:
+        """A result that failed validation (the unit itself may still succeed later);
+        ``host``: the job system's id of the host that computed it (BOINC's
+        ``result.hostid``), when it named one.
 
         Recorded once even if a lost reply makes the call retry (idempotency token).
         """
         entry = {"unit": unit, "result": result, "reason": reason, "t": time.time()}
+        if host:
+            entry["host_id"] = str(host)[:64]
         script = self._script("reject", self._REJECT)
         keys = [self._token_key(), self.k("rejections"), self.k("counters")]
         self.call(lambda: script(keys=keys, args=[TOKEN_TTL_S, json.dumps(entry)]))

@@ -131,9 +131,13 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
         r = Table(title="recent rejected results", show_lines=False)
         r.add_column("when")
         r.add_column("unit")
+        hosts = any(x.get("host_id") for x in st["rejections"])
+        if hosts:  # BOINC's host ids, as the ledgers below name them
+            r.add_column("host")
         r.add_column("reason")
         for x in st["rejections"]:
-            r.add_row(time.strftime("%H:%M:%S", time.localtime(x.get("t", 0))), x.get("unit", ""), x.get("reason", ""))
+            r.add_row(time.strftime("%H:%M:%S", time.localtime(x.get("t", 0))), x.get("unit", ""),
+                      *([str(x.get("host_id") or "")] if hosts else []), x.get("reason", ""))
         console.print(r)
     ledgers = [(m, h, b) for m, hosts in st.get("ledgers", {}).items() for h, b in hosts.items() if b > 0]
     if ledgers:

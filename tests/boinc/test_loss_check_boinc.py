@@ -269,6 +269,10 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
             assert wu["name"] not in merged and "raises the loss" in failed[wu["name"]], (role, merged.get(wu["name"]))
     reasons = [r["reason"] for r in store.rejections(50)]
     assert len(reasons) == 4 and all("held-out loss check" in r for r in reasons)
+    # each names BOINC's host (as the ledgers do), and so does each merge record
+    assert {r.get("host_id") for r in store.rejections(50)} == {str(attacker)}
+    assert {merged[wu["name"]]["host_id"] for wu, role in zip(wus, roles, strict=True) if role == "honest"} == {
+        str(honest_host)}
     assert store.loss_checks_stale() == {}
     # each refusal cost the attacker BOINC's trust (its next jobs are replicated); the
     # honest host keeps its run
