@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 
 from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
-from boinc_dl.server.assimilator.rules import LossLedger
+from boinc_dl.server.assimilator.rules import LedgerReference, LossLedger
 from tests import test_loss_check
 from tests.conftest import tiny_spec
 from tests.test_loss_check import BASE_LOSS, TARGET, checker_running, result, seed_trusted
@@ -334,3 +335,34 @@ def test_a_converged_model_with_stale_trusted_changes_refuses_only_a_rising_loss
     wide = {**os.environ, "COLUMNS": "400"}  # one line per row
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=wide).stdout
     assert "21 result(s) judged against trusted results from much worse models" in " ".join(out.split())
+
+
+# ---- hostile numbers -------------------------------------------------------------------------------
+
+def test_no_number_a_result_or_a_reference_holds_makes_a_score_that_pays_down_a_balance() -> None:
+    """Loss changes near the float range (a diverged model's, a crafted result's), bases
+    of every size: a score is None (no reference), +inf, or a finite number at most
+    z_cap; never NaN. And a NaN score, wherever it came from, never reads as a paid-down
+    balance (``max(0, nan)`` is 0)."""
+    led = LossLedger()
+    rng = np.random.default_rng(2026)
+    special = [0.0, 1e308, -1e308, 5e-324, 1e300, 1e-300, 3e38, -3e38]
+
+    def draw(positive: bool = False) -> float:
+        if rng.random() < 0.3:
+            v = float(rng.choice(special))
+            return abs(v) if positive else v
+        v = float(rng.normal(0.0, 10.0 ** int(rng.integers(-6, 6))))
+        return abs(v) + 1e-9 if positive else v
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and numpy's warnings stay inside the ledger
+        for _ in range(3000):
+            ref = LedgerReference([draw() for _ in range(8)], bool(rng.random() < 0.8),
+                                  [draw(positive=True) for _ in range(8)])
+            z = led.score(draw(), ref, base_loss=draw(positive=True))
+            assert z is not None and not math.isnan(z) and (z == math.inf or z <= led.z_cap), (z, ref)
+            b, _ = led.step(float(rng.uniform(0, 6)), z)
+            assert 0.0 <= b <= led.limit
+    assert led.step(5.0, math.nan) == (led.limit, False)
+    assert led.step(5.0, -math.inf) == (0.0, True)

@@ -733,20 +733,27 @@ class LossLedger:
         bases: Sequence[float | None] = ()
         if isinstance(reference, LedgerReference):
             comparable, bases, reference = reference.comparable, reference.bases, reference.values
-        med, spread = median_spread(reference)
-        floor = max(self.rel_floor * abs(med), 1e-9)
-        if not comparable:
-            return max(med, 0.0), max(spread, floor)
-        if base_loss is not None and math.isfinite(base_loss) and len(bases) == len(reference) \
-                and all(b is not None and math.isfinite(b) for b in bases):
-            b = np.asarray(bases, np.float64)
-            y = np.asarray(reference, np.float64)
-            if float(np.ptp(b)) > 0:
-                slope, icpt = np.polyfit(b, y, 1)
-                centre = float(np.clip(icpt + slope * float(base_loss), y.min(), y.max()))
-                _, rs = median_spread(y - (icpt + slope * b))
-                return centre, max(rs, floor)
-        return med, max(spread, floor)
+        # numpy's floating-point warnings stay here: values near the float range (a diverged
+        # model's loss) give an infinite or undefined trend, and the median is used instead
+        with np.errstate(all="ignore"):
+            med, spread = median_spread(reference)
+            floor = max(self.rel_floor * abs(med), 1e-9)
+            if not comparable:
+                return max(med, 0.0), max(spread, floor)
+            if base_loss is not None and math.isfinite(base_loss) and len(bases) == len(reference) \
+                    and all(b is not None and math.isfinite(b) for b in bases):
+                b = np.asarray(bases, np.float64)
+                y = np.asarray(reference, np.float64)
+                db = b - b.mean()
+                var = float(db @ db)
+                if var > 0:  # least squares: y = icpt + slope * b
+                    slope = float(db @ (y - y.mean())) / var
+                    icpt = float(y.mean()) - slope * float(b.mean())
+                    centre = float(np.clip(icpt + slope * float(base_loss), y.min(), y.max()))
+                    _, rs = median_spread(y - (icpt + slope * b))
+                    if math.isfinite(centre) and math.isfinite(rs):
+                        return centre, max(rs, floor)
+            return med, max(spread, floor)
 
     def score(self, loss_increase: float, reference: Sequence[float] | LedgerReference, comparable: bool = True,
               base_loss: float | None = None) -> float | None:
@@ -759,15 +766,18 @@ class LossLedger:
         if not math.isfinite(loss_increase):
             return math.inf
         centre, scale = self.centre_scale(reference, comparable, base_loss)
-        return min((float(loss_increase) - centre) / scale, self.z_cap)
+        z = (float(loss_increase) - centre) / scale
+        # a score that is not a number (a reference of values near the float range) is no
+        # evidence for the host: it counts as the worst
+        return math.inf if math.isnan(z) else min(z, self.z_cap)
 
     def step(self, balance: float, z: float) -> tuple[float, bool]:
         """(the host's balance after a result scored ``z``, whether the result passes)."""
         b = balance if math.isfinite(balance) and balance > 0 else 0.0
-        new = max(0.0, b + z - self.slack)
-        if not math.isfinite(new) or new > self.limit:
+        new = b + z - self.slack
+        if math.isnan(new) or new > self.limit:  # (max(0, nan) would read as a paid-down balance)
             return self.limit, False
-        return new, True
+        return max(0.0, new), True
 
 
 @dataclass(frozen=True)
