@@ -318,6 +318,21 @@ def test_on_boinc_a_trusted_result_waits_for_a_restarting_checker(job, tmp_path:
         _measured_once(store, fp, job_dir)
 
 
+def test_on_boinc_waiting_measurements_are_bounded_while_the_checker_is_down(job, tmp_path: Path,
+                                                                             monkeypatch) -> None:
+    """Results that merge as trusted while the work generator stays down (hosts in
+    collusion can get their replicas to agree) wait at most MAX_QUEUE deep: past it they
+    are dropped with their spool copies, so neither Redis nor the job's disk grows with them."""
+    store, spec, fp, job_dir = job
+    store.set_meta(backend="boinc")
+    lc._on_boinc.clear()
+    monkeypatch.setattr(lc, "MAX_QUEUE", 2)
+    for i in range(5):
+        assert deliver(store, spec, f"u{i}", result(tmp_path, store, fp, f"u{i}", 0.5), trusted=True).status == "merged"
+    assert store.r.llen(store.k("losscheck", "observe")) == 2
+    assert len(list(lc.spool_dir(job_dir).iterdir())) == 2
+
+
 def test_whether_a_checker_is_alive_is_asked_once_per_interval(job) -> None:
     """The local backend's assimilators (every result trusted, no checker) do not pay a
     round trip per merge for it."""
