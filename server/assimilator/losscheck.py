@@ -94,6 +94,12 @@ def enabled(spec: JobSpec) -> bool:
     return spec.validation.loss_check and spec.mode == "vcasgd"
 
 
+def trusted_needed(spec: JobSpec) -> int:
+    """Trusted loss changes the check needs before it judges anything (the bound takes them
+    from the latest WINDOW, so never more than that)."""
+    return min(spec.validation.loss_check_min_trusted, WINDOW)
+
+
 def request_id(unit: str, attempt: int | None, result: str) -> str:
     """The identity of one result for the check: its unit, the attempt it answers and the
     job system's result name (a re-delivery of the same result maps to the same id)."""

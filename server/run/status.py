@@ -16,6 +16,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.procs import pid_alive
+from boinc_dl.server.common.spec import spec_from_json
 
 #: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
 #: second; one older than this means the process that ran it is gone (crashed,
@@ -49,19 +50,24 @@ def job_status(store: JobStore) -> dict[str, Any]:
     epochs = store.epochs()
     states = Counter(store.unit_states().values())
     last = epochs[max(epochs)] if epochs else {}
+    text = ""
     try:
-        spec = json.loads(store.spec_json())
+        text = store.spec_json()
+        spec = json.loads(text)
         total = int(spec["training"]["epochs"])
     except (BoincDLError, ValueError, KeyError, TypeError):
         spec, total = {}, None
-    validation = (spec.get("validation") or {}) if isinstance(spec, dict) else {}
-    limit = validation.get("loss_ledger_limit")
+    limit = (spec.get("validation") or {}).get("loss_ledger_limit") if isinstance(spec, dict) else None
     # the held-out loss check (VC-ASGD on BOINC): how many trusted results it has measured
     # of those it needs before it refuses anything
     check = None
-    if meta.get("backend") == "boinc" and meta.get("mode", "vcasgd") == "vcasgd" and validation.get("loss_check", True):
-        check = {"trusted": store.trusted_count("0", lc.STAT),
-                 "needed": min(int(validation.get("loss_check_min_trusted", 16)), lc.WINDOW)}
+    if meta.get("backend") == "boinc" and spec:
+        try:
+            job_spec = spec_from_json(text)
+        except ValueError:  # a spec this release cannot read (pydantic's error is a ValueError)
+            job_spec = None
+        if job_spec is not None and lc.enabled(job_spec):
+            check = {"trusted": store.trusted_count("0", lc.STAT), "needed": lc.trusted_needed(job_spec)}
     return {
         "job": store.job,
         "epochs_total": total,

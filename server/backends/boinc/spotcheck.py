@@ -116,7 +116,8 @@ class SpotChecks:
             log.debug("job %s: no spot check for %s (%s active host(s))", spec.name, unit, hosts)
             return project_quorum
         record = json.dumps({"why": why, "stale": stale, "t": round(time.time(), 3)})
-        store.call(lambda: store.r.eval(_RECORD, 2, *keys, unit, record, str(stale) if why == "stale" else ""))
+        script = store.r.register_script(_RECORD)
+        store.call(lambda: script(keys=list(keys), args=[unit, record, str(stale) if why == "stale" else ""]))
         log.info("job %s: unit %s is a spot check (quorum %d: %s)", spec.name, unit, SPOT_QUORUM,
                  "too few trusted results for the loss check" if why == "bootstrap"
                  else f"{stale} results judged against trusted results from much worse models")
@@ -130,7 +131,7 @@ class SpotChecks:
         # may bring one spot check more; one whose measurement was lost (the daemon killed
         # mid-measurement) is made up for, where counting merges would leave the check off.
         trusted = store.trusted_count(model, lc.STAT)
-        need = min(v.loss_check_min_trusted, lc.WINDOW)  # the bound needs that many of the latest
+        need = lc.trusted_needed(spec)
         stale = store.loss_checks_stale().get(model, 0)
         keys = _keys(store)
         seen = int(store.call(lambda: store.r.get(keys[1])) or 0)
