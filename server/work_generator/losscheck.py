@@ -81,9 +81,13 @@ class JobChecker:
     # ---- the forward pass ----------------------------------------------------------------
     def loss(self, flat: np.ndarray) -> float:
         """The held-out loss of weights ``flat`` (its own model instance, built on first use)."""
+        self.prepare()
+        return float(self._loss_fn(flat))  # type: ignore[misc]
+
+    def prepare(self) -> None:
+        """Build the model the forward passes use (TensorFlow's start-up: seconds)."""
         if self._loss_fn is None:
             self._loss_fn = keras_loss(self.files.model, self.files.val, self.spec)
-        return float(self._loss_fn(flat))
 
     def base_loss(self, path: str, wb: np.ndarray) -> float:
         hit = self._base_loss.get(path)
@@ -226,7 +230,16 @@ class LossChecker:
                 return None
             if not lc.enabled(spec):
                 return None
-            c = self.checkers[job] = JobChecker(store, spec, job_dir)
+            c = JobChecker(store, spec, job_dir)
+            try:
+                # before the first request is taken off the queue: a daemon killed during
+                # TensorFlow's start-up then loses no request it held (an observation, taken
+                # off the queue, has no other copy; measured on a walk with the daemon
+                # SIGKILLed every 4-20 s, most replicated results' measurements were lost)
+                c.prepare()
+            except Exception:  # noqa: BLE001 - e.g. the job's files gone: the request says why later
+                log.exception("job %s: the loss checker's model could not be built", job)
+            self.checkers[job] = c
             log.info("job %s: loss checker serving (held-out batch of up to %d, k %g, %d trusted results needed)",
                      job, spec.validation.loss_check_batch, spec.validation.loss_check_k,
                      spec.validation.loss_check_min_trusted)
