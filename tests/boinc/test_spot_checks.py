@@ -163,6 +163,17 @@ def test_a_restart_makes_the_same_decision(spot) -> None:
     q = _quorums(project, spec.name)
     assert [q[u] for u in got] == [2, 1]
     assert list(spot_checks(store)) == [unit]
+    # a unit decided *not* to be one keeps that decision too (it may exist in BOINC already,
+    # created before the kill and never marked), and leaves the stretch to the next unit
+    later = f"{spec.name}__m0_e0001_s0002"
+    be3 = BoincJobSystem(project, store.r, batch_size=50)
+    be3.submit(make_inputs(project, spec.name, [later])[0], LIMITS)  # 3 stale since: decided no
+    del be3
+    _stale(store, 1)  # a fresh decision would now make it one
+    be4 = BoincJobSystem(project, store.r, batch_size=50)
+    got = _submit(be4, project, spec, range(2, 4))
+    q = _quorums(project, spec.name)
+    assert [q[u] for u in got] == [1, 2] and later not in spot_checks(store)
 
 
 def test_no_spot_check_where_it_cannot_or_need_not_run(spot) -> None:

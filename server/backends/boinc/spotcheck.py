@@ -28,9 +28,11 @@ the unit may run two results (``units.max_total_results``). ``boinc install`` se
 config.xml's ``<one_result_per_host_per_wu>`` so that the replica goes to another host
 (:mod:`.quorum`).
 
-The decision is recorded per unit in Redis before the workunit is created, in one
-script with the stale count it used: a work generator killed in between and restarted
-makes the same decision for that unit, and never counts one stale stretch twice.
+Every decision is recorded per unit in Redis before the workunit is created (a spot
+check in one script with the stale count it used; a unit that is not one in a set): a
+work generator killed in between, even after ``create_work`` and before it marked the
+unit created, makes the same decision for that unit after its restart, and never counts
+one stale stretch twice.
 
 Keys of job J (the job store's namespace):
 
@@ -38,6 +40,7 @@ Keys of job J (the job store's namespace):
 ``bdl:J:boinc:spot_checks``         hash unit -> ``{"why", "stale", "t"}``: units given
                                     a quorum of 2 for the loss check
 ``bdl:J:boinc:spot_checks_stale``   the stale count the last ``stale`` spot check used
+``bdl:J:boinc:spot_declined``       set: units decided to keep the project's quorum
 ==================================  ==================================================
 """
 
@@ -106,18 +109,21 @@ class SpotChecks:
             return project_quorum
         store = self.store_of(spec.name)
         keys = _keys(store)
+        # decided before a restart (perhaps created, never marked so): the same decision
         if store.call(lambda: store.r.hexists(keys[0], unit)):
-            return SPOT_QUORUM  # decided before a restart: the same decision
-        why, stale = self._why(store, spec)
-        if why is None:
+            return SPOT_QUORUM
+        if store.call(lambda: store.r.sismember(keys[2], unit)):
             return project_quorum
-        hosts = self.active_hosts()
-        if hosts is None or hosts < SPOT_QUORUM:
-            log.debug("job %s: no spot check for %s (%s active host(s))", spec.name, unit, hosts)
+        why, stale = self._why(store, spec)
+        hosts = self.active_hosts() if why is not None else None
+        if why is None or hosts is None or hosts < SPOT_QUORUM:
+            if why is not None:
+                log.debug("job %s: no spot check for %s (%s active host(s))", spec.name, unit, hosts)
+            store.call(lambda: store.r.sadd(keys[2], unit))
             return project_quorum
         record = json.dumps({"why": why, "stale": stale, "t": round(time.time(), 3)})
         script = store.r.register_script(_RECORD)
-        store.call(lambda: script(keys=list(keys), args=[unit, record, str(stale) if why == "stale" else ""]))
+        store.call(lambda: script(keys=list(keys[:2]), args=[unit, record, str(stale) if why == "stale" else ""]))
         log.info("job %s: unit %s is a spot check (quorum %d: %s)", spec.name, unit, SPOT_QUORUM,
                  "too few trusted results for the loss check" if why == "bootstrap"
                  else f"{stale} results judged against trusted results from much worse models")
@@ -148,5 +154,5 @@ def spot_checks(store: JobStore) -> dict[str, dict]:
     return {k.decode(): json.loads(v) for k, v in store.call(lambda: store.r.hgetall(key)).items()}
 
 
-def _keys(store: JobStore) -> tuple[str, str]:
-    return store.k("boinc", "spot_checks"), store.k("boinc", "spot_checks_stale")
+def _keys(store: JobStore) -> tuple[str, str, str]:
+    return store.k("boinc", "spot_checks"), store.k("boinc", "spot_checks_stale"), store.k("boinc", "spot_declined")
