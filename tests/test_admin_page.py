@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -305,6 +306,42 @@ def test_page_shows_the_loss_check_ledgers_and_stale_verdicts(page: PhpServer, r
     assert status == 200 and "Warning</b>" not in html and "Notice</b>" not in html
     assert ("4 units replicated on a second host for the check (spot checks): 2 until it had enough trusted "
             "results, 1 after results judged against much worse models") in " ".join(html.split())
+
+
+def test_page_says_the_loss_check_is_not_active_yet(page: PhpServer, redis_tcp) -> None:
+    """A BOINC VC-ASGD job whose check has measured fewer trusted results than it needs says
+    so, with the count ``boinc-dl status`` shows (losscheck.trusted_needed); a job on the
+    local backend, or with the check off, says nothing; a measured check says nothing."""
+    from boinc_dl.server.assimilator import losscheck as lc
+    from boinc_dl.server.common.spec import spec_from_json
+
+    _srv, r, _facts = redis_tcp
+    store = JobStore(r, "digits-vcasgd")
+    spec = json.loads(store.spec_json())
+
+    def inactive(validation: dict, backend: str = "boinc") -> str | None:
+        r.set(store.k("spec"), json.dumps({**spec, "validation": validation}))
+        store.set_meta(backend=backend)
+        status, html = page.get("/boincdl.php?job=digits-vcasgd")
+        assert status == 200 and "Warning</b>" not in html and "Notice</b>" not in html
+        m = re.search(r'<p id="bdl-loss-inactive"[^>]*>([^<]*)</p>', html)
+        return " ".join(m.group(1).split()) if m else None
+
+    assert inactive({"loss_check_min_trusted": 4}) == ("Not active yet: 0 of 4 trusted (replicated) results "
+                                                        "measured; until then it refuses nothing.")
+    for i in range(3):
+        store.push_trusted_value("0", lc.STAT, 1, 0.01 * i, lc.WINDOW, base_loss=1.0)
+    assert inactive({"loss_check_min_trusted": 4}).startswith("Not active yet: 3 of 4 ")
+    # the needed count is the check's own: min(loss_check_min_trusted, its window)
+    full = {**spec, "validation": {"loss_check_min_trusted": 1000}}
+    assert lc.trusted_needed(spec_from_json(json.dumps(full))) == 32
+    assert inactive({"loss_check_min_trusted": 1000}).startswith("Not active yet: 3 of 32 ")
+    assert inactive({}).startswith("Not active yet: 3 of 16 ")  # the spec's default
+    assert inactive({"loss_check_min_trusted": 4}, backend="local") is None
+    assert inactive({"loss_check_min_trusted": 4, "loss_check": False}) is None
+    store.push_trusted_value("0", lc.STAT, 1, 0.0, lc.WINDOW, base_loss=1.0)
+    assert inactive({"loss_check_min_trusted": 4}) is None
+    assert "Held-out loss check" not in page.get("/boincdl.php?job=digits-vcasgd")[1]  # nothing else to say
 
 
 def test_page_shows_mop_models_with_hyper_parameters(page: PhpServer, redis_tcp) -> None:

@@ -240,6 +240,39 @@ def test_validate_is_quiet_and_shows_the_derived_defaults(tmp_path: Path) -> Non
     assert "derived training.local_epochs" in res.stdout
 
 
+def test_validate_says_what_the_result_checks_will_do(tmp_path: Path) -> None:
+    """The ``validation`` settings in words, with the user's values: the local backend's
+    results are all trusted, so its loss check is BOINC's only; on BOINC the check, the host
+    ledgers and the spot checks, with the trusted results the check needs before it acts."""
+    def rows(spec: str) -> dict[str, str]:
+        user_files(tmp_path, spec)
+        res = bdl("validate", "job.yaml", cwd=tmp_path)
+        assert res.returncode == 0, (res.stdout, res.stderr)
+        out = {}
+        for line in res.stdout.splitlines():  # the table's two columns: label | text, wrapped
+            cells = [c.strip() for c in line.strip().strip("│").split("│")]
+            if len(cells) == 2 and cells[0]:
+                key = cells[0]
+                out[key] = cells[1]
+            elif len(cells) == 2 and out:
+                out[key] += " " + cells[1]
+        return out
+
+    local = rows(MINIMAL)
+    assert local["result checks"] == ("no update-norm cap; updates clipped to 2x the median norm of trusted ones "
+                                      "(frozen per epoch) once 8 exist")
+    assert local["loss check"].startswith("BOINC only")
+    assert "spot checks" not in local
+    boinc = rows(MINIMAL + "backend: {kind: boinc}\nvalidation: {max_update_norm: 50, clip_factor: null, "
+                           "loss_check_min_trusted: 100, loss_check_spot_every: 7, loss_ledger_limit: 4}\n")
+    assert boinc["result checks"] == "update norm at most 50; no clipping"
+    assert "median + 6 MADs" in boinc["loss check"] and "active once 32 trusted" in boinc["loss check"]
+    assert boinc["host ledgers"].startswith("a host is refused once its balance passes 4 ")
+    assert "until 32 trusted results are measured, then after every 7 results" in boinc["spot checks"]
+    off = rows(MINIMAL + "backend: {kind: boinc}\nvalidation: {loss_check: false}\n")
+    assert off["loss check"] == "off (validation.loss_check)" and "spot checks" not in off
+
+
 def test_on_off_flags_take_no_value(tmp_path: Path) -> None:
     res = bdl("run", "--help", cwd=tmp_path)
     assert res.returncode == 0 and "<bool>" not in res.stdout

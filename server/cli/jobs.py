@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -17,6 +17,9 @@ from rich.table import Table
 from boinc_dl.server.cli.app import app, console, error_line, redis_url_for
 from boinc_dl.server.cli.app import fail as _fail
 from boinc_dl.server.common.errors import BoincDLError, UnknownJob
+
+if TYPE_CHECKING:
+    from boinc_dl.server.common.spec import JobSpec
 
 
 @app.command()
@@ -246,4 +249,36 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
                                    f"{opts['assimilators']} assimilators")
     for c in chosen:
         t.add_row(f"derived {c.field}", f"{c.value} ({c.why})")
+    for label, text in _result_check_rows(spec):
+        t.add_row(label, text)
     console.print(t)
+
+
+def _result_check_rows(spec: JobSpec) -> list[tuple[str, str]]:
+    """What ``validation`` will do to the hosts' results, in words (docs/merge-rules.md)."""
+    from boinc_dl.server.assimilator import losscheck as lc
+
+    v = spec.validation
+    checks = [f"update norm at most {v.max_update_norm:g}" if v.max_update_norm else "no update-norm cap"]
+    checks.append(f"updates clipped to {v.clip_factor:g}x the median norm of trusted ones (frozen per epoch) "
+                  f"once {v.clip_min_trusted} exist" if v.clip_factor else "no clipping")
+    rows = [("result checks", "; ".join(checks))]
+    if spec.mode != "vcasgd":
+        return rows
+    if not lc.enabled(spec):
+        rows.append(("loss check", "off (validation.loss_check)"))
+        return rows
+    if spec.backend.kind != "boinc":
+        rows.append(("loss check", "BOINC only: the local backend's hosts are yours, every result trusted"))
+        return rows
+    needed = lc.trusted_needed(spec)
+    rows.append(("loss check", f"an untrusted result is refused when it raises the loss of {v.loss_check_batch} "
+                               f"held-out examples more than median + {v.loss_check_k:g} MADs of trusted results' "
+                               f"changes; active once {needed} trusted (replicated) results are measured"))
+    rows.append(("host ledgers", f"a host is refused once its balance passes {v.loss_ledger_limit:g} "
+                                 f"(slack {v.loss_ledger_slack:g})" if v.loss_ledger else "off (validation.loss_ledger)"))
+    every = v.loss_check_spot_every
+    rows.append(("spot checks", f"on a min_quorum 1 project, a unit is replicated on a second host until {needed} "
+                                f"trusted results are measured, then after every {every} results judged against "
+                                "much worse models" if every else "off: replicate with the app's target_nresults"))
+    return rows

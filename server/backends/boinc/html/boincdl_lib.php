@@ -670,12 +670,20 @@ function bdl_load_job($r, $job) {
     }
     $stale = array();
     foreach ($r->hgetall("$ns:losscheck:stale") as $m => $v) $stale[$m] = (int)$v;
+    $spec = bdl_json((string)$r->cmd('GET', "$ns:spec"));
+    $v = (isset($spec['validation']) && is_array($spec['validation'])) ? $spec['validation'] : array();
     $ledger_limit = null;
-    if ($ledgers) {
-        $spec = bdl_json((string)$r->cmd('GET', "$ns:spec"));
-        if (isset($spec['validation']['loss_ledger_limit']) && is_numeric($spec['validation']['loss_ledger_limit'])) {
-            $ledger_limit = (float)$spec['validation']['loss_ledger_limit'];
-        }
+    if ($ledgers && isset($v['loss_ledger_limit']) && is_numeric($v['loss_ledger_limit'])) {
+        $ledger_limit = (float)$v['loss_ledger_limit'];
+    }
+    // how many trusted (replicated) results the check has measured of those it needs
+    // before it refuses anything (losscheck.enabled and trusted_needed: VC-ASGD on BOINC,
+    // min(loss_check_min_trusted, the window of 32); the spec's defaults where it is silent)
+    $check = null;
+    if (isset($meta['backend']) && $meta['backend'] === 'boinc' && isset($spec['mode']) && $spec['mode'] === 'vcasgd'
+        && (!isset($v['loss_check']) || $v['loss_check'] === true)) {
+        $min = (isset($v['loss_check_min_trusted']) && is_int($v['loss_check_min_trusted'])) ? $v['loss_check_min_trusted'] : 16;
+        $check = array('trusted' => (int)$r->cmd('LLEN', "$ns:trusted:loss_increase:0"), 'needed' => min(max($min, 1), 32));
     }
     // BOINC's records (server/backends/boinc/registry.py): late results the validator left
     // unchecked, and the replica comparisons of min_quorum >= 2 (each pair once)
@@ -712,7 +720,7 @@ function bdl_load_job($r, $job) {
                  'counters' => $counters, 'rejections' => $rejections, 'versions' => $versions,
                  'layout' => $layout, 'late' => $late, 'quorum' => $quorum,
                  'ledgers' => $ledgers, 'ledger_limit' => $ledger_limit, 'loss_checks_stale' => $stale,
-                 'spot_checks' => $spots,
+                 'spot_checks' => $spots, 'loss_check' => $check,
                  'configs' => $configs, 'model_results' => $model_results,
                  // the fleet controller writes bdl:J:cost_summary under that name on
                  // a cluster too (server/fleet/cost.py): a key of its own slot there
@@ -986,7 +994,6 @@ function bdl_params_text($params) {
     return implode(', ', $parts);
 }
 
-/** min_quorum >= 2: how many replica comparisons were made across hosts and users. */
 /** The held-out loss check: results judged against trusted results from much worse models,
  * and the hosts' ledgers nearest their limit (docs/merge-rules.md). Empty without either. */
 function bdl_loss_check_section($j) {
@@ -998,8 +1005,14 @@ function bdl_loss_check_section($j) {
         }
     }
     $spots = $j['spot_checks'];
-    if (!$stale && !$rows && !$spots) return '';
+    $check = $j['loss_check'];
+    $inactive = $check !== null && $check['trusted'] < $check['needed'];
+    if (!$stale && !$rows && !$spots && !$inactive) return '';
     $o = "<h4>Held-out loss check</h4>\n";
+    if ($inactive) {
+        $o .= '<p id="bdl-loss-inactive" class=warn>Not active yet: ' . (int)$check['trusted'] . ' of '
+            . (int)$check['needed'] . " trusted (replicated) results measured; until then it refuses nothing.</p>\n";
+    }
     if ($spots) {
         $n = array_sum($spots);
         $o .= '<p id="bdl-spot-checks">' . (int)$n . ' unit' . ($n === 1 ? '' : 's')
@@ -1025,6 +1038,7 @@ function bdl_loss_check_section($j) {
     return $o;
 }
 
+/** min_quorum >= 2: how many replica comparisons were made across hosts and users. */
 function bdl_quorum_table($q) {
     if (empty($q['comparisons'])) return '';
     $n = (int)$q['comparisons'];
