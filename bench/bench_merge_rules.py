@@ -361,6 +361,7 @@ class RunResult:
     ledger_unscored: int = 0    # untrusted results the ledger had no comparable trusted reference for
     loss_unbounded: int = 0     # untrusted results the loss check had no comparable trusted changes for
     spot_checks: int = 0        # units the work generator replicated (spot_every > 0)
+    reissued: int = 0           # refused results whose unit was issued again (reissue > 0)
     stale: int = 0              # untrusted results judged against no comparable trusted changes (either check)
     mean_staleness: float = 0.0
     honest_cos: list[float] = field(default_factory=list)
@@ -389,8 +390,14 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
              radius: R.TrustedRadius | None = None, today_window: list[float] | None = None,
              flip_target: np.ndarray | None = None, cos_threshold: R.TrustedStatistic | None = None,
              loss_threshold: R.TrustedStatistic | None = None,
-             trusted_loss: list[tuple[int, float, float | None]] | None = None) -> RunResult:
-    """Replay one job: ``epochs`` x ``n_subsets`` units, ``d_inflight`` in flight."""
+             trusted_loss: list[tuple[int, float, float | None]] | None = None,
+             attack_lost: bool = False, reissue: int = 0) -> RunResult:
+    """Replay one job: ``epochs`` x ``n_subsets`` units, ``d_inflight`` in flight.
+
+    ``attack_lost``: the attackers' results are lost (never merged, whatever they hold):
+    the floor of any defence that refuses them. ``reissue``: a refused result's unit is
+    issued again (to a host drawn afresh), at most this many times, before its subset is
+    given up for the epoch."""
     t_start = time.perf_counter()
     epochs = epochs or task.epochs
     rule = rule.capped(d_inflight)  # as the generator records the window for each unit
@@ -450,6 +457,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     judged = 0              # untrusted results judged
     judged_at_trusted = 0   # ... when the latest trusted change arrived
     warm_epochs = 0 if defence.spot_every else defence.warm_epochs
+    reissued: dict[tuple[int, int], int] = {}  # (epoch, subset) -> times issued again
 
     def spot_check() -> bool:
         """The work generator's decision for the next honest unit (spotcheck.wanted)."""
@@ -561,7 +569,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
             wc = results.pop(uid)
         s = version - bv
         dnorm = R.update_norm(wc, wb)
-        accept, scale = math.isfinite(dnorm), 1.0
+        accept, scale = math.isfinite(dnorm) and not (atk and attack_lost), 1.0
         dist = float(np.linalg.norm(wc - ws)) if accept else None
         if defence.kind == "today" and dist is not None:
             b = bound_now()
@@ -648,7 +656,12 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
                 window.append(dist)
             if atk:
                 res.attacker_accepted += 1
-        done[e] += 1
+        if not accept and stop_drop is None and reissued.get((e, sh), 0) < reissue:
+            reissued[(e, sh)] = reissued.get((e, sh), 0) + 1
+            res.reissued += 1
+            schedule.insert(nxt, (e, sh))  # the next unit issued: the epoch waits for it
+        else:
+            done[e] += 1
         bases[bv][1] -= 1
         if bases[bv][1] == 0 and bv != version:
             del bases[bv]
@@ -767,9 +780,13 @@ def trained_start(task: Task, tr: VecTrainer, epochs: int, n_subsets: int = 32) 
                     defence=Defence("none", replicate_p=1.0, observe_cos=True))
 
 
-def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32, only: str = "") -> dict[str, Any]:
+def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32, only: str = "", seed: int = 0,
+                   reissue: int = 0) -> dict[str, Any]:
     """10% of units from colluding attackers, D = subsets = d (``only``: a comma list of
-    the columns' defences to run, e.g. ``trusted0+ledger``)."""
+    the columns' defences to run, e.g. ``trusted0+ledger``; ``seed``: completion times,
+    replication and which units the attackers run; ``reissue``: a refused result's unit is
+    issued again up to this many times). The row ``lost`` loses the attackers' results
+    whatever they hold: what refusing every one of them costs."""
     rules = candidate_rules()
     configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0"),
                (REC, "trusted0+ledger")]
@@ -779,6 +796,8 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32, only: str 
     print(f"\n{task.name}: 10% colluding attackers, D = {d} in flight, {d} subsets, {b.epochs} epochs, "
           f"{REPLICATE_P:g} of honest results replicated"
           + (f" (trusted0: no warm epoch, spot checks: bootstrap, then 1 per {SPOT_EVERY} stale; Ns)" if SPOT_EVERY else "")
+          + (f", refused units issued again up to {reissue}x" if reissue else "")
+          + (f", seed {seed}" if seed else "")
           + ": final accuracy (first epoch) [attacker results "
           "accepted / sent] change from clean, honest refused")
     print(f"{'attack':10s} " + " ".join(f"{r + ' + ' + dk:>34s}" for r, dk in configs))
@@ -786,28 +805,48 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32, only: str 
           "descent check; trusted0: + zeroth-order (held-out loss) check)")
     out: dict[str, Any] = {}
     clean = {}
-    for attack in ("none",) + ATTACKS:
+    for attack in ("none", "lost") + ATTACKS:
         cells = []
         for rname, dk in configs:
-            atk = None if attack == "none" else Attack(attack, frac=0.1)
-            r = simulate(task, tr, rules[rname], d, d, b.epochs, attack=atk, defence=defence_of(dk),
-                         flip_target=flip_target)
+            atk = None if attack == "none" else Attack("zeros" if attack == "lost" else attack, frac=0.1)
+            r = simulate(task, tr, rules[rname], d, d, b.epochs, seed=seed, attack=atk, defence=defence_of(dk),
+                         flip_target=flip_target, attack_lost=attack == "lost", reissue=reissue)
             if attack == "none":
                 clean[(rname, dk)] = r.final
             drop = clean[(rname, dk)] - r.final
-            out[f"{task.name}|D={d}|{attack}|{rname}|{dk}"] = {
+            out[f"{task.name}|D={d}|{attack}|{rname}|{dk}" + (f"|seed={seed}" if seed else "")] = {
                 "final": r.final, "first": r.first, "drop_points": drop * 100,
                 "attacker_accepted": r.attacker_accepted, "attacker": r.attacker,
                 "honest_refused": r.honest_rejected / max(1, r.honest), "honest": r.honest,
                 "honest_refused_n": r.honest_rejected, "honest_refused_by_ledger": r.honest_ledger,
                 "ledger_unscored": r.ledger_unscored, "loss_unbounded": r.loss_unbounded,
-                "spot_checks": r.spot_checks, "stale": r.stale, "units": r.honest + r.attacker}
+                "spot_checks": r.spot_checks, "stale": r.stale, "units": r.honest + r.attacker,
+                "reissued": r.reissued}
             cells.append(f"{cell(r)} [{r.attacker_accepted}/{r.attacker}] {drop * 100:+5.1f} {r.honest_rejected}h"
                          + (f" {r.loss_unbounded}b" if "trusted0" in dk else "")
                          + (f" {r.honest_ledger}L {r.ledger_unscored}u" if "+ledger" in dk else "")
-                         + (f" {r.spot_checks}s" if r.spot_checks else ""))
+                         + (f" {r.spot_checks}s" if r.spot_checks else "")
+                         + (f" {r.reissued}r" if r.reissued else ""))
         print(f"{attack:10s} " + " ".join(f"{c:>34s}" for c in cells), flush=True)
     return out
+
+
+def summarise_poison(cells: dict[str, Any]) -> None:
+    """Each (dataset, D, attack, rule, defence) cell's points below the clean run over the
+    seeds it ran with: mean and range (printed only for more than one seed)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for key, c in cells.items():
+        groups.setdefault(key.split("|seed=")[0], []).append(c)
+    if all(len(v) < 2 for v in groups.values()):
+        return
+    print(f"\npoisoning over {max(len(v) for v in groups.values())} seeds: points below the clean run, mean "
+          "[min, max]; attacker results accepted (mean); honest refused (total)")
+    for key, cs in groups.items():
+        drops = [c["drop_points"] for c in cs]
+        print(f"  {key:52s} {np.mean(drops):+5.2f} [{min(drops):+5.1f}, {max(drops):+5.1f}]  "
+              f"{np.mean([c['attacker_accepted'] for c in cs]):5.1f} accepted  "
+              f"{sum(c['honest_refused_n'] for c in cs)} honest refused  "
+              f"final {np.mean([c['final'] for c in cs]):.3f}")
 
 
 def trained_flip_target(task: Task, tr: VecTrainer) -> np.ndarray:
@@ -965,6 +1004,10 @@ def main() -> None:
                          "times the result's base loss (inf: the latest ones, whatever their base)")
     ap.add_argument("--poison-only", default="", help="poisoning section: only the columns with these defences "
                     "(comma list, e.g. trusted0+ledger)")
+    ap.add_argument("--poison-seeds", default="0", help="poisoning section: comma list of seeds (completion "
+                    "times, replication, the attackers' units); more than one prints each cell's mean and range")
+    ap.add_argument("--reissue-refused", type=int, default=0, help="poisoning section: issue a refused "
+                    "result's unit again, at most this many times (0: its subset is given up for the epoch)")
     ap.add_argument("--spot-every", type=int, default=0,
                     help="the work generator's spot checks with the loss check (validation.loss_check_spot_every; "
                          "replaces the warm epoch): 0 off")
@@ -1022,7 +1065,10 @@ def main() -> None:
         if "poison" in sections:
             result[f"{ds}_poison"] = {}
             for d in ([int(x) for x in args.D.split(",")] if args.D else [32]):
-                result[f"{ds}_poison"].update(poison_section(b, task, tr, d, args.poison_only))
+                for seed in (int(x) for x in args.poison_seeds.split(",")):
+                    result[f"{ds}_poison"].update(poison_section(b, task, tr, d, args.poison_only, seed,
+                                                                 args.reissue_refused))
+            summarise_poison(result[f"{ds}_poison"])
         if "single" in sections:
             result[f"{ds}_single"] = {}
             for seed in (int(x) for x in args.single_seeds.split(",")):

@@ -37,6 +37,9 @@ class AssimilationOutcome:
     host_fault: bool = False
     """A rejection that judges the host's work (:class:`ResultRejected`'s ``host_fault``):
     the job system may withdraw the host's trust (BOINC: ``backends/boinc/hosttrust.py``)."""
+    reissued: bool = False
+    """A rejected result's unit is not given up: the job system issues it again (BOINC:
+    ``validation.reissue_refused``, :meth:`~boinc_dl.server.backends.boinc.registry.BoincRegistry.reissue_refused`)."""
     judged_stale: bool = False
     """The held-out loss check judged the result against trusted changes from much worse
     models (no comparable ones: too little replication); the job system may ask for more

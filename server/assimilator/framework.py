@@ -16,7 +16,8 @@ here, once, in this order:
 5. **merge** into the server weights (idempotent: a re-run is a duplicate);
 6. **reject**: a result that fails a check is recorded with its reason; when no other
    result of the workunit will come (BOINC's assimilator is the last step), the unit
-   is given up so that its epoch can close;
+   is given up so that its epoch can close, unless the refusal judged the host's work
+   and the job system issues the unit again (:meth:`Records.reissue_refused`);
 7. **settle**: the job system's own records of the workunit are told it is done.
 
 Anything a result provokes that no check foresaw becomes a rejection with its reason,
@@ -62,6 +63,11 @@ class Records(Protocol):
     def forget(self, workunit: str) -> None:
         """``workunit`` is settled: drop it from the job system's live records."""
 
+    def reissue_refused(self, workunit: str, unit: str, spec: JobSpec) -> bool:
+        """The final result of ``workunit`` (carrying ``unit``) was refused for what its host
+        computed: whether the job system will issue the unit again (then it is not given
+        up). Idempotent per workunit: a re-run of the same call answers the same."""
+
 
 class NoRecords:
     """A job system that supersedes nothing and keeps no live records (the local backend)."""
@@ -71,6 +77,9 @@ class NoRecords:
 
     def forget(self, workunit: str) -> None:
         return None
+
+    def reissue_refused(self, workunit: str, unit: str, spec: JobSpec) -> bool:
+        return False
 
 
 @dataclass
@@ -177,7 +186,7 @@ def assimilate(store: JobStore, delivery: Delivery, records: Records | None = No
         if delivery.error is not None or delivery.missing:
             out = _give_up(store, unit or wu, state, delivery)
         else:
-            out = _merge(store, unit, delivery, spec)
+            out = _merge(store, unit, delivery, spec, records)
         records.forget(wu)
         return out
     except StoreUnavailable:
@@ -214,7 +223,8 @@ def give_up(store: JobStore, unit: str, reason: str) -> AssimilationOutcome:
     return AssimilationOutcome("failed", unit, reason=reason)
 
 
-def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None) -> AssimilationOutcome:
+def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None,
+           records: Records) -> AssimilationOutcome:
     if not unit:
         return reject(store, delivery, delivery.workunit,
                       f"result {delivery.result[:80]!r} is not a result of a known unit of {store.job!r}")
@@ -239,11 +249,11 @@ def _merge(store: JobStore, unit: str, delivery: Delivery, spec: JobSpec | None)
         out = assimilate_valid(store, spec, res, trusted=delivery.trusted, attempt=attempt_of(delivery),
                                timing=timing, result=delivery.result, host=delivery.host)
     except ResultRejected as e:
-        return reject(store, delivery, unit, e.reason, host_fault=e.host_fault)
+        return reject(store, delivery, unit, e.reason, host_fault=e.host_fault, records=records, spec=spec)
     finally:
         store.release_inputs()  # a retained copy no merge logged (rejected, duplicate)
     if out.status == "rejected":
-        return _settle_rejection(store, delivery, unit, out)
+        return _settle_rejection(store, delivery, unit, out, records, spec)
     return out
 
 
@@ -257,18 +267,29 @@ def _prefetch(store: JobStore, unit: str, model: str, paths: Sequence[Path], max
     store.prefetch_input(unit, model, weights, max_bytes)
 
 
-def reject(store: JobStore, delivery: Delivery, unit: str, reason: str, host_fault: bool = False) -> AssimilationOutcome:
-    """Record a rejected result of ``unit`` (and give the unit up when the result was final);
-    ``host_fault``: the refusal judges the host's work (:class:`ResultRejected`)."""
+def reject(store: JobStore, delivery: Delivery, unit: str, reason: str, host_fault: bool = False,
+           records: Records | None = None, spec: JobSpec | None = None) -> AssimilationOutcome:
+    """Record a rejected result of ``unit`` (and give the unit up when the result was final,
+    unless ``records`` issue it again); ``host_fault``: the refusal judges the host's work
+    (:class:`ResultRejected`)."""
     store.record_rejection(unit, delivery.result, reason, delivery.host)
     return _settle_rejection(store, delivery, unit,
-                             AssimilationOutcome("rejected", unit, reason=reason, host_fault=host_fault))
+                             AssimilationOutcome("rejected", unit, reason=reason, host_fault=host_fault),
+                             records, spec)
 
 
-def _settle_rejection(store: JobStore, delivery: Delivery, unit: str,
-                      out: AssimilationOutcome) -> AssimilationOutcome:
-    if delivery.final and unit and store.unit_info(unit) is not None and not store.is_assimilated(unit):
+def _settle_rejection(store: JobStore, delivery: Delivery, unit: str, out: AssimilationOutcome,
+                      records: Records | None = None, spec: JobSpec | None = None) -> AssimilationOutcome:
+    info = store.unit_info(unit) if delivery.final and unit else None
+    if info is not None and not store.is_assimilated(unit):
+        if out.host_fault and records is not None and spec is not None \
+                and records.reissue_refused(delivery.workunit, unit, spec):
+            # Another host computes the unit again, from the freshest weights: refusing a
+            # host's result does not cost the epoch the unit's subset (measured: a refused
+            # unit given up costs about as much accuracy as a merged attack).
+            out.reissued = True
+            return out
         # BOINC considers the workunit done: give it up so the epoch can close.
-        store.mark_failed(unit, f"rejected at assimilation: {out.reason}", int(store.unit_info(unit).get("epoch", 0)))
+        store.mark_failed(unit, f"rejected at assimilation: {out.reason}", int(info.get("epoch", 0)))
     return out
 

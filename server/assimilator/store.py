@@ -21,6 +21,7 @@ Keys of job J:
 ``bdl:J:metrics``              stream: one entry per merge (its record: ``assimilated``),
                                give-up, epoch end
 ``bdl:J:rejections``           stream: rejected results with their reasons
+``bdl:J:rejected_results``     set: the job system's names of the results recorded there (each once)
 ``bdl:J:host_demotions``       hash result -> JSON: the job system's host whose trust a refusal of
                                that result withdrew (BOINC's ``consecutive_valid`` reset), or why not yet
 ``bdl:J:host_demotions:pending``  set: refused results whose host is still to be demoted (DB unreachable)
@@ -448,6 +449,7 @@ class JobStore(ShardMerging):
 
     _REJECT = """
     if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1]) then return 0 end
+    if ARGV[3] ~= '' and redis.call('SADD', KEYS[4], ARGV[3]) == 0 then return 0 end
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', '10000', '*', 'data', ARGV[2])
     redis.call('HINCRBY', KEYS[3], 'rejected', 1)
     return 1
@@ -458,14 +460,16 @@ class JobStore(ShardMerging):
         ``host``: the job system's id of the host that computed it (BOINC's
         ``result.hostid``), when it named one.
 
-        Recorded once even if a lost reply makes the call retry (idempotency token).
+        Recorded once even if a lost reply makes the call retry (idempotency token), and
+        once per named result: BOINC re-runs an assimilator killed after its work, and the
+        refused result's unit may still be open (issued again), so it is refused again.
         """
         entry = {"unit": unit, "result": result, "reason": reason, "t": time.time()}
         if host:
             entry["host_id"] = str(host)[:64]
         script = self._script("reject", self._REJECT)
-        keys = [self._token_key(), self.k("rejections"), self.k("counters")]
-        self.call(lambda: script(keys=keys, args=[TOKEN_TTL_S, json.dumps(entry)]))
+        keys = [self._token_key(), self.k("rejections"), self.k("counters"), self.k("rejected_results")]
+        self.call(lambda: script(keys=keys, args=[TOKEN_TTL_S, json.dumps(entry), result or ""]))
 
     # A demotion's record replaces the result's earlier one (a retry's outcome is the
     # latest word); ``hosts_demoted`` counts a result once, the first time its host's

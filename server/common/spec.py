@@ -204,6 +204,12 @@ class ValidationSpec(_Strict):
     loss_ledger_limit: float = Field(
         6.0, gt=0, le=1000, description="loss ledger: the balance past which a host's results are refused"
     )
+    reissue_refused: int = Field(
+        2, ge=0, le=100, description="VC-ASGD on BOINC with vcasgd.reissue fresh: a unit whose result is refused "
+        "for what its host computed (the loss check, a host's ledger, max_update_norm, the file's content) is "
+        "issued again from the freshest weights, to a host BOINC picks afresh, at most this many times (within "
+        "units.max_total_results); 0 gives it up at once, its subset skipped for the epoch"
+    )
     loss_check_wait_s: float = Field(
         30.0, gt=0, le=3600, description="how long the assimilator waits for a verdict before it retries "
         "the result later"

@@ -33,7 +33,7 @@ from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.spec import parse_spec
 from boinc_dl.server.common.weights import WeightsFile, read_weights, write_weights
-from boinc_dl.server.common.workunit import WEIGHTS_IN, parse_unit_name
+from boinc_dl.server.common.workunit import WEIGHTS_IN, parse_unit_name, unit_name
 from boinc_dl.server.work_generator.prepare import JobFiles
 from tests.boinc.conftest import REPO, run_script, script_env
 from tests.boinc.fake_server import _exec, rows, send
@@ -140,9 +140,28 @@ class Play:
             assert time.monotonic() < deadline, (got, self.log.read_text()[-3000:])
             time.sleep(0.2)
 
+    def workunits_named(self, names: list[str], timeout: float = 120) -> list[dict]:
+        """BOINC's rows of these workunits, once the daemon has created every one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = {w["name"]: w for w in rows(self.project, "SELECT id, name, min_quorum FROM workunit "
+                                                            "WHERE name LIKE %s", (f"{self.spec.name}__%",))}
+            if all(n in got for n in names):
+                return [got[n] for n in names]
+            assert time.monotonic() < deadline, (sorted(got), self.log.read_text()[-3000:])
+            assert self.daemon is not None and self.daemon.poll() is None, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+
     # ---- hosts ------------------------------------------------------------------------------
+    @staticmethod
+    def unit_of(wu: str) -> str:
+        """The unit a workunit carries (a regenerated ``<unit>_r<n>`` carries ``<unit>``)."""
+        p = parse_unit_name(wu)
+        return unit_name(p["job"], p["epoch"], p["shard"], p["model"])
+
     def base(self, wu: str) -> np.ndarray:
-        return read_weights(self.store.unit_info(wu)["files"][WEIGHTS_IN], self.fp).flat
+        """The weights ``wu`` was issued with (a regenerated unit's record names its newest)."""
+        return read_weights(self.store.unit_info(self.unit_of(wu))["files"][WEIGHTS_IN], self.fp).flat
 
     def weights_for(self, wu: str, role: str, i: int, share: float = 0.05) -> np.ndarray:
         wb = self.base(wu)
@@ -171,8 +190,8 @@ class Play:
             p.parent.mkdir(parents=True, exist_ok=True)
             paths.append(p)
         write_weights(paths[0], WeightsFile(flat.astype(np.float32), self.fp, job=self.spec.name, model="0",
-                                            unit=wu["name"], base_version=0, examples_seen=100))
-        paths[1].write_text(f'{{"job": "{self.spec.name}", "unit": "{wu["name"]}", "val_acc": 0.5}}')
+                                            unit=self.unit_of(wu["name"]), base_version=0, examples_seen=100))
+        paths[1].write_text(f'{{"job": "{self.spec.name}", "unit": "{self.unit_of(wu["name"])}", "val_acc": 0.5}}')
         if trusted:
             _exec(self.project, "UPDATE result SET validate_state = 1, hostid = 1, userid = 1, server_state = 5 "
                                 "WHERE name = %s", (result,))
@@ -270,9 +289,14 @@ def test_untrusted_results_that_raise_the_held_out_loss_are_refused(play: Play) 
             # judged against trusted changes from bases about as good as its own
             assert merged[wu["name"]]["bound_comparable"] is True
         else:
-            assert wu["name"] not in merged and "raises the loss" in failed[wu["name"]], (role, merged.get(wu["name"]))
+            # refused, and not given up: another host computes the unit again
+            assert wu["name"] not in merged and wu["name"] not in failed, (role, merged.get(wu["name"]))
     reasons = [r["reason"] for r in store.rejections(50)]
     assert len(reasons) == 4 and all("held-out loss check" in r for r in reasons)
+    refused = [wu["name"] for wu, role in zip(wus, roles, strict=True) if role != "honest"]
+    again = play.workunits_named([f"{u}_r1" for u in refused])
+    assert store.counters()["reissued_refused"] == 4 and all(w["min_quorum"] == 1 for w in again)
+    assert all(store.unit_info(u)["attempt"] == 1 for u in refused)
     # each names BOINC's host (as the ledgers do), and so does each merge record
     assert {r.get("host_id") for r in store.rejections(50)} == {str(attacker)}
     assert {merged[wu["name"]]["host_id"] for wu, role in zip(wus, roles, strict=True) if role == "honest"} == {
@@ -374,7 +398,8 @@ def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(play: Play) ->
         assert send(play.project, [wu["name"]], hostid=patient, app_version_id=5, rng=random.Random(0))
         paths = play.upload(wu, wb + (1 - lo) * honest + lo * flip, trusted=False)
         play.assimilate_until_handled(wu, paths)
-        outcomes.append("merged" if wu["name"] in store.assimilated() else store.failed().get(wu["name"], "?"))
+        why = [r["reason"] for r in store.rejections(50) if r["unit"] == wu["name"]]
+        outcomes.append("merged" if wu["name"] in store.assimilated() else (why or ["?"])[0])
     assert outcomes[:4] == ["merged"] * 4, outcomes
     assert all("the host's ledger" in o for o in outcomes[4:]), outcomes
     for rec in store.assimilated().values():
@@ -419,14 +444,18 @@ def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
             play.assimilate_until_handled(wu, paths)
     merged, failed = store.assimilated(), store.failed()
     names = [wu["name"] for wu in wus]
+    refused = [r["unit"] for r in store.rejections(50)]
     for name, role in zip(names, roles, strict=True):
-        assert (name in merged) != (name in failed), name  # exactly one outcome each
+        # exactly one outcome each: merged, or refused (recorded once) and issued again
+        assert (name in merged) != (name in refused) and name not in failed, name
         assert (name in merged) == (role == "honest"), (name, role, failed.get(name))
+    assert sorted(refused) == sorted(set(refused))
     merges = [m["unit"] for m in store.metrics("merge")]
     assert sorted(u for u in merges if u in names) == sorted(n for n in names if n in merged)  # none twice
     assert store.version("0") == len(merges) == len(merged)
-    refused = [r["unit"] for r in store.rejections(50)]
-    assert sorted(refused) == sorted(n for n in names if n in failed)  # each refusal recorded once
+    # each refused unit runs again exactly once, as <unit>_r1, whatever the kill interrupted
+    play.workunits_named([f"{u}_r1" for u in refused])
+    assert store.counters()["reissued_refused"] == len(refused)
     assert store.loss_pending_count() == 0 and store.loss_queue_length() == 0
     # each host's ledger moved once per verdict, whatever the kill interrupted: replaying the
     # verdicts in the order they were set gives each step and the balance stored
@@ -444,4 +473,7 @@ def test_daemon_sigkilled_while_results_wait_for_verdicts(play: Play) -> None:
     # the verdicts judged against trusted results from worse models were counted once each
     stale = sum(False in (v.get("bound_comparable"), v.get("ledger_comparable")) for v in verdicts)
     assert sum(store.loss_checks_stale().values()) == stale
+    again = [w["name"] for w in rows(play.project, "SELECT name FROM workunit WHERE name LIKE %s",
+                                     (f"{play.spec.name}__%",)) if parse_unit_name(w["name"])["attempt"]]
+    assert sorted(again) == sorted(f"{u}_r1" for u in refused), again
     spot_checks_as_in_boinc(play)

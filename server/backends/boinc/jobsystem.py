@@ -34,7 +34,11 @@ and creates ``<unit>_r<n>``. Regeneration stops one short of ``max_total_results
 workunits, after which BOINC's own re-issue of the last one takes over, so a unit
 never runs more instances than the limit allows. A workunit named in the job's
 ``reissue_now`` set (the fleet controller's request when a cloud reclaims the host
-running it) is handed over at once, without waiting for its deadline.
+running it) is handed over at once, without waiting for its deadline. So is a unit
+whose final result the assimilator refused for what its host computed
+(``validation.reissue_refused``, :meth:`BoincRegistry.reissue_refused`): its workunit is
+finished, so nothing is cancelled, and another host computes the unit from the freshest
+weights instead of its subset being skipped for the epoch.
 
 Every workunit created is kept in a ledger of live workunits
 (``bdl:<job>:boinc:live``, name -> unit) until it is cancelled or the assimilator
@@ -77,7 +81,13 @@ from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.backends.boinc.spotcheck import SpotChecks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
-from boinc_dl.server.common.workunit import WEIGHTS_IN, WU_JSON, Workunit, parse_unit_name
+from boinc_dl.server.common.workunit import (
+    WEIGHTS_IN,
+    WU_JSON,
+    Workunit,
+    parse_unit_name,
+    unit_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +188,21 @@ class BoincJobSystem(JobSystem):
             raise BoincDLError(f"unit {wu.unit}: no input file for {', '.join(missing)}")
         if not SAFE_NAME.match(wu.unit):
             raise BoincDLError(f"unit name {wu.unit!r} is not a valid BOINC workunit name")
-        self._queue(_Pending(wu, limits))
+        self._queue(_Pending(wu, limits, self._workunit_name(wu)))
+
+    def _workunit_name(self, wu: Workunit) -> str:
+        """The workunit that carries ``wu``: a VC-ASGD unit its record says was regenerated
+        (attempt > 0) runs as ``<unit>_r<attempt>``, so a daemon killed between regenerating
+        a unit and creating its workunit creates that one on restart (the work generator's
+        ``recover`` submits the unit again from its record), not the finished original."""
+        if wu.mode != "vcasgd":
+            return wu.unit
+        info = JobStore(self.r, wu.job).unit_info(wu.unit) or {}
+        try:
+            attempt = int(info.get("attempt") or 0)
+        except (TypeError, ValueError):
+            attempt = 0
+        return unit_name(wu.job, wu.epoch, wu.shard, wu.model, attempt) if attempt > 0 else wu.unit
 
     def _queue(self, item: _Pending) -> None:
         if not SAFE_NAME.match(item.name):
@@ -249,9 +273,34 @@ class BoincJobSystem(JobSystem):
         # never re-issues a unit twice; read once, then done with.
         asked = reg.take_reissue_requests()
         try:
-            return self._lost_units(store, spec, asked)
+            lost = self._lost_units(store, spec, asked)
         finally:
             reg.done_reissue_requests(asked)
+        return sorted(set(lost) | set(self._refused_units(store, spec)))
+
+    def _refused_units(self, store: JobStore, spec: JobSpec) -> list[tuple[str, int]]:
+        """Units whose final result the assimilator refused and asked to issue again
+        (:meth:`BoincRegistry.reissue_refused`): (unit, attempt) while the refused workunit
+        is still the unit's current one and the unit is unsettled; a request a newer
+        workunit or the unit's end has answered is dropped."""
+        reg = BoincRegistry(store)
+        pending = reg.refused_pending()
+        if not pending:
+            return []
+        units = sorted(set(pending.values()))
+        current = dict(zip(units, reg.issued(units), strict=True))
+        states = dict(zip(units, store.unit_states_of(units), strict=True))
+        out, done = [], []
+        for wu, unit in pending.items():
+            rec = current.get(unit)
+            if rec and rec.get("name") == wu and states.get(unit) == "in_progress":
+                out.append((unit, int(rec.get("attempt", 0))))
+            else:
+                done.append(wu)
+        reg.refused_done(done)
+        if out:
+            log.info("job %s: issuing %d unit(s) again whose result was refused", store.job, len(out))
+        return out
 
     def _lost_units(self, store: JobStore, spec: JobSpec, asked: set[str]) -> list[tuple[str, int]]:
         # Only the workunits BOINC may still run (the live ledger: units in flight), not
@@ -400,13 +449,20 @@ class BoincJobSystem(JobSystem):
         return n
 
     def resubmit_regenerated(self, unit: str, wu: Workunit, name: str) -> bool:
-        """Cancel ``unit``'s current workunit and queue the regenerated one as ``name``."""
+        """Cancel ``unit``'s current workunit if BOINC may still run it, and queue the
+        regenerated one as ``name`` (a refused result's workunit is finished: nothing to
+        cancel, and its request to issue the unit again is answered)."""
         spec = self._spec(wu.job)
-        old = self._registry(wu.job).current_instance(unit)
-        if old is not None and old != name and self.is_created(wu.job, old):
+        reg = self._registry(wu.job)
+        old = reg.current_instance(unit)
+        if old is not None and old != name and self.is_created(wu.job, old) and reg.is_live(old):
             self._cancel_workunit(old, wu.job)
         limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
         self._queue(_Pending(wu, limits, name))
+        if old is not None and old != name:
+            # a daemon killed before the new workunit is created re-creates it from the
+            # unit's record on restart (VCASGDWorkGenerator.recover)
+            reg.refused_done([old])
         return True
 
     def stop(self) -> None:

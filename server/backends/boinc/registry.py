@@ -10,6 +10,10 @@ in the job's slot), plus one project-wide key:
 ``bdl:J:boinc:live``             hash workunit name -> unit, for workunits BOINC may still
                                  run (forgotten once the assimilator settled them)
 ``bdl:J:boinc:reissue_now``      set: workunit names to regenerate now (host reclaimed)
+``bdl:J:boinc:refused``          hash workunit name -> unit: refused results whose unit is
+                                 to be issued again (until the work generator has)
+``bdl:J:boinc:refused_count``    hash unit -> how many of its results were refused and
+                                 the unit issued again (``validation.reissue_refused``)
 ``bdl:J:boinc:staged``           set: physical names the job staged into download/
 ``bdl:J:boinc:late_results``     hash result name -> ``{"wu", "reason", "t"}``: results of
                                  superseded or cancelled workunits the validator left
@@ -31,6 +35,7 @@ import time
 from collections.abc import Iterable
 
 from boinc_dl.server.assimilator.store import PREFIX, JobStore
+from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.common.workunit import parse_unit_name, unit_name
 
 UNRESOLVED_KEY = f"{PREFIX}:boinc:unresolved_errors"
@@ -39,6 +44,19 @@ UNRESOLVED_KEY = f"{PREFIX}:boinc:unresolved_errors"
 _RECORD_ONCE = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 for i = 3, #ARGV do redis.call('HINCRBY', KEYS[2], ARGV[i], 1) end
+return 1
+"""
+
+# A refused result's unit is issued again once per workunit, at most ARGV[3] times per unit:
+# a re-run of the same call (BOINC re-runs a killed assimilator) answers the same and
+# counts nothing twice. KEYS: refused, refused_count, the job's counters.
+_REISSUE_REFUSED = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 1 end
+local n = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
+if n >= tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+redis.call('HINCRBY', KEYS[3], 'reissued_refused', 1)
 return 1
 """
 
@@ -53,6 +71,8 @@ class BoincRegistry:
         self.live_key = store.k("boinc", "live")
         self.reissue_key = store.k("boinc", "reissue_now")
         self.staged_key = store.k("boinc", "staged")
+        self.refused_key = store.k("boinc", "refused")
+        self.refused_count_key = store.k("boinc", "refused_count")
         self.late_key = store.k("boinc", "late_results")
         self.comparisons_key = store.k("boinc", "comparisons")
         self.quorum_key = store.k("boinc", "quorum")
@@ -127,6 +147,10 @@ class BoincRegistry:
         """workunit name -> unit, of the workunits BOINC may still run."""
         return {k.decode(): v.decode() for k, v in self.store.call(lambda: self._r.hgetall(self.live_key)).items()}
 
+    def is_live(self, wu: str) -> bool:
+        """Whether BOINC may still run ``wu`` (not settled by the assimilator, not cancelled)."""
+        return bool(self.store.call(lambda: self._r.hexists(self.live_key, wu)))
+
     def forget(self, wu: str) -> None:
         """The assimilator settled ``wu`` (merged, duplicate, superseded, failed): it needs no
         cancelling any more."""
@@ -155,6 +179,41 @@ class BoincRegistry:
     def done_reissue_requests(self, names: set[str]) -> None:
         if names:
             self.store.call(lambda: self._r.srem(self.reissue_key, *names))
+
+    # ---- refused results issued again --------------------------------------------------------
+    def reissue_refused(self, wu: str, unit: str, spec: JobSpec) -> bool:
+        """The assimilator refused the final result of ``wu`` for what its host computed:
+        whether the work generator will issue ``unit`` again (the framework's
+        :class:`~boinc_dl.server.assimilator.framework.Records`). Yes for a VC-ASGD job of
+        re-issue policy ``fresh``, while ``wu`` is the unit's current workunit, the unit
+        has had fewer than ``validation.reissue_refused`` refusals issued again and one
+        more workunit stays within ``units.max_total_results``; the request waits in
+        ``refused`` for :meth:`refused_pending`."""
+        limit = spec.validation.reissue_refused
+        if spec.mode != "vcasgd" or spec.vcasgd.reissue != "fresh" or limit <= 0:
+            return False
+        rec = self.issued([unit])[0]
+        if not rec or rec.get("name") != wu or int(rec.get("attempt", 0)) + 1 >= spec.units.max_total_results:
+            return False
+        script = self._r.register_script(_REISSUE_REFUSED)
+        keys = [self.refused_key, self.refused_count_key, self.store.k("counters")]
+        return bool(self.store.call(lambda: script(keys=keys, args=[wu, unit, int(limit)])))
+
+    def refused_pending(self) -> dict[str, str]:
+        """Refused workunits whose unit waits to be issued again: workunit name -> unit."""
+        raw = self.store.call(lambda: self._r.hgetall(self.refused_key))
+        return {k.decode(): v.decode() for k, v in raw.items()}
+
+    def refused_done(self, names: Iterable[str]) -> None:
+        """These refused workunits' units were issued again (or need it no more)."""
+        names = list(names)
+        if names:
+            self.store.call(lambda: self._r.hdel(self.refused_key, *names))
+
+    def refused_counts(self) -> dict[str, int]:
+        """unit -> how many of its results were refused and the unit issued again."""
+        raw = self.store.call(lambda: self._r.hgetall(self.refused_count_key))
+        return {k.decode(): int(v) for k, v in raw.items()}
 
     # ---- late results and replica comparisons (the validator's records) -----------------------
     def record_late_result(self, wu: str, result: str, reason: str) -> bool:
