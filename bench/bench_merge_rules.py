@@ -1006,8 +1006,9 @@ def main() -> None:
                     "(comma list, e.g. trusted0+ledger)")
     ap.add_argument("--poison-seeds", default="0", help="poisoning section: comma list of seeds (completion "
                     "times, replication, the attackers' units); more than one prints each cell's mean and range")
-    ap.add_argument("--reissue-refused", type=int, default=0, help="poisoning section: issue a refused "
-                    "result's unit again, at most this many times (0: its subset is given up for the epoch)")
+    ap.add_argument("--reissue-refused", type=int, default=2, help="poisoning section: issue a refused "
+                    "result's unit again, at most this many times, as the BOINC job system does "
+                    "(validation.reissue_refused, 2); 0: its subset is given up for the epoch")
     ap.add_argument("--spot-every", type=int, default=0,
                     help="the work generator's spot checks with the loss check (validation.loss_check_spot_every; "
                          "replaces the warm epoch): 0 off")

@@ -268,6 +268,12 @@ def test_page_shows_late_results_and_replication(page: PhpServer, redis_tcp) -> 
     t = parse(page.get("/boincdl.php?job=digits-vcasgd")[1])
     head, row = t.tables["bdl-units"]
     assert dict(zip(head, row, strict=True))["late results not checked"] == "1"
+    # refused results whose unit runs again (the registry's count), beside the rejections
+    JobStore(r, "digits-vcasgd").r.hincrby(JobStore(r, "digits-vcasgd").k("counters"), "reissued_refused", 2)
+    html = page.get("/boincdl.php?job=digits-vcasgd")[1]
+    head, row = parse(html).tables["bdl-units"]
+    assert dict(zip(head, row, strict=True))["rejected results"] == "2 (2 run again)"
+    assert "reissued_refused" not in html  # not repeated among the other counters
     head, row = t.tables["bdl-quorum"]
     q = dict(zip(head, row, strict=True))
     assert q["replica comparisons"] == "9" and q["across hosts"] == "7 (77.8%)"

@@ -262,6 +262,7 @@ def test_validate_says_what_the_result_checks_will_do(tmp_path: Path) -> None:
     assert local["result checks"] == ("no update-norm cap; updates clipped to 2x the median norm of trusted ones "
                                       "(frozen per epoch) once 8 exist")
     assert local["loss check"].startswith("BOINC only")
+    assert local["refused results"] == "the unit runs again on another slot, within units.max_error_results (4)"
     assert "spot checks" not in local
     boinc = rows(MINIMAL + "backend: {kind: boinc}\nvalidation: {max_update_norm: 50, clip_factor: null, "
                            "loss_check_min_trusted: 100, loss_check_spot_every: 7, loss_ledger_limit: 4}\n")
@@ -269,8 +270,11 @@ def test_validate_says_what_the_result_checks_will_do(tmp_path: Path) -> None:
     assert "median + 6 MADs" in boinc["loss check"] and "active once 32 trusted" in boinc["loss check"]
     assert boinc["host ledgers"].startswith("a host is refused once its balance passes 4 ")
     assert "until 32 trusted results are measured, then after every 7 results" in boinc["spot checks"]
+    assert boinc["refused results"].startswith("the unit runs again from the freshest weights, at most 2 time(s)")
     off = rows(MINIMAL + "backend: {kind: boinc}\nvalidation: {loss_check: false}\n")
     assert off["loss check"] == "off (validation.loss_check)" and "spot checks" not in off
+    same = rows(MINIMAL + "backend: {kind: boinc}\nvcasgd: {reissue: same}\n")
+    assert same["refused results"] == "the unit is given up (vcasgd.reissue same)"
 
 
 def test_on_off_flags_take_no_value(tmp_path: Path) -> None:

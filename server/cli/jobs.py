@@ -263,6 +263,17 @@ def _result_check_rows(spec: JobSpec) -> list[tuple[str, str]]:
     checks.append(f"updates clipped to {v.clip_factor:g}x the median norm of trusted ones (frozen per epoch) "
                   f"once {v.clip_min_trusted} exist" if v.clip_factor else "no clipping")
     rows = [("result checks", "; ".join(checks))]
+    if spec.backend.kind == "local":
+        rows.append(("refused results", f"the unit runs again on another slot, within units.max_error_results "
+                                        f"({spec.units.max_error_results})"))
+    elif spec.mode == "vcasgd" and spec.vcasgd.reissue == "fresh" and v.reissue_refused:
+        rows.append(("refused results", f"the unit runs again from the freshest weights, at most {v.reissue_refused} "
+                                        f"time(s) (within units.max_total_results, {spec.units.max_total_results}), "
+                                        "then its subset is skipped for the epoch"))
+    else:
+        why = "validation.reissue_refused 0" if spec.mode == "vcasgd" and spec.vcasgd.reissue == "fresh" else (
+            "vcasgd.reissue same" if spec.mode == "vcasgd" else "MOP")
+        rows.append(("refused results", f"the unit is given up ({why})"))
     if spec.mode != "vcasgd":
         return rows
     if not lc.enabled(spec):

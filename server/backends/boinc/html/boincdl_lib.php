@@ -913,9 +913,11 @@ function bdl_job_detail($j) {
         . '<td>' . bdl_counter($c, 'boinc_cancelled') . '</td>'
         . '<td>' . bdl_counter($c, 'superseded_calls') . '</td>'
         . '<td>' . (int)$j['late'] . '</td>'
-        . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . bdl_counter($c, 'rejected') . '</td>'
+        . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . bdl_counter($c, 'rejected')
+        // refused results whose unit another host computes again (validation.reissue_refused)
+        . (!empty($c['reissued_refused']) ? ' (' . (int)$c['reissued_refused'] . ' run again)' : '') . '</td>'
         . '<td>' . $st['cancelled'] . "</td></tr></table>\n";
-    $extra = array_diff_key($c, array('reissued' => 1, 'regenerated' => 1, 'rejected' => 1,
+    $extra = array_diff_key($c, array('reissued' => 1, 'regenerated' => 1, 'rejected' => 1, 'reissued_refused' => 1,
                                       'boinc_cancelled' => 1, 'superseded_calls' => 1));
     if ($extra) {
         ksort($extra);
