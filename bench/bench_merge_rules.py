@@ -1014,6 +1014,10 @@ def main() -> None:
                          "replaces the warm epoch): 0 off")
     ap.add_argument("--ledger-window", type=int, default=R.LossLedger.window,
                     help="trusted changes the ledger scores against (the latest comparable ones)")
+    ap.add_argument("--ledger-slack", type=float, default=R.LossLedger.slack, help="the ledger's slack "
+                    "(validation.loss_ledger_slack)")
+    ap.add_argument("--ledger-limit", type=float, default=R.LossLedger.limit, help="the ledger's limit "
+                    "(validation.loss_ledger_limit)")
     ap.add_argument("--ledger-z-cap", type=float, default=R.LossLedger.z_cap,
                     help="the most one result's score adds to its host's balance, plus the slack (inf: no cap)")
     ap.add_argument("--bound-base-ratio", type=float, default=None,
@@ -1028,7 +1032,8 @@ def main() -> None:
     REPLICATE_P = args.replicate_p
     SPOT_EVERY = args.spot_every
     SPOT_RULE = args.spot_rule
-    LEDGER = R.LossLedger(base_ratio=args.ledger_base_ratio, window=args.ledger_window, z_cap=args.ledger_z_cap)
+    LEDGER = R.LossLedger(base_ratio=args.ledger_base_ratio, window=args.ledger_window, z_cap=args.ledger_z_cap,
+                          slack=args.ledger_slack, limit=args.ledger_limit)
     t0 = time.perf_counter()
     allr = candidate_rules()
     if args.rules:
