@@ -156,6 +156,10 @@ def test_daemon_killed_before_the_new_workunit_exists(job: Job, regenerated: boo
     if regenerated:
         gen.service_regenerations()  # queued, not created: the SIGKILL loses the queue
         assert job.daemon.backend.pending() == [f"{a}_r1"]
+        # BOINC re-runs the assimilator on the refused result now: the request stays one
+        job.bad(a)
+        assert BoincRegistry(store).refused_counts() == {a: 1} and store.counters()["reissued_refused"] == 1
+        assert BoincRegistry(store).refused_pending() == {}
     else:
         assert gen.regenerate(a, 1) is not None  # the record says attempt 1; nothing queued
     assert sorted(job.workunits()) == sorted(job.units)

@@ -10,8 +10,9 @@ in the job's slot), plus one project-wide key:
 ``bdl:J:boinc:live``             hash workunit name -> unit, for workunits BOINC may still
                                  run (forgotten once the assimilator settled them)
 ``bdl:J:boinc:reissue_now``      set: workunit names to regenerate now (host reclaimed)
-``bdl:J:boinc:refused``          hash workunit name -> unit: refused results whose unit is
-                                 to be issued again (until the work generator has)
+``bdl:J:boinc:refused``          hash workunit name -> unit: workunits whose refused result's
+                                 unit was to be issued again (each once, kept)
+``bdl:J:boinc:refused_pending``  set: those the work generator has not issued again yet
 ``bdl:J:boinc:refused_count``    hash unit -> how many of its results were refused and
                                  the unit issued again (``validation.reissue_refused``)
 ``bdl:J:boinc:staged``           set: physical names the job staged into download/
@@ -48,15 +49,17 @@ return 1
 """
 
 # A refused result's unit is issued again once per workunit, at most ARGV[3] times per unit:
-# a re-run of the same call (BOINC re-runs a killed assimilator) answers the same and
-# counts nothing twice. KEYS: refused, refused_count, the job's counters.
+# a re-run of the same call (BOINC re-runs a killed assimilator, also after the work
+# generator answered the first) answers the same and counts nothing twice.
+# KEYS: refused, refused_pending, refused_count, the job's counters.
 _REISSUE_REFUSED = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 1 end
-local n = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
+local n = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '0')
 if n >= tonumber(ARGV[3]) then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
-redis.call('HINCRBY', KEYS[3], 'reissued_refused', 1)
+redis.call('SADD', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[3], ARGV[2], 1)
+redis.call('HINCRBY', KEYS[4], 'reissued_refused', 1)
 return 1
 """
 
@@ -72,6 +75,7 @@ class BoincRegistry:
         self.reissue_key = store.k("boinc", "reissue_now")
         self.staged_key = store.k("boinc", "staged")
         self.refused_key = store.k("boinc", "refused")
+        self.refused_pending_key = store.k("boinc", "refused_pending")
         self.refused_count_key = store.k("boinc", "refused_count")
         self.late_key = store.k("boinc", "late_results")
         self.comparisons_key = store.k("boinc", "comparisons")
@@ -188,7 +192,7 @@ class BoincRegistry:
         re-issue policy ``fresh``, while ``wu`` is the unit's current workunit, the unit
         has had fewer than ``validation.reissue_refused`` refusals issued again and one
         more workunit stays within ``units.max_total_results``; the request waits in
-        ``refused`` for :meth:`refused_pending`."""
+        ``refused_pending`` for :meth:`refused_pending`."""
         limit = spec.validation.reissue_refused
         if spec.mode != "vcasgd" or spec.vcasgd.reissue != "fresh" or limit <= 0:
             return False
@@ -196,19 +200,22 @@ class BoincRegistry:
         if not rec or rec.get("name") != wu or int(rec.get("attempt", 0)) + 1 >= spec.units.max_total_results:
             return False
         script = self._r.register_script(_REISSUE_REFUSED)
-        keys = [self.refused_key, self.refused_count_key, self.store.k("counters")]
+        keys = [self.refused_key, self.refused_pending_key, self.refused_count_key, self.store.k("counters")]
         return bool(self.store.call(lambda: script(keys=keys, args=[wu, unit, int(limit)])))
 
     def refused_pending(self) -> dict[str, str]:
         """Refused workunits whose unit waits to be issued again: workunit name -> unit."""
-        raw = self.store.call(lambda: self._r.hgetall(self.refused_key))
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        names = sorted(x.decode() for x in self.store.call(lambda: self._r.smembers(self.refused_pending_key)))
+        if not names:
+            return {}
+        units = self.store.call(lambda: self._r.hmget(self.refused_key, names))
+        return {n: u.decode() for n, u in zip(names, units, strict=True) if u is not None}
 
     def refused_done(self, names: Iterable[str]) -> None:
         """These refused workunits' units were issued again (or need it no more)."""
         names = list(names)
         if names:
-            self.store.call(lambda: self._r.hdel(self.refused_key, *names))
+            self.store.call(lambda: self._r.srem(self.refused_pending_key, *names))
 
     def refused_counts(self) -> dict[str, int]:
         """unit -> how many of its results were refused and the unit issued again."""
