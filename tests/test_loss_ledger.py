@@ -37,13 +37,13 @@ def test_score_is_in_trusted_units_and_needs_enough_of_them() -> None:
     assert led.score(0.0, []) is None  # no reference yet: no ledger
     assert led.score(MED, TRUSTED) == pytest.approx(0.0)
     mad = 1.4826 * float(np.median(np.abs(np.asarray(TRUSTED) - MED)))
-    assert led.score(MED + 2 * mad, TRUSTED) == pytest.approx(2.0)
+    assert led.score(MED + 1.2 * mad, TRUSTED) == pytest.approx(1.2)
     assert led.score(float("nan"), TRUSTED) == math.inf
     # the scale's floor: a share of the median's size (trusted results that agree closely)
     assert LossLedger(rel_floor=0.25).score(-0.25 + 0.0625, [-0.25] * 8) == pytest.approx(1.0)
     assert LossLedger(z_cap=math.inf).score(MED + 1.0, TRUSTED) == pytest.approx(1.0 / max(mad, 0.5 * abs(MED)))
     # one result adds at most z_cap - slack to its host's balance (a non-finite one: everything)
-    assert LossLedger().score(MED + 1.0, TRUSTED) == 2.0 and LossLedger().score(math.inf, TRUSTED) == math.inf
+    assert LossLedger().score(MED + 1.0, TRUSTED) == 1.5 and LossLedger().score(math.inf, TRUSTED) == math.inf
 
 
 def test_a_comparable_reference_is_taken_at_the_results_base() -> None:
@@ -92,13 +92,14 @@ def test_the_reference_is_the_latest_comparable_trusted_changes() -> None:
 def test_a_stale_reference_charges_only_a_rising_loss() -> None:
     """The project stopped replicating: the trusted changes are the first epoch's large
     improvements. An honest result of the converged model that no longer lowers the loss
-    scored against them would score 1/rel_floor = 2 each time, and its host be refused by
-    its fifth result; not comparable, it is scored from a centre no lower than 0."""
+    scored against them would score 1/rel_floor = 2 (counted 1.5, z_cap) each time, and its
+    host be refused by its seventh result; not comparable, it is scored from a centre no
+    lower than 0."""
     led = LossLedger()
     early = [(1, v, 2.3) for v in TRUSTED]
     ref, comparable, _ = led.reference(early, 9, 0.1)
     assert ref == list(TRUSTED) and not comparable
-    assert led.score(0.0, ref) == pytest.approx(2.0)  # what a comparable reference would say
+    assert led.score(0.0, ref) == pytest.approx(1.5)  # what a comparable reference would say (capped)
     b = 0.0
     for _ in range(100):
         b, ok = led.step(b, led.score(0.0, ref, comparable))
@@ -153,12 +154,12 @@ def test_settle_moves_a_hosts_balance_once_per_verdict(job) -> None:
     store, spec, *_ = job
     seed_trusted(store, TRUSTED)
     req = {"model": "0", "epoch": 1, "host": "17"}
-    v, _ = lc.settle(store, spec, "r1", req, _verdict(MED + 2 * SCALE))
-    assert v["ok"] and v["ledger_score"] == pytest.approx(2.0) and v["ledger_balance"] == pytest.approx(1.5)
+    v, _ = lc.settle(store, spec, "r1", req, _verdict(MED + 1.4 * SCALE))
+    assert v["ok"] and v["ledger_score"] == pytest.approx(1.4) and v["ledger_balance"] == pytest.approx(0.9)
     # a second verdict on the same result (a re-queued request, a second checker): first wins,
     # and the balance does not move again
     again, _ = lc.settle(store, spec, "r1", req, _verdict(MED + 5 * SCALE))
-    assert again == v and store.ledger_balances() == {"17": pytest.approx(1.5)}
+    assert again == v and store.ledger_balances() == {"17": pytest.approx(0.9)}
     # without a host (one the job system did not name), or with a name that is not one: no ledger
     v2, _ = lc.settle(store, spec, "r2", {"model": "0", "epoch": 1, "host": None}, _verdict(MED + 5 * SCALE))
     v3, _ = lc.settle(store, spec, "r3", {"model": "0", "epoch": 1, "host": "../x"}, _verdict(MED + 5 * SCALE))
@@ -169,11 +170,11 @@ def test_settle_refuses_within_the_bound_once_the_ledger_is_spent(job) -> None:
     store, spec, *_ = job
     seed_trusted(store, TRUSTED)
     verdicts = [lc.settle(store, spec, f"r{i}", {"model": "0", "epoch": 1, "host": "9"}, _verdict(MED + 3 * SCALE))[0]
-                for i in range(6)]
-    # each scores 3, counted as 2 (z_cap): 1.5, 3.0, 4.5, 6.0, then past 6
-    assert [v["ok"] for v in verdicts] == [True, True, True, True, False, False]
-    assert [v["ledger_score"] for v in verdicts[:4]] == [2.0] * 4
-    verdicts = verdicts[2:]
+                for i in range(8)]
+    # each scores 3, counted as 1.5 (z_cap): 1, 2, ..., 6, then past 6
+    assert [v["ok"] for v in verdicts] == [True] * 6 + [False, False]
+    assert [v["ledger_score"] for v in verdicts[:6]] == [1.5] * 6
+    verdicts = verdicts[4:]
     assert "the host's ledger" in verdicts[2]["reason"] and "limit 6" in verdicts[2]["reason"]
     assert store.ledger_balances() == {"9": pytest.approx(6.0)}
 
@@ -208,8 +209,8 @@ def _value_for(loss_increase: float) -> float:
 
 def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(job, tmp_path: Path) -> None:
     """Each of the patient host's results lowers the held-out loss less than honest ones do
-    (1.9 of the ledger's units above their median, still below zero: a non-rising loss
-    always passes the per-result bound). Its fifth is refused (+1.4 a result); the honest
+    (1.4 of the ledger's units above their median, still below zero: a non-rising loss
+    always passes the per-result bound). Its seventh is refused (+0.9 a result); the honest
     host beside it merges every result. The host is the job system's, in the Delivery."""
     store, spec, fp, job_dir = job
     seed_trusted(store, TRUSTED)
@@ -217,7 +218,7 @@ def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(job, tmp_path:
     outs: dict[str, list[str]] = {"patient": [], "honest": []}
     with checker_running(store, spec, job_dir):
         for i in range(8):
-            for who, host, x in (("patient", "41", MED + 1.9 * SCALE), ("honest", "42", MED)):
+            for who, host, x in (("patient", "41", MED + 1.4 * SCALE), ("honest", "42", MED)):
                 unit = f"{who}{i}"
                 store.register_unit(unit, {**base, "shard": i % 4}, 1)
                 out = assimilate(store, Delivery(unit, f"{unit}_0", unit=unit, final=True, host=host,
@@ -226,12 +227,12 @@ def test_a_patient_host_inside_the_bound_is_refused_by_its_ledger(job, tmp_path:
                 if out.status == "rejected":
                     assert "the host's ledger" in out.reason and out.host_fault
     assert outs["honest"] == ["merged"] * 8
-    assert outs["patient"][:4] == ["merged"] * 4 and set(outs["patient"][4:]) == {"rejected"}
-    rec = store.assimilated()["patient3"]
-    assert rec["ledger_score"] == pytest.approx(1.9, rel=1e-3) and rec["ledger_balance"] == pytest.approx(5.6, rel=1e-3)
+    assert outs["patient"][:6] == ["merged"] * 6 and set(outs["patient"][6:]) == {"rejected"}
+    rec = store.assimilated()["patient5"]
+    assert rec["ledger_score"] == pytest.approx(1.4, rel=1e-3) and rec["ledger_balance"] == pytest.approx(5.4, rel=1e-3)
     assert store.ledger_balances() == {"41": pytest.approx(6.0), "42": 0.0}
     # the refusals went through the usual path: recorded, the unit given up (BOINC's final result)
-    assert {r["unit"] for r in store.rejections(50)} == {f"patient{i}" for i in range(4, 8)}
+    assert {r["unit"] for r in store.rejections(50)} == {f"patient{i}" for i in range(6, 8)}
 
 
 def test_the_ledger_can_be_switched_off(tiny_job, tmp_path: Path) -> None:
@@ -264,12 +265,12 @@ def test_status_shows_the_hosts_nearest_their_limit(job, redis_server, tmp_path:
     res = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)
-    assert st["ledgers"] == {"0": {"31": 3.0, "32": 0.5, "33": 0.0}} and st["ledger_limit"] == 6.0
+    assert st["ledgers"] == {"0": {"31": 2.0, "32": 0.5, "33": 0.0}} and st["ledger_limit"] == 6.0
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path).stdout
     rejected = next(line for line in out.splitlines() if "s0009" in line)  # the refusal names BOINC's host
     assert " 31 " in rejected.replace("│", " ")
-    assert "loss ledgers" in out and "refused past 6" in out and "3.00" in out
-    assert out.index("3.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
+    assert "loss ledgers" in out and "refused past 6" in out and "2.00" in out
+    assert out.index("2.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
 
 
 # ---- trusted changes from much worse models (a project that stopped replicating) -----------------

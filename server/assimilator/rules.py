@@ -693,9 +693,10 @@ class LossLedger:
     base_ratio: float = BASE_RATIO
     #: The most one result adds to its host's balance (``z_cap - slack``): an honest
     #: result's loss change has a long upper tail once the model has converged (a unit
-    #: trained on a small subset overfits it), and those results alone took honest hosts
-    #: past the limit; a patient host above the honest trend is charged on every result.
-    z_cap: float = 2.0
+    #: trained on a small subset overfits it; 16-24% of honest results scored 2 or more
+    #: late in 30-epoch digits runs), and those results alone took honest hosts past the
+    #: limit; a patient host above the honest trend is charged on every result.
+    z_cap: float = 1.5
 
     def reference(self, trusted: Sequence[tuple[int, float, float | None]], epoch: int,
                   base_loss: float | None) -> LedgerReference:
