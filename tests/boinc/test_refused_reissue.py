@@ -199,3 +199,55 @@ def test_a_rejection_that_does_not_judge_the_host_gives_the_unit_up(job: Job) ->
     assert "missing" in store.failed()[a]
     job.daemon.one_pass()
     assert sorted(job.workunits()) == sorted(job.units)
+
+
+def _forget_creation(reg: BoincRegistry, unit: str, wu: str, record: dict | None) -> None:
+    """The state a daemon SIGKILLed between ``create_work`` and recording the workunit
+    leaves: BOINC has ``wu``, Redis still names ``record`` (None: nothing) as the unit's."""
+    if record is None:
+        reg.store.r.hdel(reg.issued_key, unit)
+    else:
+        reg.set_issued(unit, record)
+    reg.store.r.srem(reg.created_key, wu)
+    reg.store.r.hdel(reg.live_key, wu)
+
+
+def test_a_result_of_a_new_workunit_not_yet_recorded_merges(job: Job) -> None:
+    """A fast host returns ``<unit>_r1``'s result before the killed daemon's restart records
+    the workunit: it is the unit's current workunit, not a superseded one, and merges."""
+    store, (a, b) = job.store, job.units
+    reg = BoincRegistry(store)
+    job.bad(a)
+    old = reg.issued([a])[0]
+    job.daemon.one_pass()  # rebuilds the unit and creates <unit>_r1
+    assert f"{a}_r1" in job.workunits()
+    _forget_creation(reg, a, f"{a}_r1", old)
+    assert reg.superseded_by(f"{a}_r1") is None and reg.superseded_by(a) is None
+    job.good(f"{a}_r1")
+    assert a in store.assimilated() and "superseded_calls" not in store.counters()
+    restarted = WorkGeneratorDaemon(job.project, poll_s=0.1)  # records <unit>_r1 ("already exists")
+    job.good(b)
+    for _ in range(10):
+        if store.meta().get("status") != "running":
+            break
+        restarted.one_pass()
+    assert store.meta()["status"] == "done" and sorted(job.workunits()) == sorted([a, b, f"{a}_r1"])
+
+
+def test_a_refusal_of_a_first_workunit_not_yet_recorded_runs_it_again(job: Job) -> None:
+    """The same window for a unit's first workunit: its refused result does not give the unit
+    up; the request waits until the restarted daemon has recorded the workunit, then the unit
+    runs again."""
+    store, (a, _b) = job.store, job.units
+    reg = BoincRegistry(store)
+    _forget_creation(reg, a, a, None)
+    job.bad(a)
+    assert a not in store.failed() and reg.refused_pending() == {a: a}
+    job.daemon.one_pass()  # the old daemon's pass: nothing recorded, nothing issued, still waiting
+    assert reg.refused_pending() == {a: a} and f"{a}_r1" not in job.workunits()
+    restarted = WorkGeneratorDaemon(job.project, poll_s=0.1)
+    restarted.one_pass()
+    restarted.one_pass()
+    assert f"{a}_r1" in job.workunits() and reg.refused_pending() == {}
+    job.good(f"{a}_r1")
+    assert a in store.assimilated()

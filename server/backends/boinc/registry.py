@@ -143,8 +143,21 @@ class BoincRegistry:
             rec = self.issued([unit])[0]
             if rec:
                 current = str(rec["name"])
-                return None if current == wu else current
+                if current == wu or (unit != wu and self._recorded_behind(rec, wu)):
+                    return None
+                return current
         return None
+
+    @staticmethod
+    def _recorded_behind(rec: dict, wu: str) -> bool:
+        """Whether ``wu`` is a later attempt of the unit than its recorded current workunit
+        ``rec``: BOINC has it (``create_work`` ran) and a daemon killed before recording it
+        has not yet been restarted (its recovery records it). Such a workunit is current."""
+        parsed = parse_unit_name(wu)
+        try:
+            return bool(parsed) and int(parsed["attempt"]) > int(rec.get("attempt", 0))
+        except (TypeError, ValueError):
+            return False
 
     # ---- workunits BOINC may still run -----------------------------------------------------------
     def live(self) -> dict[str, str]:
@@ -194,10 +207,15 @@ class BoincRegistry:
         more workunit stays within ``units.max_total_results``; the request waits in
         ``refused_pending`` for :meth:`refused_pending`."""
         limit = spec.validation.reissue_refused
-        if spec.mode != "vcasgd" or spec.vcasgd.reissue != "fresh" or limit <= 0:
+        parsed = parse_unit_name(wu)
+        if spec.mode != "vcasgd" or spec.vcasgd.reissue != "fresh" or limit <= 0 or not parsed:
             return False
         rec = self.issued([unit])[0]
-        if not rec or rec.get("name") != wu or int(rec.get("attempt", 0)) + 1 >= spec.units.max_total_results:
+        # (no record yet, or an older one: ``wu`` was created and a killed daemon has not
+        # recorded it yet; a newer one: ``wu`` is superseded, the newer workunit runs)
+        if rec and rec.get("name") != wu and not self._recorded_behind(rec, wu):
+            return False
+        if int(parsed["attempt"]) + 1 >= spec.units.max_total_results:
             return False
         script = self._r.register_script(_REISSUE_REFUSED)
         keys = [self.refused_key, self.refused_pending_key, self.refused_count_key, self.store.k("counters")]
