@@ -34,6 +34,8 @@ def test_example_spec_loads() -> None:
         ({"name": "bad name!"}, "name"),
         ({"units": {"max_error_results": 5, "max_total_results": 2}}, "units"),
         ({"bogus": 1}, "bogus: unknown field"),
+        ({"backend": "boinc"}, "backend: must be a mapping: write backend: {kind: boinc}"),
+        ({"backend": 3}, "backend: must be a mapping (key: value)"),
     ],
 )
 def test_errors_name_the_field(patch: dict, field: str) -> None:

@@ -249,13 +249,14 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
                                    f"{opts['assimilators']} assimilators")
     for c in chosen:
         t.add_row(f"derived {c.field}", f"{c.value} ({c.why})")
-    for label, text in _result_check_rows(spec):
+    for label, text in _result_check_rows(spec, len(data.x_val)):
         t.add_row(label, text)
     console.print(t)
 
 
-def _result_check_rows(spec: JobSpec) -> list[tuple[str, str]]:
-    """What ``validation`` will do to the hosts' results, in words (docs/merge-rules.md)."""
+def _result_check_rows(spec: JobSpec, n_val: int) -> list[tuple[str, str]]:
+    """What ``validation`` will do to the hosts' results, in words (docs/merge-rules.md);
+    ``n_val``: the validation split's examples (the held-out batch is at most those)."""
     from boinc_dl.server.assimilator import losscheck as lc
 
     v = spec.validation
@@ -280,10 +281,12 @@ def _result_check_rows(spec: JobSpec) -> list[tuple[str, str]]:
         rows.append(("loss check", "off (validation.loss_check)"))
         return rows
     if spec.backend.kind != "boinc":
-        rows.append(("loss check", "BOINC only: the local backend's hosts are yours, every result trusted"))
+        rows.append(("loss check", "BOINC only (backend: {kind: boinc}, or submit --backend boinc): the local "
+                                   "backend's hosts are yours, every result trusted"))
         return rows
     needed = lc.trusted_needed(spec)
-    rows.append(("loss check", f"an untrusted result is refused when it raises the loss of {v.loss_check_batch} "
+    rows.append(("loss check", f"an untrusted result is refused when it raises the loss of "
+                               f"{min(v.loss_check_batch, n_val)} "
                                f"held-out examples more than median + {v.loss_check_k:g} MADs of trusted results' "
                                f"changes; active once {needed} trusted (replicated) results are measured"))
     rows.append(("host ledgers", f"a host is refused once its balance passes {v.loss_ledger_limit:g} "

@@ -335,6 +335,8 @@ def _format_error(err: ValidationError) -> str:
     for e in err.errors():
         msgs = by_field.setdefault(_field_path(e["loc"]), [])
         m = _plain(e)
+        if e["loc"] == ("backend",) and e.get("input") in ("local", "boinc"):
+            m = f"must be a mapping: write backend: {{kind: {e['input']}}}"  # the one a user guesses
         if m not in msgs:
             msgs.append(m)
     out = []
