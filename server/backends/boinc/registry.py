@@ -212,7 +212,10 @@ class BoincRegistry:
             return False
         rec = self.issued([unit])[0]
         # (no record yet, or an older one: ``wu`` was created and a killed daemon has not
-        # recorded it yet; a newer one: ``wu`` is superseded, the newer workunit runs)
+        # recorded it yet, which only a unit handed to the job system can be; a newer one:
+        # ``wu`` is superseded, the newer workunit runs)
+        if rec is None and self.store.unit_states_of([unit]) != ["in_progress"]:
+            return False
         if rec and rec.get("name") != wu and not self._recorded_behind(rec, wu):
             return False
         if int(parsed["attempt"]) + 1 >= spec.units.max_total_results:
