@@ -268,15 +268,14 @@ def test_validate_says_what_the_result_checks_will_do(tmp_path: Path) -> None:
                            "loss_check_min_trusted: 100, loss_check_spot_every: 7, loss_ledger_limit: 4}\n")
     assert boinc["result checks"] == "update norm at most 50; no clipping"
     assert "median + 6 MADs" in boinc["loss check"] and "active once 32 trusted" in boinc["loss check"]
-    n_val = int(next(v for k, v in rows(MINIMAL).items() if k == "train / val examples").split("/")[1])
+    n_val = int(local["train / val examples"].split("/")[1])
     assert n_val < 256 and f"raises the loss of {n_val} held-out examples" in boinc["loss check"]  # all it has
     assert boinc["host ledgers"].startswith("a host is refused once its balance passes 4 ")
     assert "until 32 trusted results are measured, then after every 7 results" in boinc["spot checks"]
     assert boinc["refused results"].startswith("the unit runs again from the freshest weights, at most 2 time(s)")
-    off = rows(MINIMAL + "backend: {kind: boinc}\nvalidation: {loss_check: false}\n")
+    off = rows(MINIMAL + "backend: {kind: boinc}\nvalidation: {loss_check: false}\nvcasgd: {reissue: same}\n")
     assert off["loss check"] == "off (validation.loss_check)" and "spot checks" not in off
-    same = rows(MINIMAL + "backend: {kind: boinc}\nvcasgd: {reissue: same}\n")
-    assert same["refused results"] == "the unit is given up (vcasgd.reissue same)"
+    assert off["refused results"] == "the unit is given up (vcasgd.reissue same)"
 
 
 def test_on_off_flags_take_no_value(tmp_path: Path) -> None:
