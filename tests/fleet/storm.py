@@ -196,6 +196,10 @@ def aws_kill_storm(seed: int, url: str, session: Any, redis_url: str, boinc_db_n
         recs = st.records()
         return all(v in recs and recs[v].settled_ms for v in doomed) and set(st.requested()) >= set(lost)
     wait_for(settled, 90, "every reclaimed instance settled", log)
+    # a warning the killed controller had received and not acknowledged comes back once the
+    # queue's visibility timeout (aws.VISIBILITY_S) has passed: until then its instance,
+    # reclaimed meanwhile, is known only as gone, and its reclaim is not counted yet
+    wait_for(lambda: len(st.reclaims_since(0)) >= len(doomed), 60, "every reclaim counted", log)
     t_status = float(st.status()["time"])
     wait_for(lambda: float(st.status()["time"]) > t_status, 30, "one more period", log)
     fb_after = st.fallback()
