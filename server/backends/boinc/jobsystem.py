@@ -293,13 +293,12 @@ class BoincJobSystem(JobSystem):
         out, done = [], []
         for wu, unit in pending.items():
             rec = current.get(unit)
-            attempt = int((parse_unit_name(wu) or {}).get("attempt", 0))
             if states.get(unit) not in ("created", "in_progress"):
                 done.append(wu)  # settled meanwhile
             elif rec and rec.get("name") == wu:
                 if states.get(unit) == "in_progress":
-                    out.append((unit, attempt))
-            elif rec and int(rec.get("attempt", 0)) > attempt:
+                    out.append((unit, int(rec.get("attempt", 0))))
+            elif rec and not reg.recorded_behind(rec, wu):
                 done.append(wu)  # a newer workunit of the unit exists: it answered the request
             # else: BOINC has ``wu`` but the record of its creation is behind (a daemon
             # killed between create_work and recording it): its restart records it, then

@@ -143,13 +143,13 @@ class BoincRegistry:
             rec = self.issued([unit])[0]
             if rec:
                 current = str(rec["name"])
-                if current == wu or (unit != wu and self._recorded_behind(rec, wu)):
+                if current == wu or (unit != wu and self.recorded_behind(rec, wu)):
                     return None
                 return current
         return None
 
     @staticmethod
-    def _recorded_behind(rec: dict, wu: str) -> bool:
+    def recorded_behind(rec: dict, wu: str) -> bool:
         """Whether ``wu`` is a later attempt of the unit than its recorded current workunit
         ``rec``: BOINC has it (``create_work`` ran) and a daemon killed before recording it
         has not yet been restarted (its recovery records it). Such a workunit is current."""
@@ -216,7 +216,7 @@ class BoincRegistry:
         # ``wu`` is superseded, the newer workunit runs)
         if rec is None and self.store.unit_states_of([unit]) != ["in_progress"]:
             return False
-        if rec and rec.get("name") != wu and not self._recorded_behind(rec, wu):
+        if rec and rec.get("name") != wu and not self.recorded_behind(rec, wu):
             return False
         if int(parsed["attempt"]) + 1 >= spec.units.max_total_results:
             return False
