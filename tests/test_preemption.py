@@ -455,12 +455,41 @@ def test_notice_file(tmp_path, monkeypatch):
         time.sleep(0.2)
         assert rec.reasons == []
         t0 = time.time()
-        path.write_text("simulated preemption of worker 3\n")
+        # Written whole, as the local backend does: the watcher fires on the file existing,
+        # so a plain write_text could be seen empty (CI saw it).
+        partial = tmp_path / "preempt-notice.partial"
+        partial.write_text("simulated preemption of worker 3\n")
+        os.replace(partial, path)
         assert rec.event.wait(2.0)
         print(f"\nnotice-file latency (interval 0.05 s): {w.notice_latency(t0):.3f} s")
         assert rec.reasons == [f"notice-file: {path}: simulated preemption of worker 3"]
     finally:
         w.stop()
+
+
+def test_notice_file_reads_a_bounded_first_line(tmp_path, monkeypatch):
+    """A huge notice file (one 64 MiB line) costs one bounded read; its reason keeps 200 chars."""
+    path = tmp_path / "notice"
+    with path.open("wb") as f:
+        f.write(b"x" * (64 << 20))
+    opened: list[int] = []
+    real_open = type(path).open
+
+    def counting_open(self, *args, **kwargs):
+        fh = real_open(self, *args, **kwargs)
+        real_read = fh.read
+
+        def read(n=-1):
+            opened.append(n)
+            return real_read(n)
+
+        fh.read = read
+        return fh
+
+    monkeypatch.setattr(type(path), "open", counting_open)
+    [signal] = pre.NoticeFileSource(path).poll()
+    assert signal.reason == f"notice-file: {path}: " + "x" * 200
+    assert opened and all(0 < n <= 4096 for n in opened)
 
 
 def test_notice_file_alongside_cloud_fires_once(metadata, tmp_path):

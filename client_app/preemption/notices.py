@@ -332,10 +332,16 @@ class GcpPreemptedSource(NoticeSource):
         self._http.close()
 
 
+#: Bytes of a notice file read for its reason (the reason keeps 200 characters of one line).
+_NOTICE_READ_LIMIT = 4096
+
+
 class NoticeFileSource(NoticeSource):
     """Fires when ``path`` exists (the local backend's simulated preemption notice).
 
-    The first line of the file, if any, is appended to the reason.
+    The first line of the file, if any, is appended to the reason. It fires as soon as the
+    file exists, even empty: a writer should create it whole (write elsewhere, then rename)
+    for its text to be in the reason. Only the first :data:`_NOTICE_READ_LIMIT` bytes are read.
     """
 
     name = "notice-file"
@@ -347,8 +353,8 @@ class NoticeFileSource(NoticeSource):
         if not self.path.exists():
             return []
         detail = ""
-        with contextlib.suppress(OSError):
-            text = self.path.read_text(encoding="utf-8", errors="replace")
+        with contextlib.suppress(OSError), self.path.open("rb") as f:
+            text = f.read(_NOTICE_READ_LIMIT).decode("utf-8", errors="replace")
             detail = text.strip().splitlines()[0][:200] if text.strip() else ""
         reason = f"notice-file: {self.path}" + (f": {detail}" if detail else "")
         return [Signal("notice", reason)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from boinc_dl.server.backends.local.slots import _Slot, _slot_paths
@@ -34,7 +35,10 @@ class SimulatedPreemption:
             return
         _, notice_file = _slot_paths(self.base, slot.host, slot.index)
         notice_file.parent.mkdir(parents=True, exist_ok=True)
-        notice_file.write_text("local backend: host reclaimed\n")
+        # Created whole (write, then rename): the slot's watcher fires on the file existing.
+        partial = notice_file.with_name(notice_file.name + ".partial")
+        partial.write_text("local backend: host reclaimed\n")
+        os.replace(partial, notice_file)
         slot.notice_at, slot.kill_at = now, None
         self.counters["notices"] += 1
         self._mark_lost(slot.busy, now)
