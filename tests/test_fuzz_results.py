@@ -348,12 +348,17 @@ def test_each_kind_of_bad_result_is_rejected_with_its_reason(stores, tmp_path: P
     assert math.isfinite(stores["fznorm"].get_weights("0")[0].sum())
 
 
+#: A unit name as long as a user's job gives (job name, epoch, subset, re-run).
+LONG_UNIT = "walkjob-breastcancer-2026_e12_s31_r2"
+
+
 def test_rejections_are_visible_in_boinc_dl_status(stores, tmp_path: Path) -> None:
     """``boinc-dl status`` lists each rejected result with its reason."""
     store = stores["fznorm"]
     for i, (flat, unit) in enumerate([(np.full(FP.n_params, np.nan, np.float32), "u2"),
                                       (np.full(FP.n_params, 500.0, np.float32), "u3"),
-                                      (np.zeros(FP.n_params, np.float32), "nosuchunit")]):
+                                      (np.zeros(FP.n_params, np.float32), "nosuchunit"),
+                                      (np.zeros(FP.n_params, np.float32), LONG_UNIT)]):
         d = tmp_path / f"s{i}"
         d.mkdir()
         write_weights(d / "w.h5", WeightsFile(flat, FP, job="fznorm", unit=unit))
@@ -376,6 +381,12 @@ def test_rejections_are_visible_in_boinc_dl_status(stores, tmp_path: Path) -> No
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"})
     assert "rejected results" in table.stdout and "exceeds max_update_norm" in table.stdout
+    # In an 80-column terminal the unit's name is printed whole (the reason wraps instead).
+    narrow = subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "status", "fznorm", "--redis-url", redis_url],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stderr
+    assert LONG_UNIT in narrow.stdout, narrow.stdout
 
 
 def test_fuzz_files_are_cleaned_up(workdir) -> None:

@@ -135,12 +135,13 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
     console.print(t)
     if st["rejections"]:
         r = Table(title="recent rejected results", show_lines=False)
-        r.add_column("when")
-        r.add_column("unit")
+        # Unit names and hosts whole (a user greps for them); the reason wraps, long words folded.
+        r.add_column("when", no_wrap=True)
+        r.add_column("unit", no_wrap=True)
         hosts = any(x.get("host_id") for x in st["rejections"])
         if hosts:  # BOINC's host ids, as the ledgers below name them
-            r.add_column("host")
-        r.add_column("reason")
+            r.add_column("host", no_wrap=True)
+        r.add_column("reason", overflow="fold")
         for x in st["rejections"]:
             r.add_row(time.strftime("%H:%M:%S", time.localtime(x.get("t", 0))), x.get("unit", ""),
                       *([str(x.get("host_id") or "")] if hosts else []), x.get("reason", ""))
@@ -150,7 +151,7 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
         limit = st.get("ledger_limit")
         led = Table(title="hosts' loss ledgers (balance past the limit: results refused)" if limit is None else
                     f"hosts' loss ledgers (results refused past {limit:g})")
-        led.add_column("host")
+        led.add_column("host", no_wrap=True)
         led.add_column("model")
         led.add_column("balance")
         for m, h, b in sorted(ledgers, key=lambda x: -x[2])[:10]:
@@ -158,8 +159,8 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
         console.print(led)
     if st["failed"]:
         f = Table(title="units given up on")
-        f.add_column("unit")
-        f.add_column("reason")
+        f.add_column("unit", no_wrap=True)
+        f.add_column("reason", overflow="fold")
         for k, v in sorted(st["failed"].items())[:10]:
             f.add_row(k, v)
         console.print(f)
