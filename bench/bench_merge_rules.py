@@ -331,7 +331,7 @@ class Defence:
 REPLICATE_P = 0.2
 #: The work generator's spot checks (``--spot-every``; 0: off, the warm epoch instead).
 SPOT_EVERY = 0
-BOUND_RATIO = R.BASE_RATIO  # the per-result bound's comparable ratio (``--bound-base-ratio``)
+BOUND_RATIO = R.BOUND_BASE_RATIO  # the per-result bound's comparable ratio (``--bound-base-ratio``)
 SPOT_RULE = "stale"  # as the work generator does; or "fresh" (``--spot-rule``)
 
 
@@ -1020,15 +1020,16 @@ def main() -> None:
                     "(validation.loss_ledger_limit)")
     ap.add_argument("--ledger-z-cap", type=float, default=R.LossLedger.z_cap,
                     help="the most one result's score adds to its host's balance, plus the slack (inf: no cap)")
-    ap.add_argument("--bound-base-ratio", type=float, default=None,
-                    help="the per-result bound's comparable ratio (default: --ledger-base-ratio)")
+    ap.add_argument("--bound-base-ratio", type=float, default=R.BOUND_BASE_RATIO,
+                    help="the per-result bound's comparable ratio (rules.BOUND_BASE_RATIO; the ledger's is "
+                         "--ledger-base-ratio)")
     ap.add_argument("--spot-rule", choices=("stale", "fresh"), default="stale",
                     help="spot checks: after N results judged since the last trusted one (fresh) or N judged "
                          "against stale trusted changes (stale: the work generator's rule)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
     global REPLICATE_P, LEDGER, SPOT_EVERY, SPOT_RULE, BOUND_RATIO
-    BOUND_RATIO = args.bound_base_ratio if args.bound_base_ratio is not None else args.ledger_base_ratio
+    BOUND_RATIO = args.bound_base_ratio
     REPLICATE_P = args.replicate_p
     SPOT_EVERY = args.spot_every
     SPOT_RULE = args.spot_rule

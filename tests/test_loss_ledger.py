@@ -279,7 +279,7 @@ def test_the_bound_follows_comparable_changes_and_otherwise_only_their_spread() 
     from boinc_dl.server.assimilator.rules import loss_increase_bound, median_spread
 
     med, spread = median_spread(TRUSTED)
-    near = [(1, v, 1.5) for v in TRUSTED]  # bases at most twice as bad as the result's (1.0)
+    near = [(1, v, 1.5) for v in TRUSTED]  # bases at most 1.5 times as bad as the result's (1.0)
     far = [(1, v, 2.5) for v in TRUSTED]
     assert loss_increase_bound(near, 1, 1.0, k=6, min_samples=8) == (pytest.approx(med + 6 * spread), True)
     assert loss_increase_bound(far, 1, 1.0, k=6, min_samples=8) == (pytest.approx(6 * spread), False)
@@ -288,6 +288,24 @@ def test_the_bound_follows_comparable_changes_and_otherwise_only_their_spread() 
     # a rising median is kept: a centre is only raised to 0, never lowered
     up = [(1, v + 1.0, 2.5) for v in TRUSTED]
     assert loss_increase_bound(up, 1, 1.0, k=6, min_samples=8)[0] == pytest.approx(med + 1.0 + 6 * spread)
+
+
+def test_the_bound_compares_more_strictly_than_the_ledger() -> None:
+    """Changes from bases 1.8x as bad as the result's: the ledger may score with them (its
+    centre follows their trend in base loss), the bound's plain median may not (their
+    larger improvements would put a negative centre under an honest result)."""
+    from boinc_dl.server.assimilator.rules import (
+        BASE_RATIO,
+        BOUND_BASE_RATIO,
+        LossLedger,
+        loss_increase_bound,
+    )
+
+    assert BOUND_BASE_RATIO < 1.8 <= BASE_RATIO
+    mid = [(1, v, 1.8) for v in TRUSTED]
+    assert loss_increase_bound(mid, 1, 1.0, k=6, min_samples=8)[1] is False
+    assert loss_increase_bound(mid, 1, 1.0, k=6, min_samples=8, ratio=BASE_RATIO)[1] is True
+    assert LossLedger(window=8).reference(mid, 1, 1.0).comparable is True
 
 
 def test_a_converged_model_with_stale_trusted_changes_refuses_only_a_rising_loss(job, tmp_path: Path,

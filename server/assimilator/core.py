@@ -145,7 +145,8 @@ def assimilate_valid(
                       loss_check_s=verdict.get("check_s"), loss_wait_s=round(time.perf_counter() - t_check, 6),
                       ledger_score=verdict.get("ledger_score"), ledger_balance=verdict.get("ledger_balance"),
                       # whether the bound and the ledger's reference were made of trusted
-                      # changes from bases about as good as this one's (rules.BASE_RATIO)
+                      # changes from bases about as good as this one's (rules.BOUND_BASE_RATIO,
+                      # rules.BASE_RATIO)
                       bound_comparable=verdict.get("bound_comparable"),
                       ledger_comparable=verdict.get("ledger_comparable"))
         # Other results merged while this one waited: it is merged as stale as it now is
