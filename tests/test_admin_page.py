@@ -283,7 +283,7 @@ def test_page_shows_late_results_and_replication(page: PhpServer, redis_tcp) -> 
 def test_page_shows_the_loss_check_ledgers_and_stale_verdicts(page: PhpServer, redis_tcp) -> None:
     """What ``boinc-dl status`` shows of the held-out loss check, on the admin page: the
     hosts' ledgers nearest their limit (hostile host ids as text) and the results judged
-    against trusted results from much worse models, written as the checker writes them."""
+    against trusted results from worse models, written as the checker writes them."""
     from boinc_dl.server.assimilator import losscheck as lc
 
     _srv, r, _facts = redis_tcp
@@ -303,7 +303,7 @@ def test_page_shows_the_loss_check_ledgers_and_stale_verdicts(page: PhpServer, r
     assert head == ["host", "model", "ledger balance (refused past 6)"]
     assert rows == [["31", "0", "5.50"], ["<b>h</b>", "0", "2.00"], ["32", "0", "0.75"]]  # fullest first, none at 0
     assert "&lt;b&gt;h&lt;/b&gt;" in html and "<b>h</b>" not in html
-    assert "3 results judged against trusted results from much worse models" in " ".join(html.split())
+    assert "3 results judged against trusted results from worse models" in " ".join(html.split())
     # the work generator's spot checks, as spotcheck.py records them (a hostile-looking entry counts as "?")
     r.hset(store.k("boinc", "spot_checks"), mapping={"u1": json.dumps({"why": "bootstrap"}),
                                                      "u2": json.dumps({"why": "bootstrap"}),
@@ -311,7 +311,7 @@ def test_page_shows_the_loss_check_ledgers_and_stale_verdicts(page: PhpServer, r
     status, html = page.get("/boincdl.php?job=digits-vcasgd")
     assert status == 200 and "Warning</b>" not in html and "Notice</b>" not in html
     assert ("4 units replicated on a second host for the check (spot checks): 2 until it had enough trusted "
-            "results, 1 after results judged against much worse models") in " ".join(html.split())
+            "results, 1 after results judged against worse models") in " ".join(html.split())
 
 
 def test_page_says_the_loss_check_is_not_active_yet(page: PhpServer, redis_tcp) -> None:

@@ -79,7 +79,7 @@ def test_the_reference_is_the_latest_comparable_trusted_changes() -> None:
     assert ref(vals, 1, 0.5) == ([], False)  # fewer than the window: the ledger waits
     # measured from bases at most twice as bad as the result's: comparable
     assert ref(vals, 3, 0.25) == ([-0.3, -0.2, -0.1], True)
-    # from much worse models (a converged model, no replication since): the latest, not comparable
+    # from worse models (a converged model, no replication since): the latest, not comparable
     assert ref(vals, 3, 0.2) == ([-0.3, -0.2, -0.1], False)
     # the older, much worse ones do not make up the window of a comparable reference
     mixed = [(1, -0.9, 2.0), (1, -0.8, 2.0), (2, -0.3, 0.3), (2, -0.2, 0.3), (3, -0.1, 0.3)]
@@ -273,7 +273,7 @@ def test_status_shows_the_hosts_nearest_their_limit(job, redis_server, tmp_path:
     assert out.index("2.00") < out.index("0.50") and "33" not in out.split("loss ledgers")[1]
 
 
-# ---- trusted changes from much worse models (a project that stopped replicating) -----------------
+# ---- trusted changes from worse models (a project that stopped replicating) -----------------
 
 def test_the_bound_follows_comparable_changes_and_otherwise_only_their_spread() -> None:
     from boinc_dl.server.assimilator.rules import loss_increase_bound, median_spread
@@ -353,7 +353,7 @@ def test_a_converged_model_with_stale_trusted_changes_refuses_only_a_rising_loss
     cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", store.job, "--redis-url", redis_server.url]
     wide = {**os.environ, "COLUMNS": "400"}  # one line per row
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=wide).stdout
-    assert "21 result(s) judged against trusted results from much worse models" in " ".join(out.split())
+    assert "21 result(s) judged against trusted results from worse models" in " ".join(out.split())
 
 
 # ---- hostile numbers -------------------------------------------------------------------------------

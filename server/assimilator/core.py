@@ -41,7 +41,7 @@ class AssimilationOutcome:
     """A rejected result's unit is not given up: the job system issues it again (BOINC:
     ``validation.reissue_refused``, :meth:`~boinc_dl.server.backends.boinc.registry.BoincRegistry.reissue_refused`)."""
     judged_stale: bool = False
-    """The held-out loss check judged the result against trusted changes from much worse
+    """The held-out loss check judged the result against trusted changes from worse
     models (no comparable ones: too little replication); the job system may ask for more
     (BOINC: ``backends/boinc/hosttrust.py``, ``cap_host_trust``)."""
 

@@ -294,5 +294,5 @@ def _result_check_rows(spec: JobSpec, n_val: int) -> list[tuple[str, str]]:
     every = v.loss_check_spot_every
     rows.append(("spot checks", f"on a min_quorum 1 project, a unit is replicated on a second host until {needed} "
                                 f"trusted results are measured, then after every {every} results judged against "
-                                "much worse models" if every else "off: replicate with the app's target_nresults"))
+                                "worse models" if every else "off: replicate with the app's target_nresults"))
     return rows

@@ -189,7 +189,7 @@ class ValidationSpec(_Strict):
     loss_check_spot_every: int = Field(
         20, ge=0, le=100_000, description="BOINC, project min_quorum 1: the work generator replicates a unit on "
         "a second host (a spot check) while fewer than loss_check_min_trusted trusted results exist, and once "
-        "this many results have been judged against trusted results from much worse models since the last; "
+        "this many results have been judged against trusted results from worse models since the last; "
         "0 never"
     )
     loss_ledger: bool = Field(

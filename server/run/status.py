@@ -85,7 +85,7 @@ def job_status(store: JobStore) -> dict[str, Any]:
         # the hosts' loss ledgers (BOINC host id -> balance; refused past the limit)
         "ledgers": {m: b for m in store.models() if (b := store.ledger_balances(m))},
         "ledger_limit": limit,
-        # untrusted results judged against trusted changes from much worse models (the
+        # untrusted results judged against trusted changes from worse models (the
         # project replicates too little for the loss check to follow the model)
         "loss_checks_stale": store.loss_checks_stale(),
         "loss_check": check,
@@ -125,13 +125,13 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
                   "results measured; until then every result merges unchecked")
     stale = sum(st.get("loss_checks_stale", {}).values())
     if stale:
-        t.add_row("loss check", f"{stale} result(s) judged against trusted results from much worse models: "
+        t.add_row("loss check", f"{stale} result(s) judged against trusted results from worse models: "
                   "replicate more to keep the check and the hosts' ledgers comparable (docs/merge-rules.md)")
     spots = st.get("spot_checks") or {}
     if spots:
         t.add_row("spot checks", f"{sum(spots.values())} unit(s) replicated for the loss check: "
                   f"{spots.get('bootstrap', 0)} until enough trusted results, "
-                  f"{spots.get('stale', 0)} after results judged against much worse models")
+                  f"{spots.get('stale', 0)} after results judged against worse models")
     console.print(t)
     if st["rejections"]:
         r = Table(title="recent rejected results", show_lines=False)

@@ -173,7 +173,7 @@ def test_update_over_the_hard_cap_costs_its_host_trust(boinc) -> None:
 
 def test_a_stale_judgement_caps_the_hosts_run_so_boinc_spot_checks_it_more(boinc) -> None:
     """``cap_host_trust`` (called for a merged result the loss check judged against trusted
-    results from much worse models): a host above the cap keeps the cap, one below keeps
+    results from worse models): a host above the cap keeps the cap, one below keeps
     its own count, a second call changes nothing, BOINC's database down changes nothing
     and raises nothing (BOINC's scheduler then spot-checks the capped host at 1/cap:
     ``set_trust``, which the fake scheduler applies, test_loss_check_boinc.py)."""

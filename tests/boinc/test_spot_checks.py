@@ -82,7 +82,7 @@ def _settle(store: JobStore, units: list[str], trusted: bool = True) -> None:
 
 
 def _stale(store: JobStore, n: int) -> None:
-    """``n`` verdicts judged against trusted changes from much worse models."""
+    """``n`` verdicts judged against trusted changes from worse models."""
     for _ in range(n):
         store.set_loss_verdict(f"rid{np.random.randint(1 << 40)}", {"ok": True}, 60, stale_model="0")
 
@@ -129,7 +129,7 @@ def test_bootstrap_then_one_per_stale_stretch(spot) -> None:
     cmd = [sys.executable, "-m", "boinc_dl.server.cli", "status", spec.name, "--redis-url", url]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=project.root).stdout
     assert "spot checks" in out and "7 unit(s) replicated for the loss check: 5 until enough trusted results, 2 " \
-        "after results judged against much worse models" in " ".join(out.replace("│", " ").split())
+        "after results judged against worse models" in " ".join(out.replace("│", " ").split())
     assert job_status(store)["spot_checks"] == {"bootstrap": 5, "stale": 2}
     assert "not active yet" not in out  # 3 trusted measured of the 3 it needs
 

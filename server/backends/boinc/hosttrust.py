@@ -25,7 +25,7 @@ single replica).
   pending; the next refusal of the job retries the pending ones (a few per call).
 
 A merged result that the held-out loss check could only judge against trusted changes
-from much worse models (too little replication since the model improved; see
+from worse models (too little replication since the model improved; see
 docs/merge-rules.md, "Trusted changes from worse models") lowers its host's
 ``consecutive_valid`` to at most :data:`STALE_TRUST_CAP` (:func:`cap_host_trust`): BOINC
 then spot-checks that host's jobs at least once in that many, and the replicas are the
@@ -63,7 +63,7 @@ def cap_host_trust(project: BoincProject, result: str, cap: int = STALE_TRUST_CA
         log.warning("host of %s not asked for more spot checks (BOINC's database: %s)", result, e)
         return None
     if got is not None and got.before is not None and got.before > cap:
-        log.info("result %s was judged against trusted results from much worse models: host %d (app version %d) "
+        log.info("result %s was judged against trusted results from worse models: host %d (app version %d) "
                  "consecutive_valid %d -> %d, so BOINC spot-checks its jobs more often",
                  result, got.hostid, got.app_version_id, got.before, cap)
     return got

@@ -7,7 +7,7 @@ BOINC's adaptive replication, which an admin must turn on (the app's
 ``target_nresults``), and which replicates a trusted host rarely. So a job could start
 with nothing trusted (the check passes everything until ``loss_check_min_trusted``
 trusted results exist), and a job whose model has improved since its last replica
-judges results against changes from much worse models (counted per model in
+judges results against changes from worse models (counted per model in
 ``bdl:J:losscheck:stale``; docs/merge-rules.md, "Trusted changes from worse models").
 
 Here the work generator asks for the replicas itself: it gives a unit ``min_quorum``
@@ -18,7 +18,7 @@ and ``target_nresults`` 2 (a *spot check*)
   start, and more only if some end without a trusted measurement (or merge a moment
   before the checker measures them);
 * once ``validation.loss_check_spot_every`` more results have been judged against
-  changes from much worse models since the last such spot check (``stale``): about one
+  changes from worse models since the last such spot check (``stale``): about one
   unit in that many while the reference is stale, none once it is not.
 
 Only a unit's first workunit is a spot check (a regenerated one keeps the project's
@@ -74,7 +74,7 @@ def wanted(trusted: int, open_checks: int, stale: int, stale_seen: int, min_trus
     """Why the next unit should be a spot check (``"bootstrap"``, ``"stale"``), or None.
 
     ``trusted``: trusted loss changes the job has; ``open_checks``: spot checks not yet
-    ended; ``stale``: results judged against changes from much worse models so far, and
+    ended; ``stale``: results judged against changes from worse models so far, and
     ``stale_seen`` the count at the last ``stale`` spot check; ``every`` 0 turns both off."""
     if every <= 0:
         return None
@@ -126,7 +126,7 @@ class SpotChecks:
         store.call(lambda: script(keys=list(keys[:2]), args=[unit, record, str(stale) if why == "stale" else ""]))
         log.info("job %s: unit %s is a spot check (quorum %d: %s)", spec.name, unit, SPOT_QUORUM,
                  "too few trusted results for the loss check" if why == "bootstrap"
-                 else f"{stale} results judged against trusted results from much worse models")
+                 else f"{stale} results judged against trusted results from worse models")
         return SPOT_QUORUM
 
     def _why(self, store: JobStore, spec: JobSpec) -> tuple[str | None, int]:

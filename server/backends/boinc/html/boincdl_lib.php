@@ -658,7 +658,7 @@ function bdl_load_job($r, $job) {
     foreach ($r->hgetall("$ns:layout") as $model => $json) $layout[$model] = bdl_json($json);
     // the held-out loss check (server/assimilator/losscheck.py): each model's hosts' loss
     // ledgers (BOINC host id -> balance) and the results judged against trusted results
-    // from much worse models (too little replication)
+    // from worse models (too little replication)
     $ledgers = array();
     foreach (array_keys($versions) as $model) {
         $b = array();
@@ -996,7 +996,7 @@ function bdl_params_text($params) {
     return implode(', ', $parts);
 }
 
-/** The held-out loss check: results judged against trusted results from much worse models,
+/** The held-out loss check: results judged against trusted results from worse models,
  * and the hosts' ledgers nearest their limit (docs/merge-rules.md). Empty without either. */
 function bdl_loss_check_section($j) {
     $stale = array_sum($j['loss_checks_stale']);
@@ -1020,11 +1020,11 @@ function bdl_loss_check_section($j) {
         $o .= '<p id="bdl-spot-checks">' . (int)$n . ' unit' . ($n === 1 ? '' : 's')
             . ' replicated on a second host for the check (spot checks): '
             . (int)(isset($spots['bootstrap']) ? $spots['bootstrap'] : 0) . ' until it had enough trusted results, '
-            . (int)(isset($spots['stale']) ? $spots['stale'] : 0) . " after results judged against much worse models.</p>\n";
+            . (int)(isset($spots['stale']) ? $spots['stale'] : 0) . " after results judged against worse models.</p>\n";
     }
     if ($stale) {
         $o .= '<p id="bdl-loss-stale" class=warn>' . (int)$stale . ' result' . ($stale === 1 ? '' : 's')
-            . ' judged against trusted results from much worse models: replicate more (the work generator\'s'
+            . ' judged against trusted results from worse models: replicate more (the work generator\'s'
             . " spot checks, the app's target_nresults at 2) so the check and the hosts' ledgers follow the model.</p>\n";
     }
     if ($rows) {
