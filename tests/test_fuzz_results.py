@@ -348,6 +348,23 @@ def test_each_kind_of_bad_result_is_rejected_with_its_reason(stores, tmp_path: P
     assert math.isfinite(stores["fznorm"].get_weights("0")[0].sum())
 
 
+def test_a_host_cannot_name_its_refused_results(stores, tmp_path: Path) -> None:
+    """Rejections are recorded once per result name: the name is the job system's, so two
+    refused results whose metrics name the same (someone else's) result are both counted."""
+    store = stores["fznorm"]
+    before = store.counters().get("rejected", 0)
+    for name in ("liar_a_0", "liar_b_0"):
+        d = tmp_path / name
+        d.mkdir()
+        write_weights(d / "w.h5", WeightsFile(np.full(FP.n_params, 500.0, np.float32), FP, job="fznorm", unit="u2"))
+        (d / "metrics.json").write_text(json.dumps({"result": "honest_result_0", "val_acc": 0.5}))
+        out = assimilate_message(store, JOBS["fznorm"], "result", name, "u2", [str(d / "w.h5"), str(d / "metrics.json")])
+        assert out.status == "rejected" and "max_update_norm" in out.reason
+    assert store.counters()["rejected"] == before + 2
+    assert {r["result"] for r in store.rejections(10)} >= {"liar_a_0", "liar_b_0"}
+    assert "honest_result_0" not in {r["result"] for r in store.rejections(10)}
+
+
 #: A unit name as long as a user's job gives (job name, epoch, subset, re-run).
 LONG_UNIT = "walkjob-breastcancer-2026_e12_s31_r2"
 

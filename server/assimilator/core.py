@@ -125,10 +125,16 @@ def assimilate_valid(
         # the job system's id of the host (BOINC's result.hostid: what its ledger and the
         # admin's tables name), never the name the host reported
         "host_id": str(host)[:64] if host else None,
+        # the job system's name of the result (BOINC's: its workunit's name and more, so a
+        # unit's re-run, <unit>_r1, is told from the original)
+        "result": result[:200] or None,
         **{k: _number(v, 0.0, 30 * 86400.0) for k, v in (timing or {}).items()},
     }
     if rejected or plan is None:
-        store.record_rejection(unit, str(m.get("result", ""))[:200], rejected[0], host)
+        # Under the job system's name for the result, never one the host wrote in its
+        # metrics: rejections are recorded once per name, and a host naming all of its
+        # refused results alike (or after another's) would hide all but the first.
+        store.record_rejection(unit, result, rejected[0], host)
         # Both checks judge the update the host computed: a refusal the host answers for.
         return AssimilationOutcome("rejected", unit, store.version(model), rejected[0], host_fault=True)
     record.update(plan.record(), trusted=trusted)

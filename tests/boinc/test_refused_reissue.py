@@ -135,6 +135,9 @@ def test_an_honest_result_of_the_reissue_merges_once(job: Job) -> None:
     job.good(f"{a}_r1")
     job.good(b)
     assert store.assimilated().keys() == {a, b} and store.assimilated()[a]["base_version"] == 0
+    # the merge record names the result BOINC gave it: the re-run's, not the original's
+    assert store.assimilated()[a]["result"].startswith(f"{a}_r1_")
+    assert store.assimilated()[b]["result"].startswith(f"{b}_")
     # a late re-delivery of the refused original is a late call about a superseded workunit
     job.bad(a)
     assert store.version("0") == 2 and a not in store.failed() and len(store.rejections(10)) == 1
