@@ -349,8 +349,9 @@ def test_without_comparable_trusted_results_hosts_are_spot_checked_more(play: Pl
     stale = [wu["name"] for wu in wus if merged[wu["name"]]["bound_comparable"] is False]
     ledger_stale = [wu["name"] for wu in wus if merged[wu["name"]]["ledger_comparable"] is False]
     assert wus[-1]["name"] in ledger_stale and wus[0]["name"] not in ledger_stale, ledger_stale
-    # the bound's ratio is the tighter one (rules.BOUND_BASE_RATIO, rules.BASE_RATIO): what
-    # the ledger cannot compare, the bound cannot either
+    # the bound's ratio is the tighter one (rules.BOUND_BASE_RATIO, rules.BASE_RATIO): with
+    # loss_check_min_trusted (16) no smaller than the ledger's window (8), what the ledger
+    # cannot compare, the bound cannot either
     assert set(ledger_stale) <= set(stale), (ledger_stale, stale)
     assert store.loss_checks_stale() == {"0": len(stale)}
     trust = {r["host_id"]: r["consecutive_valid"]
