@@ -268,6 +268,7 @@ def test_validate_says_what_the_result_checks_will_do(tmp_path: Path) -> None:
                            "loss_check_min_trusted: 100, loss_check_spot_every: 7, loss_ledger_limit: 4}\n")
     assert boinc["result checks"] == "update norm at most 50; no clipping"
     assert "median + 6 MADs" in boinc["loss check"] and "active once 32 trusted" in boinc["loss check"]
+    assert "from bases at most 1.5x as bad as its own" in boinc["loss check"]
     n_val = int(local["train / val examples"].split("/")[1])
     assert n_val < 256 and f"raises the loss of {n_val} held-out examples" in boinc["loss check"]  # all it has
     assert boinc["host ledgers"].startswith("a host is refused once its balance passes 4 ")

@@ -258,6 +258,7 @@ def _result_check_rows(spec: JobSpec, n_val: int) -> list[tuple[str, str]]:
     """What ``validation`` will do to the hosts' results, in words (docs/merge-rules.md);
     ``n_val``: the validation split's examples (the held-out batch is at most those)."""
     from boinc_dl.server.assimilator import losscheck as lc
+    from boinc_dl.server.assimilator import rules
 
     v = spec.validation
     checks = [f"update norm at most {v.max_update_norm:g}" if v.max_update_norm else "no update-norm cap"]
@@ -288,7 +289,9 @@ def _result_check_rows(spec: JobSpec, n_val: int) -> list[tuple[str, str]]:
     rows.append(("loss check", f"an untrusted result is refused when it raises the loss of "
                                f"{min(v.loss_check_batch, n_val)} "
                                f"held-out examples more than median + {v.loss_check_k:g} MADs of trusted results' "
-                               f"changes; active once {needed} trusted (replicated) results are measured"))
+                               f"changes from bases at most {rules.BOUND_BASE_RATIO:g}x as bad as its own "
+                               f"(too few such: more than {v.loss_check_k:g} MADs of the latest, from 0); "
+                               f"active once {needed} trusted (replicated) results are measured"))
     rows.append(("host ledgers", f"a host is refused once its balance passes {v.loss_ledger_limit:g} "
                                  f"(slack {v.loss_ledger_slack:g})" if v.loss_ledger else "off (validation.loss_ledger)"))
     every = v.loss_check_spot_every
