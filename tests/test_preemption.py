@@ -18,6 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from boinc_dl.client_app import preemption as pre
+from boinc_dl.client_app.boinc_io import atomic_write_bytes
 
 
 class MetadataState:
@@ -457,9 +458,7 @@ def test_notice_file(tmp_path, monkeypatch):
         t0 = time.time()
         # Written whole, as the local backend does: the watcher fires on the file existing,
         # so a plain write_text could be seen empty (CI saw it).
-        partial = tmp_path / "preempt-notice.partial"
-        partial.write_text("simulated preemption of worker 3\n")
-        os.replace(partial, path)
+        atomic_write_bytes(path, b"simulated preemption of worker 3\n")
         assert rec.event.wait(2.0)
         print(f"\nnotice-file latency (interval 0.05 s): {w.notice_latency(t0):.3f} s")
         assert rec.reasons == [f"notice-file: {path}: simulated preemption of worker 3"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import time
 
+from boinc_dl.client_app.boinc_io import atomic_write_bytes
 from boinc_dl.server.backends.local.slots import _Slot, _slot_paths
 
 
@@ -35,10 +35,8 @@ class SimulatedPreemption:
             return
         _, notice_file = _slot_paths(self.base, slot.host, slot.index)
         notice_file.parent.mkdir(parents=True, exist_ok=True)
-        # Created whole (write, then rename): the slot's watcher fires on the file existing.
-        partial = notice_file.with_name(notice_file.name + ".partial")
-        partial.write_text("local backend: host reclaimed\n")
-        os.replace(partial, notice_file)
+        # Created whole: the slot's watcher fires on the file existing.
+        atomic_write_bytes(notice_file, b"local backend: host reclaimed\n")
         slot.notice_at, slot.kill_at = now, None
         self.counters["notices"] += 1
         self._mark_lost(slot.busy, now)
