@@ -692,6 +692,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
 
 # ---- the rules compared ------------------------------------------------------------------------------
 LEDGER = R.LossLedger()  # the job's default ledger (the bench's experiments replace it)
+POISON_RULE = "delta-cap"  # the rule of the poisoning section's defended columns (--poison-rule)
 REC = "delta-cap"  # the recommended default (see docs/merge-rules.md)
 
 
@@ -712,6 +713,68 @@ def candidate_rules(a: float = 0.5) -> dict[str, R.MergeRule]:
     }
 
 
+def all_rules() -> dict[str, Any]:
+    """The staleness table's rules: :func:`candidate_rules` and ``search`` (bound to each task)."""
+    return {**candidate_rules(), "search": SearchRule()}
+
+
+class SearchRule:
+    """``merge_rule: search`` in the simulated order: the product's candidates
+    (``rules.search_steps`` of the capped ``delta`` weight), its search (``rules.search_step``)
+    and its merge (``rules.stepped``), the loss that of a fixed uniform sample of
+    ``batch`` training examples at the server weights when the result is merged (the
+    product samples an equal share of each subset, and evaluates at the weights when the
+    checker takes the request: the same weights here, where merges land one at a time)."""
+
+    def __init__(self, task: Task | None = None, batch: int = 1024, base: R.MergeRule | None = None,
+                 stats: dict[str, int] | None = None):
+        self.task, self.batch = task, batch
+        self.base = base or candidate_rules()[REC]
+        self.stats = stats if stats is not None else {"results": 0, "zero": 0, "evals": 0}
+        self.xs = self.ys = None
+        if task is not None:
+            idx = np.random.default_rng([task.seed, 0x57E9]).permutation(len(task.x))[:batch]
+            self.xs, self.ys = task.x[np.sort(idx)], task.y[np.sort(idx)]
+
+    def bound(self, task: Task) -> SearchRule:
+        return SearchRule(task, self.batch, self.base)
+
+    def capped(self, in_flight: int) -> SearchRule:
+        out = SearchRule(None, self.batch, self.base.capped(in_flight), self.stats)
+        out.task, out.xs, out.ys = self.task, self.xs, self.ys
+        return out
+
+    def new_state(self, n: int) -> None:
+        return None
+
+    def describe(self) -> str:
+        return f"search(0 or {self.base.describe()} x {', '.join(f'{m:g}' for m in R.SEARCH_MULTIPLIERS)}; " \
+               f"{self.batch} training examples)"
+
+    def loss(self, flat: np.ndarray) -> float:
+        assert self.task is not None and self.xs is not None, "bind the rule to a task first"
+        if not np.isfinite(flat).all():
+            return math.inf
+        _, z = self.task._forward(flat, self.xs)
+        z = z - z.max(axis=1, keepdims=True)
+        logp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        return float(-logp[np.arange(len(self.ys)), self.ys].mean())
+
+    def apply(self, ws: np.ndarray, wc: np.ndarray, wb: np.ndarray | None, s: float, state: Any = None,
+              scale: float = 1.0, scratch: np.ndarray | None = None) -> np.ndarray:
+        assert wb is not None
+        d = (wc - wb) * np.float32(scale)
+
+        def at(c: float) -> float:
+            self.stats["evals"] += 1
+            return self.loss(ws + np.float32(c) * d)
+        step, _ = R.search_step(R.search_steps(self.base.weight(s)), at)
+        self.stats["results"] += 1
+        self.stats["zero"] += step == 0.0
+        rule, factor = R.stepped(step)
+        return rule.apply(ws, wc, wb, s, None, scale * factor, scratch)
+
+
 def fmt(x: float) -> str:
     return f"{x:.3f}" if math.isfinite(x) else "  nan"
 
@@ -724,7 +787,7 @@ def cell(r: RunResult) -> str:
 class Bench:
     quick: bool
     epochs: int
-    rules: dict[str, R.MergeRule]
+    rules: dict[str, Any]  # R.MergeRule, or a SearchRule
     d_list: list[int]
     #: "task": the task's own local epochs; "derived": the project's default for D units in
     #: flight (boinc_dl.server.common.spec_defaults.local_epochs_for), D = 1 alike
@@ -755,20 +818,27 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
             if b.local_epochs == "derived":  # the unit length a job with D in flight gets by default
                 tr.task = replace(task, local_epochs=local_epochs_for(d)[0])
             base = {n: simulate(tr.task, tr, b.rules[n], 1, ns, b.epochs) for n in ("paper", REC)}
-            res = {n: simulate(tr.task, tr, r, d, ns, b.epochs) for n, r in b.rules.items()}
+            res, zero = {}, {}
+            for n, r in b.rules.items():
+                before = dict(r.stats) if isinstance(r, SearchRule) else None
+                res[n] = simulate(tr.task, tr, r, d, ns, b.epochs)
+                if before is not None:  # the search: the share of results it gave step 0
+                    zero[n] = (r.stats["zero"] - before["zero"]) / max(1, r.stats["results"] - before["results"])
             dfd = simulate(tr.task, tr, b.rules[REC], d, ns, b.epochs, defence=defended)
             tr.task = task
             refused = dfd.honest_rejected / max(1, dfd.honest)
             clipped = dfd.honest_clipped / max(1, dfd.honest)
             print(f"{d:5d} {ns:5d} | {cell(base['paper']):>13s} {cell(base[REC]):>17s} | " +
                   " ".join(f"{cell(res[n]):>13s}" for n in names) +
-                  f" | {cell(dfd):>17s} {refused:6.1%} {clipped:6.1%}", flush=True)
+                  f" | {cell(dfd):>17s} {refused:6.1%} {clipped:6.1%}" +
+                  "".join(f" | {n}: step 0 for {z:.0%}" for n, z in zero.items()), flush=True)
             key = f"{task.name}|{regime}|D={d}|subsets={ns}|local_epochs={'derived' if b.local_epochs == 'derived' else task.local_epochs}"
             out[key] = {"d1_paper": [base["paper"].final, base["paper"].first],
                         "d1_rec": [base[REC].final, base[REC].first],
                         **{n: [r.final, r.first] for n, r in res.items()},
                         "rec_defended": [dfd.final, dfd.first], "honest_refused": refused,
                         "honest_clipped": clipped, "mean_staleness": res[REC].mean_staleness,
+                        **{f"{n}_zero_step_share": z for n, z in zero.items()},
                         "honest_cos_p99": float(np.quantile(dfd.honest_cos, 0.99)) if dfd.honest_cos else None}
     return out
 
@@ -787,9 +857,10 @@ def poison_section(b: Bench, task: Task, tr: VecTrainer, d: int = 32, only: str 
     replication and which units the attackers run; ``reissue``: a refused result's unit is
     issued again up to this many times). The row ``lost`` loses the attackers' results
     whatever they hold: what refusing every one of them costs."""
-    rules = candidate_rules()
-    configs = [("paper", "today"), (REC, "today"), (REC, "clip"), (REC, "trusted"), (REC, "trusted0"),
-               (REC, "trusted0+ledger")]
+    rules: dict[str, Any] = {**candidate_rules(), **b.rules}  # b.rules: search bound to the task
+    rec = POISON_RULE
+    configs = [("paper", "today"), (rec, "today"), (rec, "clip"), (rec, "trusted"), (rec, "trusted0"),
+               (rec, "trusted0+ledger")]
     if only:
         configs = [c for c in configs if c[1] in only.split(",")]
     flip_target = trained_flip_target(task, tr)
@@ -1006,6 +1077,8 @@ def main() -> None:
                     "(comma list, e.g. trusted0+ledger)")
     ap.add_argument("--poison-seeds", default="0", help="poisoning section: comma list of seeds (completion "
                     "times, replication, the attackers' units); more than one prints each cell's mean and range")
+    ap.add_argument("--poison-rule", default="delta-cap", choices=("delta-cap", "search"),
+                    help="poisoning section: the merge rule of the defended columns (delta-cap: the default)")
     ap.add_argument("--reissue-refused", type=int, default=2, help="poisoning section: issue a refused "
                     "result's unit again, at most this many times, as the BOINC job system does "
                     "(validation.reissue_refused, 2); 0: its subset is given up for the epoch")
@@ -1028,22 +1101,23 @@ def main() -> None:
                          "against stale trusted changes (stale: the work generator's rule)")
     ap.add_argument("--check-trainer", action="store_true", help="also compare with Keras on one unit")
     args = ap.parse_args()
-    global REPLICATE_P, LEDGER, SPOT_EVERY, SPOT_RULE, BOUND_RATIO
+    global REPLICATE_P, LEDGER, SPOT_EVERY, SPOT_RULE, BOUND_RATIO, POISON_RULE
     BOUND_RATIO = args.bound_base_ratio
+    POISON_RULE = args.poison_rule
     REPLICATE_P = args.replicate_p
     SPOT_EVERY = args.spot_every
     SPOT_RULE = args.spot_rule
     LEDGER = R.LossLedger(base_ratio=args.ledger_base_ratio, window=args.ledger_window, z_cap=args.ledger_z_cap,
                           slack=args.ledger_slack, limit=args.ledger_limit)
     t0 = time.perf_counter()
-    allr = candidate_rules()
+    allr = all_rules()
     if args.rules:
         names = [n for n in args.rules.split(",") if n]
     elif args.quick:
         names = ["paper", "fedasync-poly", "fedbuff", REC]
     else:
         names = list(allr)
-    for must in ("paper", REC):
+    for must in ("paper", REC) + (("search",) if args.poison_rule == "search" else ()):
         if must not in names:
             names.insert(0, must)
     datasets = (args.datasets or ("digits" if args.quick else "digits,mnist")).split(",")
@@ -1055,11 +1129,13 @@ def main() -> None:
     print(f"merge rules bench, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
           f"{machine()}, TF threads {THREADS}")
     print("rules: " + "; ".join(f"{n} = {r.describe()}" for n, r in b.rules.items()))
-    result: dict[str, Any] = {"quick": args.quick, "epochs": args.epochs, "rules": {n: r.describe() for n, r in b.rules.items()},
+    result: dict[str, Any] = {"quick": args.quick, "epochs": args.epochs,
+                              "rules": {n: r.describe() for n, r in b.rules.items()},
                               "recommended": REC}
     for ds in datasets:
         task = load_task(ds, args.epochs, args.mnist_train)
         tr = VecTrainer(task)
+        b.rules = {n: (r.bound(task) if isinstance(r, SearchRule) else r) for n, r in b.rules.items()}
         print(f"\n== {ds}: {len(task.x)} training / {len(task.xv)} validation examples, MLP {task.d}-{task.hidden}-"
               f"{task.classes} ({task.n} parameters), Adam lr {task.lr}, batch {task.batch}, "
               f"{task.local_epochs} local epoch(s)")

@@ -310,7 +310,7 @@ def test_on_boinc_a_trusted_result_waits_for_a_restarting_checker(job, tmp_path:
     check and the spot checks need it); nothing is lost."""
     store, spec, fp, job_dir = job
     store.set_meta(backend="boinc")
-    lc._on_boinc.clear()
+    lc._backend.clear()
     assert not lc.checker_alive(store)
     out = deliver(store, spec, "u5", result(tmp_path, store, fp, "u5", 0.5), trusted=True)
     assert out.status == "merged" and store.r.llen(store.k("losscheck", "observe")) == 1
@@ -326,7 +326,7 @@ def test_on_boinc_waiting_measurements_are_bounded_while_the_checker_is_down(job
     are dropped with their spool copies, so neither Redis nor the job's disk grows with them."""
     store, spec, fp, job_dir = job
     store.set_meta(backend="boinc")
-    lc._on_boinc.clear()
+    lc._backend.clear()
     monkeypatch.setattr(lc, "MAX_QUEUE", 2)
     for i in range(5):
         assert deliver(store, spec, f"u{i}", result(tmp_path, store, fp, f"u{i}", 0.5), trusted=True).status == "merged"

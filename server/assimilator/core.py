@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from boinc_dl.server.assimilator import losscheck, policy, rules
+from boinc_dl.server.assimilator import losscheck, policy, rules, stepsearch
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
 from boinc_dl.server.validator.checks import ValidResult
@@ -162,6 +162,19 @@ def assimilate_valid(
             if now - plan.base_version > plan.staleness:
                 plan.staleness = now - plan.base_version
                 record.update(plan.record())
+    # merge_rule search: the step the server's forward passes choose for this result at its
+    # current weights (after the loss check: a refused result needs none), a verdict like
+    # the check's, so every delivery and a re-run after a crash apply the same step.
+    t_search = time.perf_counter()
+    searched = stepsearch.choose(store, spec, plan, unit=unit, model=model, epoch=epoch, result=result,
+                                 attempt=attempt, weights=res.files.weights)
+    if searched is not None:
+        record.update(plan.record(), step_losses=searched.get("losses"), step_check_s=searched.get("check_s"),
+                      step_wait_s=round(time.perf_counter() - t_search, 6),
+                      # the server weights' version the search evaluated the steps at
+                      step_at_version=searched.get("at_version"),
+                      # no search in time: delta's own weight (vcasgd.search_wait_s)
+                      step_fallback=bool(searched.get("fallback")))
     use_strict = spec.vcasgd.merge == "strict" if strict is None else strict
     # The rule by name with its parameters (rules.py): a durable merge logs them, and a
     # replay after a Redis crash recomputes the same bytes with the same function.

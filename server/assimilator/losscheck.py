@@ -284,8 +284,8 @@ def checker_alive(store: JobStore) -> bool:
     return alive
 
 
-#: job -> whether it runs on BOINC (it never changes): see :func:`_observe`.
-_on_boinc: dict[tuple[Any, ...], bool] = {}
+#: job -> the job system it runs on (it never changes): see :func:`_observe`.
+_backend: dict[tuple[Any, ...], str] = {}
 
 
 def _observe(store: JobStore, request: dict[str, Any], weights: Path) -> None:
@@ -293,12 +293,14 @@ def _observe(store: JobStore, request: dict[str, Any], weights: Path) -> None:
 
     On BOINC the checker is the work generator's: a trusted result that merges while the
     daemon restarts waits in the queue for it (the check needs these measurements, and the
-    work generator's spot checks count them; a lost one is replicated again). Elsewhere
-    (the local backend: every result trusted, no checker) nothing waits without a live one."""
+    work generator's spot checks count them; a lost one is replicated again). The local
+    backend's results are all trusted: no result is ever judged, so none is measured (its
+    run starts a checker only for ``merge_rule: search``). Elsewhere nothing waits without
+    a live checker."""
     key = _where(store)
-    if key not in _on_boinc:
-        _on_boinc[key] = store.meta().get("backend") == "boinc"
-    if not _on_boinc[key] and not checker_alive(store):
+    if key not in _backend:
+        _backend[key] = store.meta().get("backend", "")
+    if _backend[key] == "local" or (_backend[key] != "boinc" and not checker_alive(store)):
         return
     job_dir = store.meta().get("job_dir")
     if not job_dir:
@@ -320,17 +322,26 @@ def _ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weig
         log.warning("%s: no base weights, the loss check cannot run; passing it", request["unit"])
         verdict = {**decide(0.0, None), "loss_increase": None, "reason": "no base weights"}
         return store.set_loss_verdict(rid, verdict, VERDICT_TTL_S)[0]
+    return ask(store, spec, rid, request, weights, kind="check", what="held-out loss check verdict")
+
+
+def ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weights: Path, *, kind: str,
+        what: str, wait_s: float | None = None) -> dict[str, Any]:
+    """Hand the checker request ``rid`` of ``kind`` (a loss ``check``, a ``step`` search) with
+    a copy of the result's weights file, unless it is queued already, and wait up to
+    ``wait_s`` (default ``validation.loss_check_wait_s``) for its verdict (``what`` it is,
+    for the message of :class:`VerdictPending`, raised when none came)."""
     job_dir = store.meta().get("job_dir")
     if not job_dir:
-        raise VerdictPending(f"job {store.job!r} has no job directory for the loss checker's files")
-    wait = spec.validation.loss_check_wait_s
+        raise VerdictPending(f"job {store.job!r} has no job directory for the checker's files")
+    wait = spec.validation.loss_check_wait_s if wait_s is None else float(wait_s)
     deadline = time.monotonic() + wait
     name: str | None = None
     while True:
         stamp = repr(time.time())
         if name is None:
             name = _hand_over(weights, job_dir, rid)
-        state, _, replaced = store.request_loss_check(rid, {**request, "kind": "check", "file": name}, stamp,
+        state, _, replaced = store.request_loss_check(rid, {**request, "kind": kind, "file": name}, stamp,
                                                       stale_s=wait, max_queue=MAX_QUEUE).partition(" ")
         if replaced and is_safe_name(replaced):
             # the copy of a request lost with a checker that died
@@ -343,7 +354,7 @@ def _ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weig
         if state != "full":
             break
         if time.monotonic() >= deadline:
-            raise VerdictPending(f"the loss checker's queue is full ({MAX_QUEUE} requests); retry later")
+            raise VerdictPending(f"the checker's queue is full ({MAX_QUEUE} requests); retry later")
         time.sleep(0.1)
     while True:
         verdict = store.loss_verdict(rid)
@@ -351,6 +362,6 @@ def _ask(store: JobStore, spec: JobSpec, rid: str, request: dict[str, Any], weig
             return verdict
         if time.monotonic() >= deadline:
             raise VerdictPending(
-                f"no held-out loss check verdict within {wait:g} s (the work generator runs the "
-                f"checker; {store.loss_queue_length()} request(s) queued); the result is retried later")
+                f"no {what} within {wait:g} s (the work generator runs the checker; "
+                f"{store.loss_queue_length()} request(s) queued); the result is retried later")
         store.wait_loss_notice(rid, max(0.001, min(NOTICE_SLICE_S, deadline - time.monotonic())))

@@ -7,6 +7,9 @@ The merge rule (:mod:`boinc_dl.server.assimilator.rules`) is chosen by the job s
   own progress from the weights it started from (``W_b``), damped by its staleness ``s``
   (``S(s) = (1 + s) ** -p``) so that results computed from one base add up to their mean,
   not their sum;
+* ``search``: the same update with the step ``c`` in place of ``lr * S(s)``, chosen per
+  result among ``delta``'s weight and 4, 16, 64 times it (at most 1) by the server's
+  forward passes at its current weights (:mod:`boinc_dl.server.assimilator.stepsearch`);
 * ``fedasync``: ``W_s <- W_s + (1 - a) * S(s) * (W_c - W_s)``;
 * ``paper``: the VC-ASGD paper's ``W_s <- a*W_s + (1-a)*W_c``, kept to reproduce it.
 
@@ -60,7 +63,7 @@ def rule_for(spec: JobSpec, epoch: int, in_flight: int = 1) -> rules.MergeRule:
         return rules.MergeRule("paper", 0.0)  # MOP: the unit's weights replace the model's
     v = spec.vcasgd
     stale = rules.Staleness("poly", p=v.staleness_power)
-    if v.merge_rule == "delta":
+    if v.merge_rule in ("delta", "search"):  # search: delta's weight is its smallest candidate step
         return rules.MergeRule("delta", staleness=stale, server_lr=v.server_lr,
                                cap_in_flight=v.cap_by_in_flight).capped(in_flight)
     if v.merge_rule == "fedasync":
@@ -98,14 +101,26 @@ class MergePlan:
     scale: float
     norm: float | None
     radius: float | None
+    #: ``merge_rule: search``: the step the server's search chose (None: the rule's own weight)
+    step: float | None = None
+    #: ... and the ``delta`` weight its candidates were multiples of
+    step_weight: float | None = None
+
+    def candidate_steps(self) -> list[float]:
+        """The steps the search chooses among: this result's ``delta`` weight and multiples."""
+        return rules.search_steps(self.rule.weight(self.staleness))
 
     def params(self) -> dict[str, Any]:
         """What a replay needs to recompute this merge bit for bit (JSON)."""
-        st = self.rule.staleness
-        return {"rule": {"name": self.rule.name, "alpha": self.rule.alpha, "server_lr": self.rule.server_lr,
+        rule, scale = self.rule, self.scale
+        if self.step is not None:  # the searched step in place of the rule's own weight
+            rule, factor = rules.stepped(self.step)
+            scale *= factor
+        st = rule.staleness
+        return {"rule": {"name": rule.name, "alpha": rule.alpha, "server_lr": rule.server_lr,
                          "staleness": {"kind": st.kind, "p": st.p, "a": st.a, "b": st.b},
-                         "max_weight": self.rule.max_weight},
-                "s": self.staleness, "scale": self.scale, "base": self.base_path if self.base is not None else None}
+                         "max_weight": rule.max_weight},
+                "s": self.staleness, "scale": scale, "base": self.base_path if self.base is not None else None}
 
     def combine(self, wc: np.ndarray) -> Any:
         """The per-shard update ``combine(ws, slice)`` that :meth:`JobStore.merge` calls:
@@ -120,8 +135,12 @@ class MergePlan:
 
     def record(self) -> dict[str, Any]:
         """The plan's numbers for the merge record (enough to replay the merge)."""
-        return {"merge_rule": self.rule.describe(), "staleness": self.staleness, "base_version": self.base_version,
-                "clip_scale": self.scale, "update_norm": self.norm, "clip_radius": self.radius}
+        out = {"merge_rule": self.rule.describe(), "staleness": self.staleness, "base_version": self.base_version,
+               "clip_scale": self.scale, "update_norm": self.norm, "clip_radius": self.radius}
+        if self.step is not None:
+            times = f"{self.step / self.step_weight:.3g}x " if self.step_weight else ""  # 0x: step 0
+            out.update(merge_rule=f"search(step {self.step:.4g} = {times}{self.rule.describe()})", step=self.step)
+        return out
 
 
 def base_of(info: dict[str, Any], attempt: int | None) -> tuple[int | None, str | None]:

@@ -296,6 +296,67 @@ class MergeRule:
         return ws
 
 
+# ---- the step search (``merge_rule: search``) ----------------------------------------------------
+#: The candidate steps of a result are its ``delta`` weight times these (each at most 1: a
+#: result never moves the server further than its own update). Chosen in the simulated
+#: bench (docs/merge-rules.md, "The step search"): 1, 4, 16, 64 did as well as seven
+#: multipliers from 1 to 64 (digits, 128 in flight: 0.947 both) at four forward passes.
+SEARCH_MULTIPLIERS: tuple[float, ...] = (1.0, 4.0, 16.0, 64.0)
+#: Step 0 is a candidate too: a result that raises the loss at its smallest step is merged
+#: with step 0 (counted, the weights unchanged). Without it, a burst of results from one old
+#: base (the first round of a job, whose units start together and end together) was each
+#: applied at its smallest step although each raised the loss (docs/merge-rules.md).
+SEARCH_ZERO = True
+#: The most candidates a step request may carry (a bound on the checker's work per result).
+MAX_SEARCH_STEPS = 8
+
+
+def search_steps(weight: float, multipliers: Sequence[float] = SEARCH_MULTIPLIERS,
+                 zero: bool = SEARCH_ZERO) -> list[float]:
+    """The candidate steps of a result whose ``delta`` rule weight is ``weight``: 0 (with
+    ``zero``), then ``weight`` times each multiplier, at most 1, distinct, ascending."""
+    w = float(weight)
+    if not (math.isfinite(w) and w > 0.0):
+        raise ValueError(f"a result's weight must be a finite number > 0, not {weight!r}")
+    return ([0.0] if zero else []) + sorted({min(1.0, w * float(m)) for m in multipliers})
+
+
+def search_step(steps: Sequence[float], loss_at: Callable[[float], float]) -> tuple[float, list[float | None]]:
+    """The step of ``steps`` after which ``loss_at(step)`` is lowest, and the losses seen
+    (None: not evaluated). The steps are tried smallest first and the search stops at the
+    first one that does no better than the best so far (the loss along one update is taken
+    to fall, then rise: most results stop after two forward passes). A non-finite loss
+    never wins; with no finite one, the smallest step.
+
+    ``loss_at``: the loss of the server's current weights after the step, on the server's
+    own sample of the training data (:mod:`boinc_dl.server.work_generator.losscheck`)."""
+    if not steps:
+        raise ValueError("no candidate step")
+    order = sorted(range(len(steps)), key=lambda i: steps[i])
+    losses: list[float | None] = [None] * len(steps)
+    best, best_loss = order[0], math.inf
+    for i in order:
+        loss = float(loss_at(float(steps[i])))
+        losses[i] = loss
+        if not (math.isfinite(loss) and loss < best_loss):
+            if math.isfinite(best_loss):
+                break
+            continue
+        best, best_loss = i, loss
+    return float(steps[best]), losses
+
+
+def stepped(step: float) -> tuple[MergeRule, float]:
+    """The merge a searched step makes, as (rule, factor of the clip scale):
+    ``ws <- ws + step * scale * (wc - wb)``, the ``delta`` rule with the step as its rate and
+    no staleness weight of its own (the step already is the result's weight); a step of 0
+    (rates are > 0) as the rate 1 on a scale of 0: the result is merged and moves nothing."""
+    s = float(step)
+    if not (math.isfinite(s) and 0.0 <= s <= 1.0):
+        raise ValueError(f"a searched step must be in [0, 1], not {step!r}")
+    return MergeRule("delta", staleness=Staleness("const"), server_lr=s or 1.0), (1.0 if s else 0.0)
+
+
 def _check_shard(ws: np.ndarray, wc: np.ndarray, wb: np.ndarray | None) -> None:
     if ws.dtype != _F32 or wc.dtype != _F32 or (wb is not None and wb.dtype != _F32):
         raise TypeError("merge rules work on float32 buffers")

@@ -77,6 +77,7 @@ contract, kept in this module; the merge protocol is in :mod:`boinc_dl.server.as
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -714,9 +715,51 @@ class JobStore(ShardMerging):
         req = self.call(lambda: self.r.hget(self.k("losscheck", "pending"), rid))
         return json.loads(req) if req is not None else {"kind": "answered", "id": rid}
 
+    def drop_loss_requests(self) -> int:
+        """Forget every request not answered yet (verdicts stay): only for a job no checker
+        serves and no assimilator waits on, as when ``boinc-dl run`` starts (a request
+        taken by the checker of a run that was killed would otherwise wait out its stale
+        time before it is queued again). How many were dropped."""
+        queue, pending = self.k("losscheck", "queue"), self.k("losscheck", "pending")
+
+        def op() -> int:
+            p = self.r.pipeline(transaction=True)
+            p.hlen(pending)
+            p.delete(queue, pending)
+            return int(p.execute()[0])
+        return int(self.call(op))
+
     def loss_queue_length(self) -> int:
         """Checks queued (observations not counted)."""
         return int(self.call(lambda: self.r.llen(self.k("losscheck", "queue"))))
+
+    def checker_load(self) -> tuple[int, float | None]:
+        """Requests queued for the checker (checks and step searches) and the seconds its
+        recent step searches took (None: none measured yet), in one round trip."""
+        def read() -> list[Any]:
+            p = self.r.pipeline(transaction=False)
+            p.llen(self.k("losscheck", "queue"))
+            p.get(self.k("losscheck", "step_s"))
+            return p.execute()
+        n, t = self.call(read)
+        try:
+            secs = float(t) if t is not None else None
+        except ValueError:
+            secs = None
+        return int(n), secs if secs is not None and math.isfinite(secs) and secs >= 0 else None
+
+    def note_step_seconds(self, seconds: float) -> None:
+        """The checker's running mean of a step search's seconds (its answer time, queue
+        not counted), which assimilators read to tell whether a search would come in time."""
+        key = self.k("losscheck", "step_s")
+        script = self._script("step_s", """
+        local cur = tonumber(redis.call('GET', KEYS[1]))
+        local x = tonumber(ARGV[1])
+        if cur then x = 0.8 * cur + 0.2 * x end
+        redis.call('SET', KEYS[1], tostring(x), 'EX', 86400)
+        return 1
+        """)
+        self.call(lambda: script(keys=[key], args=[repr(float(seconds))]))
 
     _LOSS_VERDICT = """
     if redis.call('EXISTS', KEYS[1]) == 0 then

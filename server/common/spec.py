@@ -81,15 +81,23 @@ class VCASGDSpec(_Strict):
     n_subsets: int | None = Field(
         None, gt=0, le=1_000_000,
         description="subsets (units) per epoch; default: derived from the training examples and the slots")
-    merge_rule: Literal["delta", "fedasync", "paper"] = Field(
-        "delta", description="delta: W_s += server_lr * (W_c - W_base) / (1+s)^p; fedasync: "
-        "W_s += (1-a) * (W_c - W_s) / (1+s)^p; paper: W_s <- a*W_s + (1-a)*W_c (s: the result's staleness)")
+    merge_rule: Literal["delta", "search", "fedasync", "paper"] = Field(
+        "delta", description="delta: W_s += server_lr * (W_c - W_base) / (1+s)^p; search: delta's step or "
+        "4, 16, 64 times it (at most 1), whichever lowers the loss of a sample of the training data the most "
+        "at the server's weights; fedasync: W_s += (1-a) * (W_c - W_s) / (1+s)^p; paper: "
+        "W_s <- a*W_s + (1-a)*W_c (s: the result's staleness)")
     staleness_power: float = Field(1.0, ge=0.0, le=8.0, description="p of the staleness weight (1+s)^-p")
     server_lr: float = Field(1.0, gt=0.0, le=10.0, description="delta: the weight of a fresh result's update")
     cap_by_in_flight: bool = Field(
         True, description="delta: a result's staleness weight at most 2/k, k the units in flight when it was "
         "issued, so that a round of units from one base adds at most ~2 of their updates, not ~ln(k) "
         "(false: the uncapped rule)")
+    search_batch: int = Field(
+        1024, gt=0, le=65_536, description="search: training examples the server evaluates each candidate step "
+        "on (a fixed seeded sample of the training data; all of it when smaller)")
+    search_wait_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="search: the assimilator's wait for the server's step search; "
+        "then the result merges with delta's weight (a slow or stopped checker never holds merges back)")
     alpha: float | AlphaSchedule = Field("e/(e+1)", description="paper, fedasync: constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"
     window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots")

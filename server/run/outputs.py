@@ -29,7 +29,10 @@ def collect_history(store: JobStore) -> dict[str, Any]:
                 # Appended (the columns above keep their order): each unit's own durations,
                 # from the client's clock (load, evaluation, checkpoints, CPU seconds) and
                 # the assimilator's (validation, the merge call, its Redis commits, CPU).
-                *UNIT_TIMINGS)})
+                *UNIT_TIMINGS,
+                # merge_rule search: the step the server chose for the result (else empty), the
+                # checker's forward passes for it and the result's whole wait for them
+                "step", "step_check_s", "step_wait_s", "step_at_version", "step_fallback")})
         elif m["kind"] == "failed":
             units.append({"unit": m.get("unit"), "failed": m.get("reason")})
     return {"job": store.job, "meta": store.meta(), "epochs": epochs, "units": units,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from boinc_dl.server.assimilator import losscheck as lc
+from boinc_dl.server.assimilator import stepsearch
+from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.errors import BoincDLError
@@ -139,6 +144,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
                console: Console, live: bool, backend_opts: dict[str, Any] | None,
                search_path: Path | None, lines: bool = False) -> RunResult:
     backend: LocalJobSystem | None = None
+    checker_stop: threading.Event | None = None
     t0 = time.time()
     status = "interrupted"
     exit_code = 0
@@ -154,7 +160,8 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
             console.print(f"job {spec.name} already {store.meta()['status']}: writing its outputs")
             earlier = earlier_summary(run_dir)
         else:
-            store.set_meta(status="running", reason="", **owner_fields())
+            store.set_meta(status="running", reason="", backend="local", **owner_fields())
+            checker_stop = start_checker(spec, store, run_dir, redis_url)
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = VCASGDWorkGenerator(store, spec, run_dir, backend)
             # A restarted run's job system is new: units in flight before are resubmitted.
@@ -175,6 +182,8 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         snap = backend.snapshot() if backend else {}
         if backend is not None:
             backend.stop()
+        if checker_stop is not None:
+            checker_stop.set()
     result = RunResult(status=status, run_dir=run_dir, backend=earlier.get("backend", snap),
                        elapsed_s=earlier.get("elapsed_s", time.time() - t0),
                        reason=store.meta().get("reason", ""), exit_code=exit_code)
@@ -202,6 +211,28 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
          "final_val_acc": result.epochs[-1]["val_acc"] if result.epochs else None,
          "outputs": result.outputs}, indent=1))
     return result
+
+
+def start_checker(spec: JobSpec, store: JobStore, run_dir: Path, redis_url: str) -> threading.Event | None:
+    """For ``merge_rule: search``, the checker that answers the assimilators' step requests
+    (a thread of this process, which has TensorFlow loaded for the epochs' evaluation);
+    set the returned event to stop it. Requests of an earlier run of the job (killed with
+    its checker) are dropped first: every one of them is asked again by its result's next
+    delivery, at once instead of after its wait."""
+    if not stepsearch.enabled(spec):
+        return None
+    from boinc_dl.server.work_generator.losscheck import LossChecker
+
+    dropped = store.drop_loss_requests()
+    spool = lc.spool_dir(run_dir)
+    if spool.is_dir():
+        shutil.rmtree(spool, ignore_errors=True)
+    if dropped:
+        log.info("%d step request(s) of an earlier run dropped: asked again", dropped)
+    stop = threading.Event()
+    checker = LossChecker(lambda: connect(redis_url, timeout=5.0), lambda: {spec.name: run_dir}, stop)
+    threading.Thread(target=checker.run, name="step-search", daemon=True).start()
+    return stop
 
 
 def _drive(gen: VCASGDWorkGenerator, spec: JobSpec, store: JobStore, backend: LocalJobSystem,

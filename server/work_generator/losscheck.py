@@ -1,11 +1,19 @@
-"""The held-out loss checker: answers the assimilators' loss-check requests.
+"""The checker: the server's forward passes, for the loss check and the step search.
 
-Runs inside the long-lived work generator (a thread of BOINC's work generator daemon),
-which has TensorFlow loaded already; the protocol and the assimilator's side are in
-:mod:`boinc_dl.server.assimilator.losscheck`. Per job it keeps its own Keras model
-(Keras models are not thread-safe: the generator's evaluator has another one), a fixed
-held-out batch (``validation.loss_check_batch`` examples of the job's validation split,
-drawn with the job's seed) and ``L(W_b)`` per base weights file.
+Runs inside the long-lived work generator (a thread of BOINC's work generator daemon, or
+of ``boinc-dl run``'s process for ``merge_rule: search``), which has TensorFlow loaded
+already; the protocol and the assimilator's side are in
+:mod:`boinc_dl.server.assimilator.losscheck` and :mod:`boinc_dl.server.assimilator.stepsearch`.
+Per job it keeps its own Keras model (Keras models are not thread-safe: the generator's
+evaluator has another one), a fixed held-out batch (``validation.loss_check_batch``
+examples of the job's validation split, drawn with the job's seed), ``L(W_b)`` per base
+weights file and, for the step search, a fixed sample of the training data
+(``vcasgd.search_batch`` examples of the job's subsets).
+
+A step request (``merge_rule: search``) is answered with the candidate step after which
+the loss of the training sample at the server's current weights is lowest
+(:func:`~boinc_dl.server.assimilator.rules.search_step`); its verdict is set once, like a
+check's.
 
 For each request: the result's weights are read from the job's ``loss_check/`` spool
 with the bounded, fingerprint-checked reader (the file is a host's upload: it is
@@ -38,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from boinc_dl.server.assimilator import losscheck as lc
+from boinc_dl.server.assimilator import rules, stepsearch
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob, WeightsFormatError
 from boinc_dl.server.common.paths import confined, is_safe_name
@@ -64,11 +73,49 @@ def held_out_batch(val_file: Path, size: int, seed: int) -> tuple[np.ndarray, np
     return np.ascontiguousarray(x), np.ascontiguousarray(y)
 
 
+def search_batch(files: JobFiles, n_subsets: int, size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed sample of ``size`` training examples (all of them when fewer) for the step
+    search, the same for every request and every restart: as equal a share of each subset
+    as their sizes allow, read one subset at a time (memory: one subset and the sample)."""
+    sizes = []
+    for k in range(n_subsets):
+        with np.load(files.shard(k)) as z:
+            sizes.append(len(z["y"]))
+    take = _shares(sizes, size)
+    xs, ys = [], []
+    for k, n in enumerate(take):
+        if n == 0:
+            continue
+        with np.load(files.shard(k)) as z:
+            x, y = z["x"], z["y"]
+        if len(x) > n:
+            idx = np.sort(np.random.default_rng([int(seed), 0x57E9, k]).choice(len(x), n, replace=False))
+            x, y = x[idx], y[idx]
+        xs.append(np.ascontiguousarray(x))
+        ys.append(np.ascontiguousarray(y))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def _shares(sizes: list[int], total: int) -> list[int]:
+    """How many of each subset's examples a sample of ``total`` takes: equal shares, a
+    subset smaller than its share whole and its rest spread over the larger ones."""
+    take = [0] * len(sizes)
+    left = min(total, sum(sizes))
+    order = sorted(range(len(sizes)), key=lambda k: sizes[k])
+    for j, k in enumerate(order):
+        share = -(-left // (len(order) - j))  # ceil: the last subsets take the remainder
+        take[k] = min(sizes[k], share)
+        left -= take[k]
+    return take
+
+
 class JobChecker:
-    """The loss check of one job: its model, held-out batch and cached base losses."""
+    """The forward passes of one job: its model, held-out batch, cached base losses and
+    the step search's training sample."""
 
     def __init__(self, store: JobStore, spec: JobSpec, job_dir: Path,
-                 loss_fn: Callable[[np.ndarray], float] | None = None):
+                 loss_fn: Callable[[np.ndarray], float] | None = None,
+                 search_loss_fn: Callable[[np.ndarray], float] | None = None):
         self.store = store
         self.spec = spec
         self.files = JobFiles(Path(job_dir).resolve(), spec.name)
@@ -76,7 +123,9 @@ class JobChecker:
         self.fp: Fingerprint = store.fingerprint("0")
         self.max_bytes = upload_bound(self.fp, spec.units.max_upload_bytes)
         self._loss_fn = loss_fn
+        self._search_loss_fn = search_loss_fn
         self._base_loss: OrderedDict[str, float] = OrderedDict()
+        self._current_loss: tuple[tuple[Any, ...], float] | None = None
 
     # ---- the forward pass ----------------------------------------------------------------
     def loss(self, flat: np.ndarray) -> float:
@@ -84,10 +133,24 @@ class JobChecker:
         self.prepare()
         return float(self._loss_fn(flat))  # type: ignore[misc]
 
+    def search_loss(self, flat: np.ndarray) -> float:
+        """The loss of weights ``flat`` on the step search's sample of the training data."""
+        self.prepare()
+        return float(self._search_loss_fn(flat))  # type: ignore[misc]
+
     def prepare(self) -> None:
         """Build the model the forward passes use (TensorFlow's start-up: seconds)."""
-        if self._loss_fn is None:
-            self._loss_fn = keras_loss(self.files.model, self.files.val, self.spec)
+        search = stepsearch.enabled(self.spec)
+        if self._loss_fn is None or (search and self._search_loss_fn is None):
+            batches = {"held_out": held_out_batch(self.files.val, self.spec.validation.loss_check_batch,
+                                                  self.spec.seed)}
+            if search:
+                assert self.spec.vcasgd.n_subsets is not None  # a stored spec is derived
+                batches["search"] = search_batch(self.files, self.spec.vcasgd.n_subsets,
+                                                 self.spec.vcasgd.search_batch, self.spec.seed)
+            fns = keras_losses(self.files.model, batches, self.spec)
+            self._loss_fn = self._loss_fn or fns["held_out"]
+            self._search_loss_fn = self._search_loss_fn or fns.get("search")
 
     def base_loss(self, path: str, wb: np.ndarray) -> float:
         hit = self._base_loss.get(path)
@@ -117,9 +180,19 @@ class JobChecker:
         path = confined(self.spool, name) if isinstance(name, str) and is_safe_name(name) else None
         try:
             if path is None or not path.is_file():
-                if kind == "check":
+                if kind in ("check", "step"):
                     self.store.drop_loss_request(rid, stamp)
                 return "no file"
+            if kind == "step":
+                t0 = time.perf_counter()
+                verdict = self._search(req, path)
+                final, retired = self.store.set_loss_verdict(rid, verdict, lc.VERDICT_TTL_S)
+                # what one search costs here (reads, snapshot, forward passes): the
+                # assimilators weigh the queue with it (stepsearch.choose)
+                self.store.note_step_seconds(time.perf_counter() - t0)
+                if retired and retired != name and is_safe_name(retired):
+                    confined(self.spool, retired).unlink(missing_ok=True)
+                return f"step {final.get('step')}" if final.get("ok") else "unreadable"
             verdict = self._judge(req, path)
             if kind == "observe":
                 if verdict is not None and verdict.get("loss_increase") is not None:
@@ -170,6 +243,52 @@ class JobChecker:
         return {**lc.decide(dl, bound), "base_loss": base_loss, "bound_comparable": comparable,
                 "check_s": round(time.perf_counter() - t0, 6)}
 
+    def _search(self, req: dict[str, Any], path: Path) -> dict[str, Any]:
+        """The verdict of a step request: the candidate step after which the training
+        sample's loss at the server's current weights is lowest (see the module doc)."""
+        steps = req.get("steps")
+        if not (isinstance(steps, list) and 0 < len(steps) <= rules.MAX_SEARCH_STEPS
+                and all(isinstance(c, int | float) and not isinstance(c, bool) and math.isfinite(c) and 0 <= c <= 1
+                        for c in steps) and any(c > 0 for c in steps)):
+            # not the assimilator's request: nothing to choose among (it falls back to its own weight)
+            return {"ok": True, "step": None, "steps": None, "reason": "malformed step request", "t": time.time()}
+        steps = [float(c) for c in steps]
+        base = req.get("base")
+        try:
+            scale = float(req.get("scale", 1.0))
+        except (TypeError, ValueError):
+            scale = 1.0
+        scale = min(1.0, max(0.0, scale)) if math.isfinite(scale) else 1.0
+        if not isinstance(base, str) or not Path(base).is_file():
+            return {"ok": True, "step": min(c for c in steps if c > 0), "steps": steps, "reason": "no base weights",
+                    "t": time.time()}
+        try:
+            wc = read_weights(path, self.fp, max_bytes=self.max_bytes).flat
+        except WeightsFormatError as e:
+            return {"ok": False, "reason": f"step search: the result's weights cannot be read: {e}", "t": time.time()}
+        t0 = time.perf_counter()
+        wb = read_weights(base, self.fp).flat
+        model = str(req.get("model", "0"))
+        snap = self.store.snapshot(model)
+        # the update as the merge applies it (clipped), from the server weights as they are now
+        d = np.subtract(wc, wb)
+        d *= np.float32(scale)
+        step, losses = rules.search_step(steps, lambda c: self._loss_after(model, snap, d, c))
+        return {"ok": True, "step": step, "steps": steps,
+                "losses": [round(x, 6) if x is not None and math.isfinite(x) else None for x in losses],
+                "at_version": snap.version, "check_s": round(time.perf_counter() - t0, 6), "t": time.time()}
+
+    def _loss_after(self, model: str, snap: Any, d: np.ndarray, step: float) -> float:
+        """The training sample's loss at ``snap`` after ``step * d``; at step 0, the loss of the
+        snapshot itself, computed once per state of the model's shards (every result
+        searched from it shares it)."""
+        if step != 0.0:
+            return self.search_loss(snap.flat + np.float32(step) * d)
+        key = (model, tuple(snap.shard_versions))
+        if self._current_loss is None or self._current_loss[0] != key:
+            self._current_loss = (key, self.search_loss(snap.flat))
+        return self._current_loss[1]
+
     def sweep(self, now: float | None = None) -> int:
         """Remove spool files of requests lost in a crash (older than ORPHAN_AGE_S)."""
         now = time.time() if now is None else now
@@ -186,20 +305,35 @@ class JobChecker:
         return n
 
 
-def keras_loss(model_file: Path, val_file: Path, spec: JobSpec) -> Callable[[np.ndarray], float]:
-    """The held-out loss of flat weights, on a model instance of its own."""
+def keras_losses(model_file: Path, batches: dict[str, tuple[np.ndarray, np.ndarray]],
+                 spec: JobSpec) -> dict[str, Callable[[np.ndarray], float]]:
+    """The loss of flat weights on each named batch, on one model instance of the checker's
+    own (the checker is one thread: its functions are never called at once)."""
     from boinc_dl.server.common.keras_model import configure_tf, set_flat
 
     tf = configure_tf()
     model = tf.keras.models.load_model(model_file, compile=False)
-    x, y = held_out_batch(val_file, spec.validation.loss_check_batch, spec.seed)
     loss = tf.keras.losses.get(spec.training.loss)
-    xt, yt = tf.constant(x), tf.constant(y)
 
-    def fn(flat: np.ndarray) -> float:
-        set_flat(model, flat)
-        return float(tf.reduce_mean(loss(yt, model(xt, training=False))).numpy())
-    return fn
+    @tf.function(reduce_retracing=True)
+    def forward(xb: Any, yb: Any) -> Any:
+        # compiled once per batch shape: 2-3x faster than the eager call on a small model
+        return tf.reduce_mean(loss(yb, model(xb, training=False)))
+
+    def make(x: np.ndarray, y: np.ndarray) -> Callable[[np.ndarray], float]:
+        xt, yt = tf.constant(x), tf.constant(y)
+
+        def fn(flat: np.ndarray) -> float:
+            set_flat(model, flat)
+            return float(forward(xt, yt).numpy())
+        return fn
+    return {name: make(x, y) for name, (x, y) in batches.items()}
+
+
+def keras_loss(model_file: Path, val_file: Path, spec: JobSpec) -> Callable[[np.ndarray], float]:
+    """The held-out loss of flat weights (the loss check's measure), on a model of its own."""
+    batch = held_out_batch(val_file, spec.validation.loss_check_batch, spec.seed)
+    return keras_losses(model_file, {"held_out": batch}, spec)["held_out"]
 
 
 class LossChecker:
@@ -228,7 +362,7 @@ class LossChecker:
                 spec = spec_from_json(store.spec_json())
             except UnknownJob:
                 return None
-            if not lc.enabled(spec):
+            if not (lc.enabled(spec) or stepsearch.enabled(spec)):
                 return None
             c = JobChecker(store, spec, job_dir)
             try:
@@ -240,9 +374,11 @@ class LossChecker:
             except Exception:  # noqa: BLE001 - e.g. the job's files gone: the request says why later
                 log.exception("job %s: the loss checker's model could not be built", job)
             self.checkers[job] = c
-            log.info("job %s: loss checker serving (held-out batch of up to %d, k %g, %d trusted results needed)",
+            log.info("job %s: loss checker serving (held-out batch of up to %d, k %g, %d trusted results needed%s)",
                      job, spec.validation.loss_check_batch, spec.validation.loss_check_k,
-                     spec.validation.loss_check_min_trusted)
+                     spec.validation.loss_check_min_trusted,
+                     f"; step search on {spec.vcasgd.search_batch} training examples"
+                     if stepsearch.enabled(spec) else "")
         return c
 
     def one_round(self) -> int:

@@ -45,12 +45,12 @@ N_TRUSTED = 8  # the loss ledger's reference (the per-result bound needs 4)
 _TARGETS: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
 
-def _spec(name: str, **validation):
+def _spec(name: str, vcasgd: dict | None = None, **validation):
     return parse_spec({
         "name": name, "model": "models:mlp", "model_args": {"input_dim": 64, "hidden": 16, "n_classes": 10},
         "dataset": {"name": "digits"},
         "training": {"epochs": 4, "batch_size": 32, "local_epochs": 1, "learning_rate": 0.01},
-        "vcasgd": {"n_subsets": 8, "window": 8},
+        "vcasgd": {"n_subsets": 8, "window": 8, **(vcasgd or {})},
         "units": {"timeout_s": 600, "max_error_results": 3, "max_total_results": 6},
         "validation": {"loss_check_min_trusted": 4, "loss_check_wait_s": 6, "clip_min_trusted": 4, **validation},
         "seed": 5,
@@ -60,11 +60,12 @@ def _spec(name: str, **validation):
 class Play:
     """The test's side of BOINC: the daemon, the hosts, and the results they return."""
 
-    def __init__(self, project, redis_url: str, name: str, tmp_path: Path, validation: dict | None = None):
+    def __init__(self, project, redis_url: str, name: str, tmp_path: Path, validation: dict | None = None,
+                 vcasgd: dict | None = None):
         install(project.root, InstallOptions(redis_url=redis_url, gpu=False,
                                              command=[os.sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
         self.project = project
-        self.spec = _spec(name, **(validation or {}))
+        self.spec = _spec(name, vcasgd, **(validation or {}))
         submit_job(self.spec, project.root, search_path=REPO / "examples")
         self.store = JobStore(connect(redis_url), name)
         self.files = JobFiles(project.job_dir(name), name)
