@@ -934,14 +934,15 @@ def single_section(b: Bench, task: Task, tr: VecTrainer, cap: int, only: str = "
     acc0 = task.accuracy(start.final_weights)
     print(f"\n{task.name}: one patient attacker from a trained model at {acc0:.4f}, D = 8 in flight, "
           f"32 subsets; attacker results accepted until -10 points (cap {cap} sent)")
+    rec = POISON_RULE
     configs = [("paper", "today", "1:1"), ("paper", "today", "attacker only"),
-               (REC, "trusted", "1:1"), (REC, "trusted0", "1:1"), (REC, "trusted0", "attacker only"),
-               (REC, "trusted0+rep", "attacker only"), (REC, "trusted0+ledger", "1:1"),
-               (REC, "trusted0+ledger", "attacker only"), (REC, "trusted0+rep+ledger", "attacker only")]
+               (rec, "trusted", "1:1"), (rec, "trusted0", "1:1"), (rec, "trusted0", "attacker only"),
+               (rec, "trusted0+rep", "attacker only"), (rec, "trusted0+ledger", "1:1"),
+               (rec, "trusted0+ledger", "attacker only"), (rec, "trusted0+rep+ledger", "attacker only")]
     if only:  # e.g. "trusted0+rep" or "trusted0/attacker only": defence names, optionally /pattern
         keep = [k.strip() for k in only.split(",") if k.strip()]
         configs = [c for c in configs if any(k in (c[1], f"{c[1]}/{c[2]}") for k in keep)]
-    rules = candidate_rules()
+    rules: dict[str, Any] = {**candidate_rules(), **b.rules}  # b.rules: search bound to the task
     out: dict[str, Any] = {}
     print(f"{'attack':10s} " + " ".join(f"{r + '+' + dk + ' ' + pat:>30s}" for r, dk, pat in configs))
     for attack in ATTACKS:
@@ -1078,7 +1079,8 @@ def main() -> None:
     ap.add_argument("--poison-seeds", default="0", help="poisoning section: comma list of seeds (completion "
                     "times, replication, the attackers' units); more than one prints each cell's mean and range")
     ap.add_argument("--poison-rule", default="delta-cap", choices=("delta-cap", "search"),
-                    help="poisoning section: the merge rule of the defended columns (delta-cap: the default)")
+                    help="poisoning and single-attacker sections: the merge rule of the defended columns "
+                         "(delta-cap: the default below 32 units in flight; search: from 32)")
     ap.add_argument("--reissue-refused", type=int, default=2, help="poisoning section: issue a refused "
                     "result's unit again, at most this many times, as the BOINC job system does "
                     "(validation.reissue_refused, 2); 0: its subset is given up for the epoch")

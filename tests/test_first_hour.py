@@ -100,7 +100,8 @@ def test_minimal_spec_says_what_it_chose_and_prints_a_line_per_epoch(finished) -
     summary = json.loads((tmp / "runs" / "mine" / "summary.json").read_text())
     assert summary["status"] == "done"
     assert summary["settings"]["n_subsets"] == 2 and summary["settings"]["local_epochs"] == 4
-    assert sorted(summary["settings"]["derived"]) == ["training.local_epochs", "vcasgd.n_subsets"]
+    assert sorted(summary["settings"]["derived"]) == ["training.local_epochs", "vcasgd.merge_rule", "vcasgd.n_subsets"]
+    assert summary["settings"]["merge_rule"] == "delta" and "vcasgd.merge_rule = delta" in out  # 2 in flight
     assert set(merges(tmp / "runs" / "mine").values()) == {1} and len(merges(tmp / "runs" / "mine")) == 2 * 2
     # (How well the defaults learn is bench/bench_learning.py's to measure: against Keras.)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
-from boinc_dl.server.run.outputs import UNIT_TIMINGS
+from boinc_dl.server.run.outputs import STEP_COLUMNS, UNIT_TIMINGS
 from tests.support.cli import ENV, boinc_dl, boinc_dl_command, small_digits_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_units_csv_keeps_its_columns_and_appends_the_timings(past_run):
     _, run = past_run
     with (run / "units.csv").open(newline="") as f:
         header = next(csv.reader(f))
-    assert header == ORIGINAL + list(UNIT_TIMINGS)
+    assert header == ORIGINAL + list(UNIT_TIMINGS) + list(STEP_COLUMNS)
 
 
 def test_one_slot_run_calibrates_a_merge_far_below_the_unit_time(past_run):

@@ -26,33 +26,43 @@ def spec(**sections):
     return parse_spec(data)
 
 
-@pytest.mark.parametrize(("n_train", "slots", "subsets", "local_epochs"), [
-    (800, 8, 8, 8),          # the user: one subset per slot, a local epoch per unit in flight
-    (1437, 8, 8, 8),         # digits
-    (60000, 8, 8, 8),        # MNIST: 7,500 examples a subset
-    (100000, 8, 16, 8),      # past 10,000 examples a subset: two rounds of the slots
-    (200, 8, 3, 8),          # at least 64 examples a subset
-    (30, 8, 1, 8),
-    (1437, 2, 2, 4),         # a small machine: at least 4 local epochs
-    (1437, 1, 1, 4),
-    (100000, 32, 32, 16),    # a large fleet: at most 16 local epochs
+@pytest.mark.parametrize(("n_train", "slots", "subsets", "local_epochs", "rule"), [
+    (800, 8, 8, 8, "delta"),          # the user: one subset per slot, a local epoch per unit in flight
+    (1437, 8, 8, 8, "delta"),         # digits
+    (60000, 8, 8, 8, "delta"),        # MNIST: 7,500 examples a subset
+    (100000, 8, 16, 8, "delta"),      # past 10,000 examples a subset: two rounds of the slots
+    (200, 8, 3, 8, "delta"),          # at least 64 examples a subset
+    (30, 8, 1, 8, "delta"),
+    (1437, 2, 2, 4, "delta"),         # a small machine: at least 4 local epochs
+    (1437, 1, 1, 4, "delta"),
+    (100000, 31, 31, 16, "delta"),    # below 32 in flight: no search
+    (100000, 32, 32, 16, "search"),   # a large fleet: at most 16 local epochs, the step search
+    (60000, 1000, 937, 16, "search"),  # 1,000 hosts on MNIST: 64 examples a subset, more units than subsets
 ])
-def test_derived_values(n_train: int, slots: int, subsets: int, local_epochs: int) -> None:
+def test_derived_values(n_train: int, slots: int, subsets: int, local_epochs: int, rule: str) -> None:
     s = spec()
-    assert missing(s) == ["vcasgd.n_subsets", "training.local_epochs"]
+    assert missing(s) == ["vcasgd.n_subsets", "vcasgd.merge_rule", "training.local_epochs"]
     d, chosen = derive(s, n_train, slots)
-    assert (d.vcasgd.n_subsets, d.training.local_epochs) == (subsets, local_epochs)
-    assert [c.field for c in chosen] == ["vcasgd.n_subsets", "training.local_epochs"]
+    assert (d.vcasgd.n_subsets, d.training.local_epochs, d.vcasgd.merge_rule) == (subsets, local_epochs, rule)
+    assert [c.field for c in chosen] == ["vcasgd.n_subsets", "training.local_epochs", "vcasgd.merge_rule"]
     assert all(c.why for c in chosen) and not missing(d)
     assert spec_from_json(spec_to_json(d)) == d  # what the store keeps, the daemons read back
 
 
 def test_window_sets_units_in_flight_and_given_values_stay() -> None:
     d, _ = derive(spec(vcasgd={"window": 4}), 1437, 8)
-    assert (d.vcasgd.n_subsets, d.training.local_epochs) == (4, 4)
-    given = spec(vcasgd={"n_subsets": 5}, training={"epochs": 5, "local_epochs": 2})
-    d, chosen = derive(given, 1437, 8)
-    assert (d.vcasgd.n_subsets, d.training.local_epochs, chosen) == (5, 2, [])
+    assert (d.vcasgd.n_subsets, d.training.local_epochs, d.vcasgd.merge_rule) == (4, 4, "delta")
+    d, _ = derive(spec(vcasgd={"window": 64}), 1437, 8)
+    assert d.vcasgd.merge_rule == "search"
+    given = spec(vcasgd={"n_subsets": 5, "merge_rule": "paper"}, training={"epochs": 5, "local_epochs": 2})
+    d, chosen = derive(given, 1437, 64)
+    assert (d.vcasgd.n_subsets, d.training.local_epochs, d.vcasgd.merge_rule, chosen) == (5, 2, "paper", [])
+
+
+def test_a_job_stored_before_the_rule_was_derived_resumes_with_delta() -> None:
+    stored = spec(vcasgd={"n_subsets": 8}, training={"epochs": 5, "local_epochs": 8})
+    assert stored.vcasgd.merge_rule is None  # what such a job's stored spec holds
+    assert fill_from(spec(), stored).vcasgd.merge_rule == "delta"
 
 
 def test_mop_trains_one_local_epoch_and_resumes_keep_the_derived_values() -> None:

@@ -31,7 +31,6 @@ from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator import rules, stepsearch
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
-from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.work_generator.losscheck import JobChecker, LossChecker, search_batch
 from boinc_dl.server.work_generator.prepare import JobFiles

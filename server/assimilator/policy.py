@@ -63,7 +63,8 @@ def rule_for(spec: JobSpec, epoch: int, in_flight: int = 1) -> rules.MergeRule:
         return rules.MergeRule("paper", 0.0)  # MOP: the unit's weights replace the model's
     v = spec.vcasgd
     stale = rules.Staleness("poly", p=v.staleness_power)
-    if v.merge_rule in ("delta", "search"):  # search: delta's weight is its smallest candidate step
+    # None: a spec not derived (a job's stored spec always is): delta, the rule then
+    if v.merge_rule in ("delta", "search", None):  # search: delta's weight is its smallest candidate step
         return rules.MergeRule("delta", staleness=stale, server_lr=v.server_lr,
                                cap_in_flight=v.cap_by_in_flight).capped(in_flight)
     if v.merge_rule == "fedasync":

@@ -22,8 +22,8 @@ record names it and the merge log replays it (:meth:`MergePlan.params
 <boinc_dl.server.assimilator.policy.MergePlan.params>`: ``delta`` with the step as its
 rate, no other weight).
 
-A result is searched after the loss check passed it (a refused result needs no step).
-A result whose base weights are gone is mixed as under ``delta`` (no step to search).
+A result is searched after the loss check passed it (a refused result needs no step),
+even with one unit in flight (``w = 1``: 0 or 1). A result whose base weights are gone is mixed as under ``delta`` (no step to search).
 No verdict within ``vcasgd.search_wait_s`` (a checker starting or stopped), or a queue
 the checker would not get through in that time at its recent pace (it publishes its
 seconds per search), makes the result merge with ``delta``'s own weight, recorded as its
@@ -98,9 +98,6 @@ def choose(store: JobStore, spec: JobSpec, plan: MergePlan, *, unit: str, model:
         return None
     steps = plan.candidate_steps()
     weight = min(s for s in steps if s > 0)  # delta's own weight: the fallback
-    if len(steps) == 1:
-        plan.step, plan.step_weight = weight, weight
-        return {"step": weight, "steps": steps}
     rid = step_id(unit, attempt, result)
     verdict = store.loss_verdict(rid)
     if verdict is None:

@@ -239,10 +239,10 @@ def validate(spec_file: Annotated[Path, typer.Argument(help="job spec (YAML)")])
     if spec.mode == "vcasgd":
         v = spec.vcasgd
         rule = {"delta": f"delta (server lr {v.server_lr:g}, staleness power {v.staleness_power:g})",
-                "search": f"search (delta's step or 4, 16, 64 times it, chosen on {v.search_batch} training "
-                          f"examples at the server's weights)",
+                "search": f"search (0, delta's step or 4, 16, 64 times it, chosen by the loss of {v.search_batch} "
+                          f"training examples at the server's weights; delta's after {v.search_wait_s:g} s)",
                 "fedasync": f"fedasync (alpha {v.alpha}, staleness power {v.staleness_power:g})",
-                "paper": f"the paper's (alpha {v.alpha})"}[v.merge_rule]
+                "paper": f"the paper's (alpha {v.alpha})"}[v.merge_rule or "delta"]
         t.add_row("vcasgd", f"{v.n_subsets} subsets per epoch, merge rule {rule}, {v.merge}")
     elif spec.mop is not None:
         t.add_row("mop", f"{spec.mop.search} search, {spec.mop.partitions} partitions")

@@ -81,11 +81,12 @@ class VCASGDSpec(_Strict):
     n_subsets: int | None = Field(
         None, gt=0, le=1_000_000,
         description="subsets (units) per epoch; default: derived from the training examples and the slots")
-    merge_rule: Literal["delta", "search", "fedasync", "paper"] = Field(
-        "delta", description="delta: W_s += server_lr * (W_c - W_base) / (1+s)^p; search: delta's step or "
+    merge_rule: Literal["delta", "search", "fedasync", "paper"] | None = Field(
+        None, description="delta: W_s += server_lr * (W_c - W_base) / (1+s)^p; search: delta's step, 0 or "
         "4, 16, 64 times it (at most 1), whichever lowers the loss of a sample of the training data the most "
         "at the server's weights; fedasync: W_s += (1-a) * (W_c - W_s) / (1+s)^p; paper: "
-        "W_s <- a*W_s + (1-a)*W_c (s: the result's staleness)")
+        "W_s <- a*W_s + (1-a)*W_c (s: the result's staleness); default: derived (search with 32 or more "
+        "units in flight, else delta)")
     staleness_power: float = Field(1.0, ge=0.0, le=8.0, description="p of the staleness weight (1+s)^-p")
     server_lr: float = Field(1.0, gt=0.0, le=10.0, description="delta: the weight of a fresh result's update")
     cap_by_in_flight: bool = Field(

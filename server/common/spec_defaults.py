@@ -43,6 +43,11 @@ LOCAL_EPOCHS_MIN = 4
 LOCAL_EPOCHS_MAX = 16
 #: Units in flight assumed when the job system cannot say (BOINC: hosts come and go).
 DEFAULT_IN_FLIGHT = 8
+#: Units in flight from which the derived merge rule is ``search`` (below: ``delta``). Chosen
+#: on digits in the simulated order, scored on MNIST (docs/merge-rules.md, "The step
+#: search"): from 32 in flight up it ends at least as well as delta and starts better; at
+#: 8 it ends 0.6 points lower on digits and costs the server forward passes for nothing.
+SEARCH_MIN_IN_FLIGHT = 32
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,8 @@ def missing(spec: JobSpec) -> list[str]:
     out = []
     if spec.mode == "vcasgd" and spec.vcasgd.n_subsets is None:
         out.append("vcasgd.n_subsets")
+    if spec.mode == "vcasgd" and spec.vcasgd.merge_rule is None:
+        out.append("vcasgd.merge_rule")
     if spec.training.local_epochs is None:
         out.append("training.local_epochs")
     return out
@@ -96,6 +103,15 @@ def local_epochs_for(k: int) -> tuple[int, str]:
     return le, f"{k} units in flight: each merge carries about 1/{k} of its unit's progress"
 
 
+def merge_rule_for(k: int) -> tuple[str, str]:
+    """The merge rule of a VC-ASGD job with ``k`` units in flight, and why."""
+    if k >= SEARCH_MIN_IN_FLIGHT:
+        return "search", (f"{k} units in flight: the server picks each result's step by the loss of a "
+                          f"training sample at its weights (from {SEARCH_MIN_IN_FLIGHT} in flight it learns "
+                          f"faster than delta)")
+    return "delta", f"{k} units in flight: each result weighs about 1/{k} (below {SEARCH_MIN_IN_FLIGHT}: no search)"
+
+
 def derive(spec: JobSpec, n_train: int, slots: int | None) -> tuple[JobSpec, list[Chosen]]:
     """``spec`` with every derived default filled in for ``n_train`` training examples and
     ``slots`` slots (None: the job system cannot tell), and what was chosen."""
@@ -111,6 +127,10 @@ def derive(spec: JobSpec, n_train: int, slots: int | None) -> tuple[JobSpec, lis
             le, why = local_epochs_for(k)
             tr = tr.model_copy(update={"local_epochs": le})
             chosen.append(Chosen("training.local_epochs", le, why))
+        if vc.merge_rule is None:
+            rule, why = merge_rule_for(k)
+            vc = vc.model_copy(update={"merge_rule": rule})
+            chosen.append(Chosen("vcasgd.merge_rule", rule, why))
     elif tr.local_epochs is None:
         tr = tr.model_copy(update={"local_epochs": 1})
         chosen.append(Chosen("training.local_epochs", 1, "MOP: each model visits each partition once per epoch"))
@@ -119,10 +139,13 @@ def derive(spec: JobSpec, n_train: int, slots: int | None) -> tuple[JobSpec, lis
 
 def fill_from(spec: JobSpec, stored: JobSpec) -> JobSpec:
     """``spec`` with the fields it leaves to derive taken from ``stored`` (the job's
-    spec as first derived): a resumed job keeps its subsets and local epochs."""
+    spec as first derived): a resumed job keeps its subsets, local epochs and merge rule."""
     vc, tr = spec.vcasgd, spec.training
     if vc.n_subsets is None:
         vc = vc.model_copy(update={"n_subsets": stored.vcasgd.n_subsets})
+    if vc.merge_rule is None:
+        # a job stored before the rule was derived ran delta, the default then
+        vc = vc.model_copy(update={"merge_rule": stored.vcasgd.merge_rule or "delta"})
     if tr.local_epochs is None:
         tr = tr.model_copy(update={"local_epochs": stored.training.local_epochs})
     return spec.model_copy(update={"vcasgd": vc, "training": tr})

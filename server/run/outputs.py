@@ -14,6 +14,10 @@ from boinc_dl.server.assimilator.store import JobStore
 #: units.csv's timing columns after the original ones (docs/planner.md, "Calibration").
 UNIT_TIMINGS = ("load_s", "eval_s", "checkpoint_s", "train_cpu_s", "cpu_s",
                 "validate_s", "validate_cpu_s", "merge_s", "merge_cpu_s", "commit_s", "first_step_cpu_s")
+#: Appended after them, ``merge_rule: search`` (empty otherwise): the step the server chose
+#: for the result, the checker's seconds for it, the result's whole wait for it, the server
+#: weights' version it was searched at, and whether it fell back to delta's weight.
+STEP_COLUMNS = ("step", "step_check_s", "step_wait_s", "step_at_version", "step_fallback")
 
 
 def collect_history(store: JobStore) -> dict[str, Any]:
@@ -29,10 +33,7 @@ def collect_history(store: JobStore) -> dict[str, Any]:
                 # Appended (the columns above keep their order): each unit's own durations,
                 # from the client's clock (load, evaluation, checkpoints, CPU seconds) and
                 # the assimilator's (validation, the merge call, its Redis commits, CPU).
-                *UNIT_TIMINGS,
-                # merge_rule search: the step the server chose for the result (else empty), the
-                # checker's forward passes for it and the result's whole wait for them
-                "step", "step_check_s", "step_wait_s", "step_at_version", "step_fallback")})
+                *UNIT_TIMINGS, *STEP_COLUMNS)})
         elif m["kind"] == "failed":
             units.append({"unit": m.get("unit"), "failed": m.get("reason")})
     return {"job": store.job, "meta": store.meta(), "epochs": epochs, "units": units,

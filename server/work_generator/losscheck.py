@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -58,6 +59,8 @@ log = logging.getLogger("boinc-dl.loss_check")
 
 #: Base losses kept per job (one per weights version in use; units in flight span a few).
 BASE_CACHE = 64
+#: Base weights files the step search keeps in memory per job (each a model's size).
+BASES_KEPT = 4
 #: Spool files older than this belong to requests lost in a crash.
 ORPHAN_AGE_S = 86400.0
 
@@ -126,6 +129,7 @@ class JobChecker:
         self._search_loss_fn = search_loss_fn
         self._base_loss: OrderedDict[str, float] = OrderedDict()
         self._current_loss: tuple[tuple[Any, ...], float] | None = None
+        self._bases: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 
     # ---- the forward pass ----------------------------------------------------------------
     def loss(self, flat: np.ndarray) -> float:
@@ -267,7 +271,7 @@ class JobChecker:
         except WeightsFormatError as e:
             return {"ok": False, "reason": f"step search: the result's weights cannot be read: {e}", "t": time.time()}
         t0 = time.perf_counter()
-        wb = read_weights(base, self.fp).flat
+        wb = self._base(base)
         model = str(req.get("model", "0"))
         snap = self.store.snapshot(model)
         # the update as the merge applies it (clipped), from the server weights as they are now
@@ -277,6 +281,21 @@ class JobChecker:
         return {"ok": True, "step": step, "steps": steps,
                 "losses": [round(x, 6) if x is not None and math.isfinite(x) else None for x in losses],
                 "at_version": snap.version, "check_s": round(time.perf_counter() - t0, 6), "t": time.time()}
+
+    def _base(self, path: str) -> np.ndarray:
+        """A base weights file's values (the server's own file; the latest few kept: every
+        unit issued from one weights version shares it), by path, mtime and size: a file
+        written again under its name (a version Redis lost, rewritten) is read anew."""
+        st = os.stat(path)
+        key = (path, st.st_mtime_ns, st.st_size)
+        hit = self._bases.get(key)
+        if hit is None:
+            hit = self._bases[key] = read_weights(path, self.fp).flat
+            while len(self._bases) > BASES_KEPT:
+                self._bases.popitem(last=False)
+        else:
+            self._bases.move_to_end(key)
+        return hit
 
     def _loss_after(self, model: str, snap: Any, d: np.ndarray, step: float) -> float:
         """The training sample's loss at ``snap`` after ``step * d``; at step 0, the loss of the

@@ -339,7 +339,7 @@ class VCASGDWorkGenerator:
             "elapsed_s": now - self.started,
             "eval_s": eval_s,
             "merge_rule": self.spec.vcasgd.merge_rule,
-            "alpha": self.spec.vcasgd.alpha_for(epoch) if self.spec.vcasgd.merge_rule != "delta" else None,
+            "alpha": self.spec.vcasgd.alpha_for(epoch) if self.spec.vcasgd.merge_rule in ("paper", "fedasync") else None,
         }
 
     def close_epochs(self) -> list[int]:
