@@ -73,10 +73,12 @@ def deliver(store: JobStore, spec, unit: str, paths: list[Path], trusted: bool =
 
 
 @contextmanager
-def checker_running(store: JobStore, spec, job_dir: Path) -> Iterator[LossChecker]:
+def checker_running(store: JobStore, spec, job_dir: Path, checker: JobChecker | None = None) -> Iterator[LossChecker]:
+    """The checker loop in a thread, serving ``store``'s job with ``checker`` (default: one
+    whose loss is np_loss)."""
     stop = threading.Event()
     lcr = LossChecker(lambda: store.r, lambda: {store.job: job_dir}, stop, idle_s=0.05)
-    lcr.checkers[store.job] = JobChecker(store, spec, job_dir, loss_fn=np_loss)
+    lcr.checkers[store.job] = checker or JobChecker(store, spec, job_dir, loss_fn=np_loss)
     t = threading.Thread(target=lcr.run, daemon=True)
     t.start()
     try:

@@ -17,11 +17,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,17 +28,14 @@ from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator import rules, stepsearch
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
-from boinc_dl.server.common.weights import WeightsFile, write_weights
-from boinc_dl.server.work_generator.losscheck import JobChecker, LossChecker, search_batch
+from boinc_dl.server.work_generator.losscheck import JobChecker, search_batch
 from boinc_dl.server.work_generator.prepare import JobFiles
 from tests.conftest import REPO, tiny_spec
 from tests.hostile_corpus import ATTACKS
 
-TARGET = 1.0  # the "good" model: every weight 1 (the base, version 0, is all zeros)
-
-
-def np_loss(flat: np.ndarray) -> float:
-    return float(np.mean((flat.astype(np.float64) - TARGET) ** 2))
+# np_loss: the distance to the all-ones model; result: a result file holding one value
+from tests.test_loss_check import checker_running as loss_checker_running
+from tests.test_loss_check import np_loss, result
 
 
 @pytest.fixture
@@ -60,34 +54,16 @@ def job(tiny_job, tmp_path: Path):
     return store, spec, fp, job_dir
 
 
-def result(tmp_path: Path, store: JobStore, fp, unit: str, value: float, seq: int = 0) -> list[Path]:
-    d = tmp_path / f"res-{unit}-{seq}-{value}"
-    d.mkdir(exist_ok=True)
-    w = d / "weights_out.h5"
-    write_weights(w, WeightsFile(np.full(fp.n_params, value, np.float32), fp, job=store.job, model="0",
-                                 unit=unit, base_version=0, examples_seen=10))
-    return [w]
-
-
 def deliver(store: JobStore, spec, unit: str, paths: list[Path], seq: int = 0):
     return assimilate(store, Delivery(unit, f"{unit}_{seq}", unit=unit, files=paths, final=True, trusted=True),
                       spec=spec)
 
 
-@contextmanager
-def checker_running(store: JobStore, spec, job_dir: Path, loss=np_loss) -> Iterator[LossChecker]:
-    stop = threading.Event()
-    lcr = LossChecker(lambda: store.r, lambda: {store.job: job_dir}, stop, idle_s=0.05)
-    # the checker's own store (its own caches), as in the work generator's thread
-    lcr.checkers[store.job] = JobChecker(JobStore(store.r, store.job), spec, job_dir, loss_fn=np_loss,
-                                         search_loss_fn=loss)
-    t = threading.Thread(target=lcr.run, daemon=True)
-    t.start()
-    try:
-        yield lcr
-    finally:
-        stop.set()
-        t.join(10)
+def checker_running(store: JobStore, spec, job_dir: Path, loss=np_loss):
+    """The checker loop in a thread, with its own store (its own caches, as in the work
+    generator's thread) and ``loss`` as the step search's loss."""
+    own = JobChecker(JobStore(store.r, store.job), spec, job_dir, loss_fn=np_loss, search_loss_fn=loss)
+    return loss_checker_running(store, spec, job_dir, own)
 
 
 # ---- the rule's arithmetic -----------------------------------------------------------------
