@@ -412,6 +412,9 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     scratch = np.empty_like(ws)
     version = 0
     bases: dict[int, list[Any]] = {}  # version -> [weights, refs, check-batch gradient or None]
+    issued: dict[int, int] = {}  # version -> units issued from it (the step search's cohorts)
+    if isinstance(rule, SearchRule):
+        rule.cohorts = issued
     info: dict[int, tuple[int, int, int, bool]] = {}  # uid -> (epoch, shard, base version, attacker)
     pending: dict[int, None] = {}  # issued, not yet trained (ordered)
     results: dict[int, np.ndarray] = {}
@@ -499,6 +502,7 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
         if version not in bases:
             bases[version] = [ws.copy(), 0, None]
         bases[version][1] += 1
+        issued[version] = issued.get(version, 0) + 1
         atk = is_attacker(uid)
         role = "attack" if atk else "honest"
         if atk and defence.reputation:
@@ -720,11 +724,12 @@ def all_rules() -> dict[str, Any]:
 
 class SearchRule:
     """``merge_rule: search`` in the simulated order: the product's candidates
-    (``rules.search_steps`` of the capped ``delta`` weight), its search (``rules.search_step``)
-    and its merge (``rules.stepped``), the loss that of a fixed uniform sample of
-    ``batch`` training examples at the server weights when the result is merged (the
-    product samples an equal share of each subset, and evaluates at the weights when the
-    checker takes the request: the same weights here, where merges land one at a time)."""
+    (``rules.search_steps`` of the capped ``delta`` weight, bounded by the units issued
+    from the result's base version), its search (``rules.search_step``) and its merge
+    (``rules.stepped``), the loss that of a fixed uniform sample of ``batch`` training
+    examples at the server weights when the result is merged (the product samples an
+    equal share of each subset, and evaluates at the weights when the checker takes the
+    request: the same weights here, where merges land one at a time)."""
 
     def __init__(self, task: Task | None = None, batch: int = 1024, base: R.MergeRule | None = None,
                  stats: dict[str, int] | None = None):
@@ -732,6 +737,9 @@ class SearchRule:
         self.base = base or candidate_rules()[REC]
         self.stats = stats if stats is not None else {"results": 0, "zero": 0, "evals": 0}
         self.xs = self.ys = None
+        self.merged: int = 0  # this replay's merges so far: the server version
+        self.in_flight: int = 1  # the window (capped sets it)
+        self.cohorts: dict[int, int] | None = None  # version -> units issued from it (simulate sets it)
         if task is not None:
             idx = np.random.default_rng([task.seed, 0x57E9]).permutation(len(task.x))[:batch]
             self.xs, self.ys = task.x[np.sort(idx)], task.y[np.sort(idx)]
@@ -742,14 +750,17 @@ class SearchRule:
     def capped(self, in_flight: int) -> SearchRule:
         out = SearchRule(None, self.batch, self.base.capped(in_flight), self.stats)
         out.task, out.xs, out.ys = self.task, self.xs, self.ys
+        # one job's replay: its merges so far (the server version) and, set by simulate(),
+        # the units issued from each version (the product's JobStore.issued_from)
+        out.merged, out.cohorts, out.in_flight = 0, None, max(1, int(in_flight))
         return out
 
     def new_state(self, n: int) -> None:
         return None
 
     def describe(self) -> str:
-        return f"search(0 or {self.base.describe()} x {', '.join(f'{m:g}' for m in R.SEARCH_MULTIPLIERS)}; " \
-               f"{self.batch} training examples)"
+        return f"search(0 or {self.base.describe()} x {', '.join(f'{m:g}' for m in R.SEARCH_MULTIPLIERS)}, " \
+               f"at most w x max(1, in flight / cohort); {self.batch} training examples)"
 
     def loss(self, flat: np.ndarray) -> float:
         assert self.task is not None and self.xs is not None, "bind the rule to a task first"
@@ -768,7 +779,9 @@ class SearchRule:
         def at(c: float) -> float:
             self.stats["evals"] += 1
             return self.loss(ws + np.float32(c) * d)
-        step, _ = R.search_step(R.search_steps(self.base.weight(s)), at)
+        cohort = (self.cohorts or {}).get(self.merged - int(s), 1)  # units issued from the base version
+        self.merged += 1
+        step, _ = R.search_step(R.search_steps(self.base.weight(s), cohort, self.in_flight), at)
         self.stats["results"] += 1
         self.stats["zero"] += step == 0.0
         rule, factor = R.stepped(step)

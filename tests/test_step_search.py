@@ -83,6 +83,19 @@ def test_candidate_steps_are_zero_then_multiples_of_deltas_weight_never_above_on
     assert rules.stepped(0.0)[1] == 0.0  # step 0: a scale of 0
 
 
+def test_a_cohort_as_large_as_the_window_gets_deltas_weight_or_nothing() -> None:
+    """Units issued together from one version into a window of k (the job's first round:
+    all k) start and, on hosts alike, end together: each of their steps at most
+    w * max(1, k / cohort), so that the first of them cannot take its whole update and
+    leave the rest of the cohort no use; in steady state (a cohort of one or two) the
+    search is free."""
+    assert rules.search_steps(1 / 16, cohort=32, in_flight=32) == [0.0, 1 / 16]  # the first round
+    assert rules.search_steps(1 / 16, cohort=4, in_flight=32) == [0.0, 1 / 16, 0.25, 0.5]
+    assert rules.search_steps(1 / 32, cohort=1, in_flight=32) == [0.0, 1 / 32, 0.125, 0.5, 1.0]
+    assert rules.search_steps(0.5, cohort=1000, in_flight=4) == [0.0, 0.5]  # never below delta's own weight
+    assert rules.search_steps(1 / 16) == [0.0, 1 / 16, 0.25, 1.0]  # no window given: no bound but 1
+
+
 def test_the_search_stops_at_the_first_rise_and_a_non_finite_loss_never_wins() -> None:
     seen: list[float] = []
 
@@ -129,6 +142,25 @@ def test_each_result_merges_with_the_step_that_lowers_the_loss_most(job, tmp_pat
         assert np.allclose(store.get_weights()[0], 1.0)
     # every request was answered and every spool copy removed
     assert store.loss_pending_count() == 0 and not list(lc.spool_dir(job_dir).iterdir())
+
+
+def test_the_work_generators_cohort_of_a_base_bounds_its_results_steps(job, tmp_path: Path) -> None:
+    """The count of units issued from a version is kept with their registration (one
+    script: a restart re-registering a unit counts nothing twice) and read at the merge."""
+    store, spec, fp, job_dir = job
+    base = store.unit_info("s0")["files"]["weights_in.h5"]
+    for i in range(8):
+        info = {"epoch": 2, "shard": i % 4, "model": "0", "weights_version": 0, "in_flight": 4,
+                "files": {"weights_in.h5": base}}
+        assert store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))
+        assert not store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))  # again: not counted
+    assert store.issued_from("0", 0) == 8 and store.issued_from("0", 1) == 0
+    with checker_running(store, spec, job_dir):
+        # delta's weight 0.5 (4 in flight, s = 0); a cohort of 8 from version 0, twice the window:
+        # 0 or 0.5, where a cohort of one would have taken the whole update (1.0)
+        assert deliver(store, spec, "c0", result(tmp_path, store, fp, "c0", 1.0)).status == "merged"
+    rec = store.assimilated()["c0"]
+    assert rec["step"] == 0.5 and rec["step_losses"] == [1.0, 0.25]
 
 
 def test_a_merge_replays_bit_for_bit_from_its_record(job, tmp_path: Path) -> None:

@@ -107,9 +107,11 @@ class MergePlan:
     #: ... and the ``delta`` weight its candidates were multiples of
     step_weight: float | None = None
 
-    def candidate_steps(self) -> list[float]:
-        """The steps the search chooses among: this result's ``delta`` weight and multiples."""
-        return rules.search_steps(self.rule.weight(self.staleness))
+    def candidate_steps(self, cohort: int = 1, in_flight: int = 1) -> list[float]:
+        """The steps the search chooses among: 0, this result's ``delta`` weight and its
+        multiples, bounded by its ``cohort`` (units issued from its base version) next to
+        the window it was issued into (:func:`rules.search_steps`)."""
+        return rules.search_steps(self.rule.weight(self.staleness), cohort, in_flight)
 
     def params(self) -> dict[str, Any]:
         """What a replay needs to recompute this merge bit for bit (JSON)."""

@@ -390,19 +390,39 @@ class JobStore(ShardMerging):
       redis.call('HINCRBY', KEYS[3], 'created', 1)
       redis.call('HSETNX', KEYS[3], 'started_at', ARGV[4])
     end
+    if ARGV[5] ~= '' then redis.call('HINCRBY', KEYS[4], ARGV[5], 1) end
     return 1
     """
 
-    def register_unit(self, unit: str, info: dict[str, Any], epoch: int | None) -> bool:
+    def register_unit(self, unit: str, info: dict[str, Any], epoch: int | None,
+                      issued_from: tuple[str, int] | None = None) -> bool:
         """Record a created unit (returns False if it already existed: no double count).
 
-        One Lua script: the record, its state and the epoch's ``created`` count change
-        together or not at all, so a crash in between cannot desynchronise them.
+        One Lua script: the record, its state, the epoch's ``created`` count and, with
+        ``issued_from`` (model, weights version), that version's count of units issued
+        from it (:meth:`issued_from`) change together or not at all, so a crash in between
+        cannot desynchronise them.
         """
         script = self._script("register", self._REGISTER)
-        keys = [self.k("units"), self.k("unit_state"), self.k("epoch", epoch if epoch is not None else "none")]
-        args = [unit, json.dumps(info), "1" if epoch is not None else "0", time.time()]
+        model, version = issued_from if issued_from is not None else ("0", None)
+        keys = [self.k("units"), self.k("unit_state"), self.k("epoch", epoch if epoch is not None else "none"),
+                self.k("issued", model)]
+        args = [unit, json.dumps(info), "1" if epoch is not None else "0", time.time(),
+                str(int(version)) if version is not None else ""]
         return bool(self.call(lambda: script(keys=keys, args=args)))
+
+    def count_issued(self, model: str, version: int) -> None:
+        """One more unit issued from ``model``'s weights ``version`` (a regenerated unit)."""
+        self.call(lambda: self.r.hincrby(self.k("issued", model), str(int(version)), 1))
+
+    def issued_from(self, model: str, version: int) -> int:
+        """Units the work generator issued from ``model``'s weights ``version`` (0: none
+        recorded, a job created before the count was kept)."""
+        raw = self.call(lambda: self.r.hget(self.k("issued", model), str(int(version))))
+        try:
+            return max(0, int(raw)) if raw is not None else 0
+        except ValueError:
+            return 0
 
     _SET_IF = (
         "local cur = redis.call('HGET', KEYS[1], ARGV[1]) "

@@ -184,7 +184,8 @@ class VCASGDWorkGenerator:
                 # each attempt's base (a late original and its regeneration start from different
                 # weights): what the merge measures a result's staleness and update against
                 "bases": {"0": [version, str(wpath)]}}
-        if not self.store.register_unit(wu.unit, info, epoch):
+        # counted with its base version: the step search bounds a large cohort's steps
+        if not self.store.register_unit(wu.unit, info, epoch, issued_from=(self.model, version)):
             log.warning("unit %s was already registered; resubmitting it", wu.unit)
         self._submit(wu)
         return True
@@ -265,6 +266,7 @@ class VCASGDWorkGenerator:
         info.update(attempt=attempt, weights_version=version, files=wu.files, regenerated_at=time.time(),
                     bases=bases)
         self.store.update_unit_info(unit, info)
+        self.store.count_issued(self.model, version)
         return wu, unit_name(self.spec.name, epoch, shard, self.model, attempt)
 
     def service_regenerations(self) -> int:
