@@ -28,6 +28,7 @@ from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator import rules, stepsearch
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.work_generator.losscheck import JobChecker, search_batch
 from boinc_dl.server.work_generator.prepare import JobFiles
 from tests.conftest import REPO, tiny_spec
@@ -161,6 +162,30 @@ def test_the_work_generators_cohort_of_a_base_bounds_its_results_steps(job, tmp_
         assert deliver(store, spec, "c0", result(tmp_path, store, fp, "c0", 1.0)).status == "merged"
     rec = store.assimilated()["c0"]
     assert rec["step"] == 0.5 and rec["step_losses"] == [1.0, 0.25]
+
+
+def test_a_host_cannot_claim_a_lone_base_to_escape_its_cohorts_bound(job, tmp_path: Path) -> None:
+    """The cohort is read for the base the server recorded for the unit, never the one the
+    result file names: a host of a large cohort that claims a version from which one unit
+    was issued (whose steps would go up to its whole update) still gets 0 or delta's weight."""
+    store, spec, fp, job_dir = job
+    base = store.unit_info("s0")["files"]["weights_in.h5"]
+    for i in range(8):
+        info = {"epoch": 2, "shard": i % 4, "model": "0", "weights_version": 0, "in_flight": 4,
+                "files": {"weights_in.h5": base}}
+        assert store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))
+    lone = {"epoch": 2, "shard": 0, "model": "0", "weights_version": 1, "in_flight": 4,
+            "files": {"weights_in.h5": base}}
+    assert store.register_unit("lone", lone, 2, issued_from=("0", 1))
+    assert store.issued_from("0", 1) == 1
+    w = tmp_path / "claims-v1" / "weights_out.h5"
+    w.parent.mkdir()
+    write_weights(w, WeightsFile(np.full(fp.n_params, 1.0, np.float32), fp, job=store.job, model="0",
+                                 unit="c0", base_version=1, examples_seen=10))  # the lie: base 1
+    with checker_running(store, spec, job_dir):
+        assert deliver(store, spec, "c0", [w]).status == "merged"
+    rec = store.assimilated()["c0"]
+    assert rec["base_version"] == 0 and rec["step"] == 0.5 and rec["step_losses"] == [1.0, 0.25]
 
 
 def test_a_merge_replays_bit_for_bit_from_its_record(job, tmp_path: Path) -> None:
