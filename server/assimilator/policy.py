@@ -106,12 +106,14 @@ class MergePlan:
     step: float | None = None
     #: ... and the ``delta`` weight its candidates were multiples of
     step_weight: float | None = None
+    #: the window the unit was issued into (:func:`in_flight_of` its record)
+    in_flight: int = 1
 
-    def candidate_steps(self, cohort: int = 1, in_flight: int = 1) -> list[float]:
+    def candidate_steps(self, cohort: int = 1) -> list[float]:
         """The steps the search chooses among: 0, this result's ``delta`` weight and its
         multiples, bounded by its ``cohort`` (units issued from its base version) next to
         the window it was issued into (:func:`rules.search_steps`)."""
-        return rules.search_steps(self.rule.weight(self.staleness), cohort, in_flight)
+        return rules.search_steps(self.rule.weight(self.staleness), cohort, self.in_flight)
 
     def params(self) -> dict[str, Any]:
         """What a replay needs to recompute this merge bit for bit (JSON)."""
@@ -174,7 +176,8 @@ def in_flight_of(info: dict[str, Any]) -> int:
 def plan_merge(store: JobStore, spec: JobSpec, info: dict[str, Any], model: str, epoch: int,
                wc: np.ndarray, fp: Fingerprint, attempt: int | None = None) -> MergePlan:
     """The plan of merging ``wc``, a result of ``attempt`` of the unit recorded as ``info``."""
-    rule = rule_for(spec, epoch, in_flight_of(info))
+    in_flight = in_flight_of(info)
+    rule = rule_for(spec, epoch, in_flight)
     base_version, base_path = base_of(info, attempt)
     now = store.version(model)
     staleness = max(0, now - (base_version if base_version is not None else now))
@@ -187,7 +190,7 @@ def plan_merge(store: JobStore, spec: JobSpec, info: dict[str, Any], model: str,
         rule = rules.MergeRule("fedasync", 0.0, rule.staleness, max_weight=rule.max_weight)
     norm = rules.update_norm(wc, base) if base is not None else None
     scale = rules.clip_scale(norm, radius) if norm is not None else 1.0
-    return MergePlan(rule, staleness, base_version, base, base_path, scale, norm, radius)
+    return MergePlan(rule, staleness, base_version, base, base_path, scale, norm, radius, in_flight=in_flight)
 
 
 def load_base(path: str | None, fp: Fingerprint) -> np.ndarray | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from boinc_dl.server.assimilator import losscheck as lc
-from boinc_dl.server.assimilator import policy, rules
+from boinc_dl.server.assimilator import rules
 from boinc_dl.server.assimilator.policy import MergePlan
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.errors import ResultRejected
@@ -100,7 +100,7 @@ def choose(store: JobStore, spec: JobSpec, plan: MergePlan, *, unit: str, model:
     # did not count, such as one regenerated across a crash: taken as a cohort of one),
     # next to the window they were issued into
     cohort = store.issued_from(model, plan.base_version) if plan.base_version is not None else 0
-    steps = plan.candidate_steps(cohort or 1, policy.in_flight_of(store.unit_info(unit) or {}))
+    steps = plan.candidate_steps(cohort or 1)
     weight = min(s for s in steps if s > 0)  # delta's own weight: the fallback
     rid = step_id(unit, attempt, result)
     verdict = store.loss_verdict(rid)
