@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "90e8a71"  # before lean imports and autograph-free train steps
 
 PLAIN_IMPORT = "import tensorflow, keras"
-LEAN_IMPORT = "from client_app.lean_imports import import_tensorflow_lean; import_tensorflow_lean()"
+LEAN_IMPORT = "from boinc_dl.server.common.keras_model import import_tensorflow; import_tensorflow()"
 
 
 def make_unit(slot: Path) -> None:

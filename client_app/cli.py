@@ -227,7 +227,7 @@ def run_cli(argv: list[str] | None = None) -> tuple[int, bool]:
         from boinc_dl.server.common.errors import BoincDLError
 
         try:
-            result = run_unit(slot, threads=threads, should_stop=flag.is_set, lean_import=True)
+            result = run_unit(slot, threads=threads, should_stop=flag.is_set)
         except BoincDLError as e:
             print(f"client_app: error: {e}", file=sys.stderr)
             return EXIT_INPUT, False

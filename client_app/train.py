@@ -157,7 +157,6 @@ def run_unit(
     threads: int | None = None,
     should_stop: Callable[[], bool] | None = None,
     progress: Callable[[float], None] | None = None,
-    lean_import: bool = False,
 ) -> UnitResult:
     """Train the workunit whose input files are in ``slot_dir``; write its outputs there.
 
@@ -165,23 +164,19 @@ def run_unit(
     process; ``threads`` bounds TensorFlow's thread pools (effective only before
     TensorFlow first runs in this process); ``should_stop`` is polled between batches
     and makes the unit checkpoint and return an ``interrupted`` result; ``progress``
-    receives the fraction done (0..1) at most once a second. ``lean_import`` (for a
-    process that runs this one unit, as ``python -m boinc_dl.client_app``) skips the optional
-    packages Keras imports and the client never uses (:mod:`boinc_dl.client_app.lean_imports`).
+    receives the fraction done (0..1) at most once a second.
 
     Raises :class:`UnitInputError` for a permanent input problem (bad ``wu.json``,
     missing or unreadable inputs, weights that do not match the model).
     """
-    return _Run(Path(slot_dir), cache, threads, should_stop or (lambda: False), progress, lean_import).run()
+    return _Run(Path(slot_dir), cache, threads, should_stop or (lambda: False), progress).run()
 
 
 class _Run:
     def __init__(self, slot: Path, cache: ModelCache | None, threads: int | None,
-                 should_stop: Callable[[], bool], progress: Callable[[float], None] | None,
-                 lean_import: bool = False):
+                 should_stop: Callable[[], bool], progress: Callable[[float], None] | None):
         self.t0 = time.monotonic()
         self.cpu0 = time.process_time()  # the slot's process runs one unit at a time
-        self.lean_import = lean_import
         self.slot = slot
         self.cache = cache if cache is not None else ModelCache(max_models=1)
         self.threads = threads
@@ -226,10 +221,6 @@ class _Run:
 
         from boinc_dl.server.common.keras_model import configure_tf
 
-        if self.lean_import:
-            from boinc_dl.client_app.lean_imports import import_tensorflow_lean
-
-            import_tensorflow_lean()
         configure_tf(self.threads)
         import keras
 

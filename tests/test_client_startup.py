@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from boinc_dl.client_app.lean_imports import KERAS_OPTIONAL, hidden
+from boinc_dl.server.common.lean_imports import KERAS_OPTIONAL, hidden
 from tests.test_client_app import make_unit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,3 +80,44 @@ def test_hidden_packages_fail_to_import_inside_the_block_only(tmp_path: Path, mo
         assert importlib.import_module("bdl_probe_pkg.sub").X == 1
     for name in ("bdl_probe_pkg.sub", "bdl_probe_pkg"):
         sys.modules.pop(name, None)
+
+
+# The server's processes import TensorFlow the same way: a run's own process (the initial
+# model, the evaluator, the checker) and the local backend's fork server, whose children
+# (every slot and assimilator) start with what it preloaded.
+SERVER_PROBE = """
+import json, multiprocessing, runpy, sys
+from boinc_dl.server.common.keras_model import configure_tf
+from boinc_dl.server.backends.local.jobsystem import process_context
+tf = configure_tf()
+main = sorted(m for m in sys.modules if m.partition(".")[0] in {names!r})
+ctx = process_context()
+p = ctx.Process(target=runpy.run_path, args=(sys.argv[1],))
+p.start(); p.join(120)
+import sklearn  # still importable
+print(json.dumps({{"main": main, "tf": tf.__name__, "child_rc": p.exitcode}}))
+"""
+
+CHILD = """
+import json, sys
+names = {names!r}
+json.dump({{"tf": "tensorflow" in sys.modules and "keras" in sys.modules,
+           "train": "boinc_dl.client_app.train" in sys.modules,
+           "loaded": sorted(m for m in sys.modules if m.partition(".")[0] in names)}},
+          open(sys.argv[0] + ".json", "w"))
+"""
+
+
+@pytest.mark.skipif(not _installed("sklearn"), reason="scikit-learn not installed: nothing to skip")
+def test_server_processes_and_the_fork_servers_children_import_tensorflow_lean(tmp_path: Path) -> None:
+    names = set(KERAS_OPTIONAL)
+    child = tmp_path / "child.py"
+    child.write_text(CHILD.format(names=names))
+    out = subprocess.run([sys.executable, "-c", SERVER_PROBE.format(names=names), str(child)],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"main": [], "tf": "tensorflow", "child_rc": 0}, got
+    # the child forked from the fork server found TensorFlow, Keras and the client's
+    # training code already imported (preloaded), and none of Keras' optional packages
+    assert json.loads((tmp_path / "child.py.json").read_text()) == {"tf": True, "train": True, "loaded": []}

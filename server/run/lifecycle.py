@@ -63,6 +63,15 @@ def open_store(run_dir: Path, redis_url: str | None, job: str) -> tuple[Embedded
     return server, redis_url, JobStore(connect(redis_url), job)
 
 
+def prestart_local_backend(store: JobStore, run_dir: Path, resume: bool) -> None:
+    """Start the local backend's fork server before the job is prepared, so that its
+    TensorFlow import runs beside the run's own (the initial model): start-up pays for one
+    import, not two in a row. Not for a resumed job that is over (no backend starts)."""
+    if resume and store.meta().get("status") in ("done", "failed", "cancelled"):
+        return
+    LocalJobSystem.prestart(run_dir)
+
+
 def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
                         backend_opts: dict[str, Any] | None) -> LocalJobSystem:
     """The local job system the spec asks for (options overridden by ``backend_opts``), started."""

@@ -25,6 +25,7 @@ from boinc_dl.server.run.lifecycle import (
     RunWatch,
     drive,
     owner_fields,
+    prestart_local_backend,
     print_derived,
     start_local_backend,
     stop_reason,
@@ -210,6 +211,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     snap: dict[str, Any] = {}
     try:
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
+        prestart_local_backend(store, run_dir, resume)
         opts = local_options(spec, backend_opts)
         prepare_job(spec, store, run_dir, resume=resume, search_path=search_path,
                     slots=int(opts["workers"]) * int(opts["slots"]), owner=owner_fields())

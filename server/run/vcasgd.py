@@ -34,6 +34,7 @@ from boinc_dl.server.run.lifecycle import (
     drive,
     earlier_summary,
     owner_fields,
+    prestart_local_backend,
     print_derived,
     start_local_backend,
     stop_reason,
@@ -151,6 +152,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
     earlier: dict[str, Any] = {}
     try:
         console.print(f"[bold]boinc-dl[/] preparing job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
+        prestart_local_backend(store, run_dir, resume)
         opts = local_options(spec, backend_opts)
         files = prepare_job(spec, store, run_dir, resume=resume, search_path=search_path,
                             slots=int(opts["workers"]) * int(opts["slots"]), owner=owner_fields())

@@ -84,6 +84,39 @@ log = logging.getLogger(__name__)
 
 PREEMPT_MODES = ("vanish", "notice", "restart")
 
+#: The backend's log under its directory: its fork server's and its children's output.
+LOG_NAME = "local-backend.log"
+
+#: What the slots' fork server imports before it forks a slot or an assimilator:
+#: TensorFlow first, lean (server.common.tf_preload), then the client's training code.
+FORKSERVER_PRELOAD = ("boinc_dl.server.common.tf_preload", "boinc_dl.client_app.train", "h5py", "numpy")
+
+
+def process_context() -> Any:
+    """The multiprocessing context the local backend starts its slots and assimilators
+    with: a fork server that has :data:`FORKSERVER_PRELOAD` in memory (TensorFlow is
+    imported once per run, not once per slot)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
+def start_fork_server(log_file: Path) -> None:
+    """Start this process's fork server (if it has none yet) with its stdout and stderr on
+    ``log_file``: TensorFlow's start-up lines in every slot, and any child's traceback, go
+    there instead of the run's console. It returns at once; the server imports
+    :data:`FORKSERVER_PRELOAD` in the background, so a run that starts it before preparing
+    its job (which imports TensorFlow too) pays for both imports once, side by side."""
+    from multiprocessing import forkserver
+
+    from boinc_dl.server.common.tf_env import quiet_env, stdio_to
+
+    process_context()
+    quiet_env()
+    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    with stdio_to(log_file):
+        forkserver.ensure_running()
+
 
 
 class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, JobSystem):
@@ -115,8 +148,7 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.poison_after = poison_after
         self.capacity = workers * slots
         self.rng = random.Random(seed)
-        self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["boinc_dl.client_app.train", "tensorflow", "h5py", "numpy"])
+        self.ctx = process_context()
         self.assims: list[_Assimilator] = []
         self.slots: list[_Slot] = []
         self.units: dict[str, _Unit] = {}
@@ -157,24 +189,18 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.host_data: dict[int, set[str]] = {h: set() for h in range(workers)}
         self.slot_busy_s = 0.0
         self.started_at = 0.0
-        self.log_file = self.base / "local-backend.log"
+        self.log_file = self.base / LOG_NAME
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def _start_forkserver(self) -> None:
-        """Start the fork server (if this process has none yet) with its stdout and stderr
-        on the backend's log: TensorFlow's start-up lines in every slot, and any child's
-        traceback, go there instead of the run's console."""
-        from multiprocessing import forkserver
-
-        from boinc_dl.server.common.tf_env import quiet_env, stdio_to
-
-        quiet_env()
-        with stdio_to(self.log_file):
-            forkserver.ensure_running()
+    @staticmethod
+    def prestart(base_dir: Path) -> None:
+        """Start the fork server that the backend of ``base_dir`` will use, ahead of it
+        (:func:`start_fork_server`: its TensorFlow import overlaps the caller's work)."""
+        start_fork_server(Path(base_dir).resolve() / LOG_NAME)
 
     def start(self) -> None:
         (self.base / "upload").mkdir(parents=True, exist_ok=True)
-        self._start_forkserver()
+        start_fork_server(self.log_file)
         for i in range(self.n_assim):
             a = _Assimilator(i)
             self._spawn_assimilator(a)

@@ -2,13 +2,15 @@
 
 Keras 3 imports, when they are installed, scikit-learn (for its scikit-learn
 wrappers, which drags in SciPy's statistics), matplotlib (image-gallery plotting)
-and IPython (notebook detection) the moment TensorFlow loads it: about a quarter of
-``import tensorflow`` on a host that has them, paid again by every BOINC task since
-each runs in a fresh process. The client app uses none of them. Keras guards each of
-these imports with ``except ImportError``, so hiding the packages while TensorFlow
-and Keras load makes Keras take its "not installed" branch; the packages stay
-importable afterwards (only Keras' wrappers and plotting helpers stay disabled in
-that process).
+and IPython (notebook detection) the moment TensorFlow loads it: about a third of
+``import tensorflow`` on a host that has them (1.6 of 5 s), paid again by every BOINC
+task since each runs in a fresh process, and by every process of a run (its own, the
+local backend's fork server, a BOINC daemon). boinc-dl uses none of Keras' uses of
+them. Keras guards each of these imports with ``except ImportError``, so hiding the
+packages while TensorFlow and Keras load (:func:`boinc_dl.server.common.keras_model.import_tensorflow`)
+makes Keras take its "not installed" branch; the packages stay importable afterwards
+(only Keras' scikit-learn wrappers and image-gallery helpers stay disabled in that
+process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-#: Packages Keras imports optionally and the client never uses.
+#: Packages Keras imports optionally for features boinc-dl never uses.
 KERAS_OPTIONAL = ("sklearn", "matplotlib", "IPython")
 
 
@@ -46,14 +48,3 @@ def hidden(names: Sequence[str] = KERAS_OPTIONAL) -> Iterator[None]:
     finally:
         sys.meta_path.remove(finder)
 
-
-def import_tensorflow_lean() -> None:
-    """Import TensorFlow (quietly, as :func:`boinc_dl.server.common.keras_model.configure_tf` does)
-    and Keras with :data:`KERAS_OPTIONAL` hidden; a no-op once TensorFlow is loaded."""
-    if "tensorflow" in sys.modules:
-        return
-    from boinc_dl.server.common.keras_model import configure_tf
-
-    with hidden():
-        configure_tf(None, deterministic=False)
-        import keras  # noqa: F401 - loaded here so that its optional imports are skipped
