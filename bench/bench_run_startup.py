@@ -1,0 +1,117 @@
+"""A small ``boinc-dl run`` from start to finish, before vs after: where a run's start-up goes.
+
+A user's first run, and every run of the test suite, pays the run's start-up: the run's
+own process imports TensorFlow (the initial model, the evaluator, the checker) and the
+local backend's fork server imports it again before it forks the first slot. This runs
+the same small job (the user's own ``.npz`` of 400 examples, their ``mymodel:build``, 1
+host x 2 slots, 2 epochs) with the current code and with a baseline exported from a git
+revision (``--baseline-ref``), interleaved, and reports medians of the wall time of the
+whole command and of the start-up the run itself reports (``summary.json``'s
+``planner.startup_s``: the run's elapsed time less its epochs' time).
+
+    python3 bench/bench_run_startup.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import emit, machine, median  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINE_REF = "d623d10"  # before the lean TensorFlow import and the early fork server
+
+MODEL = '''import keras
+
+
+def build(hidden=16):
+    return keras.Sequential([keras.Input(shape=(20,)),
+                             keras.layers.Dense(hidden, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+'''
+SPEC = "name: mine\nmode: vcasgd\nmodel: mymodel:build\ndataset: {train: data.npz}\ntraining: {epochs: 2}\n"
+ARGS = ["--workers", "1", "--slots", "2", "--assimilators", "1"]
+
+
+def export(ref: str, dest: Path) -> Path:
+    """The tree of ``ref`` under ``dest``, importable as ``boinc_dl`` (its folders mapped as
+    setup.py maps them): the directory to put first on PYTHONPATH."""
+    src = dest / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = dest / "pkg" / "boinc_dl"
+    pkg.mkdir(parents=True)
+    for name in ("server", "client_app"):
+        (pkg / name).symlink_to(src / name)
+    return dest / "pkg"
+
+
+def user_files(d: Path) -> None:
+    import numpy as np
+    from sklearn.datasets import make_classification
+
+    d.mkdir(parents=True, exist_ok=True)
+    x, y = make_classification(n_samples=400, n_features=20, n_informative=10, n_classes=3,
+                               class_sep=2.0, random_state=0)
+    np.savez(d / "data.npz", x=x.astype(np.float32), y=y.astype(np.int64))
+    (d / "mymodel.py").write_text(MODEL)
+    (d / "job.yaml").write_text(SPEC)
+
+
+def run_once(pythonpath: Path | None, work: Path) -> dict[str, float]:
+    """One ``boinc-dl run`` of the job in ``work`` (a fresh run directory), timed."""
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
+    env.update(BDL_THREADS="1", COLUMNS="120")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "run", "job.yaml", *ARGS], cwd=work, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    wall = time.perf_counter() - t
+    summary = json.loads((work / "runs" / "mine" / "summary.json").read_text())
+    return {"wall_s": wall, "startup_s": float(summary["planner"]["startup_s"]),
+            "val_acc": float(summary["final_val_acc"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline-ref", default=BASELINE_REF)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench_run_startup_") as tmp_s:
+        tmp = Path(tmp_s)
+        base = export(args.baseline_ref, tmp / "baseline")
+        sides = {"before": (base, tmp / "before"), "after": (None, tmp / "after")}
+        for _, work in sides.values():
+            user_files(work)
+        runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+        # Interleaved, order flipped every repeat: load changes and a warm page cache
+        # favour neither side.
+        for i in range(args.repeats):
+            order = list(sides) if i % 2 == 0 else list(reversed(sides))
+            for side in order:
+                runs[side].append(run_once(*sides[side]))
+    med = {side: {k: round(median([r[k] for r in rs]), 3) for k in rs[0]} for side, rs in runs.items()}
+    print(f"{'':14}{'before':>10}{'after':>10}")
+    for k in ("wall_s", "startup_s", "val_acc"):
+        print(f"{k:14}{med['before'][k]:>10}{med['after'][k]:>10}")
+    emit("run_startup", repeats=args.repeats, baseline_ref=args.baseline_ref, before=med["before"],
+         after=med["after"], ratio_wall=round(med["after"]["wall_s"] / med["before"]["wall_s"], 3),
+         ratio_startup=round(med["after"]["startup_s"] / med["before"]["startup_s"], 3),
+         load1=os.getloadavg()[0], **machine())
+
+
+if __name__ == "__main__":
+    main()
