@@ -6,6 +6,7 @@ import json
 import platform
 import statistics
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -22,3 +23,25 @@ def machine() -> dict[str, Any]:
     import os
 
     return {"python": sys.version.split()[0], "cpus": os.cpu_count(), "machine": platform.machine()}
+
+
+def export_ref(repo: Path, ref: str, dest: Path) -> tuple[Path, str]:
+    """The tree of git revision ``ref`` of ``repo`` under ``dest``, importable as it was
+    then: returns (the directory to put first on PYTHONPATH, the import prefix of its
+    packages: ``"boinc_dl."`` where the revision maps its folders under one import name,
+    as setup.py does, ``""`` for a revision from before, whose packages were ``server``
+    and ``client_app``). Without the mapping an exported ``boinc_dl`` would resolve to
+    the installed (current) code and the baseline would measure the current code."""
+    import subprocess
+
+    src = dest / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    if not (src / "setup.py").is_file() or "boinc_dl" not in (src / "setup.py").read_text():
+        return src, ""
+    pkg = dest / "pkg" / "boinc_dl"
+    pkg.mkdir(parents=True)
+    for name in ("server", "client_app"):
+        (pkg / name).symlink_to(src / name)
+    return dest / "pkg", "boinc_dl."

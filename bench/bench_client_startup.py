@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, machine, median  # noqa: E402
+from bench._common import emit, export_ref, machine, median  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "90e8a71"  # before lean imports and autograph-free train steps
@@ -77,11 +77,13 @@ def timed(cmd: list[str], code: Path) -> float:
     return time.perf_counter() - t
 
 
-def run_task(code: Path, unit: Path, slot: Path) -> dict[str, float]:
-    """One task as BOINC runs it: a fresh process in a slot holding the unit's inputs."""
+def run_task(code: tuple[Path, str], unit: Path, slot: Path) -> dict[str, float]:
+    """One task as BOINC runs it: a fresh process in a slot holding the unit's inputs, with
+    the code of ``code`` (:func:`bench._common.export_ref`: PYTHONPATH, import prefix)."""
     shutil.rmtree(slot, ignore_errors=True)
     shutil.copytree(unit, slot)
-    wall = timed([sys.executable, "-m", "boinc_dl.client_app", "--slot", str(slot), "--threads", "1", "-q"], code)
+    path, prefix = code
+    wall = timed([sys.executable, "-m", f"{prefix}client_app", "--slot", str(slot), "--threads", "1", "-q"], path)
     m = json.loads((slot / "metrics.json").read_text())
     return {"wall_s": wall, "load_s": m["load_s"], "train_s": m["train_s"], "eval_s": m["eval_s"],
             "val_acc": m["val_acc"]}
@@ -95,11 +97,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp_s:
         tmp = Path(tmp_s)
-        base = tmp / "baseline"
-        base.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.baseline_ref],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+        base = export_ref(REPO, args.baseline_ref, tmp / "baseline")
         unit = tmp / "unit"
         subprocess.run([sys.executable, "-c", f"import sys; sys.argv=['x', {str(unit)!r}]; "
                         "from bench.bench_client_startup import make_unit; from pathlib import Path; "
@@ -113,7 +111,7 @@ def main() -> None:
         for i in range(args.repeats):
             rows["python"].append(timed([sys.executable, "-c", "pass"], REPO))
             imports = [("import_plain", PLAIN_IMPORT), ("import_lean", LEAN_IMPORT)]
-            sides = [("before", base), ("after", REPO)]
+            sides = [("before", base), ("after", (REPO, "boinc_dl."))]
             if i % 2:
                 imports.reverse()
                 sides.reverse()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, machine, median  # noqa: E402
+from bench._common import emit, export_ref, machine, median  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "d623d10"  # before the lean TensorFlow import and the early fork server
@@ -43,20 +43,6 @@ SPEC = "name: mine\nmode: vcasgd\nmodel: mymodel:build\ndataset: {train: data.np
 ARGS = ["--workers", "1", "--slots", "2", "--assimilators", "1"]
 
 
-def export(ref: str, dest: Path) -> Path:
-    """The tree of ``ref`` under ``dest``, importable as ``boinc_dl`` (its folders mapped as
-    setup.py maps them): the directory to put first on PYTHONPATH."""
-    src = dest / "src"
-    src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    pkg = dest / "pkg" / "boinc_dl"
-    pkg.mkdir(parents=True)
-    for name in ("server", "client_app"):
-        (pkg / name).symlink_to(src / name)
-    return dest / "pkg"
-
-
 def user_files(d: Path) -> None:
     import numpy as np
     from sklearn.datasets import make_classification
@@ -69,15 +55,17 @@ def user_files(d: Path) -> None:
     (d / "job.yaml").write_text(SPEC)
 
 
-def run_once(pythonpath: Path | None, work: Path) -> dict[str, float]:
-    """One ``boinc-dl run`` of the job in ``work`` (a fresh run directory), timed."""
+def run_once(code: tuple[Path, str] | None, work: Path) -> dict[str, float]:
+    """One ``boinc-dl run`` of the job in ``work`` (a fresh run directory), timed, with the
+    code of :func:`export_ref`'s ``code`` (None: the installed code)."""
     shutil.rmtree(work / "runs", ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
     env.update(BDL_THREADS="1", COLUMNS="120")
-    if pythonpath is not None:
-        env["PYTHONPATH"] = str(pythonpath)
+    prefix = "boinc_dl."
+    if code is not None:
+        env["PYTHONPATH"], prefix = str(code[0]), code[1]
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "boinc_dl.server.cli", "run", "job.yaml", *ARGS], cwd=work, env=env,
+    subprocess.run([sys.executable, "-m", f"{prefix}server.cli", "run", "job.yaml", *ARGS], cwd=work, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     wall = time.perf_counter() - t
     summary = json.loads((work / "runs" / "mine" / "summary.json").read_text())
@@ -92,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_run_startup_") as tmp_s:
         tmp = Path(tmp_s)
-        base = export(args.baseline_ref, tmp / "baseline")
+        base = export_ref(REPO, args.baseline_ref, tmp / "baseline")
         sides = {"before": (base, tmp / "before"), "after": (None, tmp / "after")}
         for _, work in sides.values():
             user_files(work)
