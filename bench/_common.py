@@ -45,3 +45,14 @@ def export_ref(repo: Path, ref: str, dest: Path) -> tuple[Path, str]:
     for name in ("server", "client_app"):
         (pkg / name).symlink_to(src / name)
     return dest / "pkg", "boinc_dl."
+
+
+def before_after_args(doc: str | None, baseline_ref: str) -> Any:
+    """The arguments of a before/after bench: ``--repeats`` (interleaved pairs) and
+    ``--baseline-ref`` (the git revision measured as "before")."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--baseline-ref", default=baseline_ref)
+    return ap.parse_args()

@@ -15,7 +15,6 @@ does it, with Keras' optional imports hidden).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, export_ref, machine, median  # noqa: E402
+from bench._common import before_after_args, emit, export_ref, machine, median  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "90e8a71"  # before lean imports and autograph-free train steps
@@ -90,10 +89,7 @@ def run_task(code: tuple[Path, str], unit: Path, slot: Path) -> dict[str, float]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--baseline-ref", default=BASELINE_REF)
-    args = ap.parse_args()
+    args = before_after_args(__doc__, BASELINE_REF)
 
     with tempfile.TemporaryDirectory(prefix="bench_startup_") as tmp_s:
         tmp = Path(tmp_s)

@@ -14,7 +14,6 @@ whole command and of the start-up the run itself reports (``summary.json``'s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, export_ref, machine, median  # noqa: E402
+from bench._common import before_after_args, emit, export_ref, machine, median  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "d623d10"  # before the lean TensorFlow import and the early fork server
@@ -74,10 +73,7 @@ def run_once(code: tuple[Path, str] | None, work: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--baseline-ref", default=BASELINE_REF)
-    args = ap.parse_args()
+    args = before_after_args(__doc__, BASELINE_REF)
     with tempfile.TemporaryDirectory(prefix="bench_run_startup_") as tmp_s:
         tmp = Path(tmp_s)
         base = export_ref(REPO, args.baseline_ref, tmp / "baseline")
