@@ -207,3 +207,27 @@ def test_a_job_in_which_every_unit_fails_ends_failed_fast(tmp_path: Path) -> Non
     st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir)], cwd=tmp_path, env=ENV,
                         capture_output=True, text=True, timeout=120)
     assert "failed" in st.stdout and "creating epoch" not in st.stdout
+
+
+def test_a_job_that_fails_to_prepare_leaves_no_process_behind(tmp_path: Path) -> None:
+    """The user's data file is not an .npz: the run exits 2 with the file's error within
+    a second, and the local backend's fork server, which the run starts before preparing
+    the job (to import TensorFlow beside the run's own import) and which is then still
+    importing it, is gone when the run is."""
+    spec = _spec(tmp_path)
+    spec.write_text(spec.read_text().replace("dataset: {name: digits}", "dataset: {train: data.npz}"))
+    (tmp_path / "data.npz").write_text("these are not arrays\n")
+    tag = f"bdl-lifecycle-{os.getpid()}-{time.time_ns()}"
+    res = subprocess.run([*EXE, "run", str(spec), "--run-dir", str(tmp_path / "run"), "-q"], cwd=tmp_path,
+                         env={**ENV, "BDL_TEST_TAG": tag}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "data.npz: unreadable dataset file" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    tagged = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("BDL_TEST_TAG") == tag:
+                tagged.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    # multiprocessing's resource tracker ends when it reads the end of its pipe: a moment
+    assert not _survivors(tagged, timeout=2.0)

@@ -72,6 +72,14 @@ def prestart_local_backend(store: JobStore, run_dir: Path, resume: bool) -> None
     LocalJobSystem.prestart(run_dir)
 
 
+def end_prestart(backend: LocalJobSystem | None) -> None:
+    """At a run's end: a run whose backend never started (its job failed to prepare)
+    stops the fork server :func:`prestart_local_backend` started, which may still be
+    importing TensorFlow, rather than leave it to outlive the run."""
+    if backend is None:
+        LocalJobSystem.cancel_prestart()
+
+
 def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,
                         backend_opts: dict[str, Any] | None) -> LocalJobSystem:
     """The local job system the spec asks for (options overridden by ``backend_opts``), started."""

@@ -24,6 +24,7 @@ from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
     drive,
+    end_prestart,
     owner_fields,
     prestart_local_backend,
     print_derived,
@@ -237,6 +238,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             snap = backend.snapshot()
             snap["data_bytes_per_host"] = backend.data_bytes_per_host()
             backend.stop()
+        end_prestart(backend)
     res = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
                     reason=store.meta().get("reason", ""), exit_code=exit_code)
     res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")

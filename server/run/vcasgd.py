@@ -33,6 +33,7 @@ from boinc_dl.server.run.lifecycle import (
     RunWatch,
     drive,
     earlier_summary,
+    end_prestart,
     owner_fields,
     prestart_local_backend,
     print_derived,
@@ -184,6 +185,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         snap = backend.snapshot() if backend else {}
         if backend is not None:
             backend.stop()
+        end_prestart(backend)
         if checker_stop is not None:
             checker_stop.set()
     result = RunResult(status=status, run_dir=run_dir, backend=earlier.get("backend", snap),

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import random
 import socket
 import statistics
@@ -116,6 +117,29 @@ def start_fork_server(log_file: Path) -> None:
     Path(log_file).parent.mkdir(parents=True, exist_ok=True)
     with stdio_to(log_file):
         forkserver.ensure_running()
+
+
+def stop_fork_server() -> None:
+    """Stop this process's fork server, if it has one: for a run that ends before its
+    backend started (a job that fails to prepare), whose fork server may still be
+    importing TensorFlow and would outlive the run by seconds. multiprocessing has no
+    public call for it; without its private fields this does nothing and the server ends
+    by itself once its imports finish (it exits when the process that started it is gone)."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is None or pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)  # it may be in its preload: the alive pipe is read only after
+    except ProcessLookupError:
+        pass
+    try:
+        server._stop()  # closes its pipe and reaps it
+    except (OSError, ChildProcessError):
+        pass
 
 
 
@@ -197,6 +221,11 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         """Start the fork server that the backend of ``base_dir`` will use, ahead of it
         (:func:`start_fork_server`: its TensorFlow import overlaps the caller's work)."""
         start_fork_server(Path(base_dir).resolve() / LOG_NAME)
+
+    @staticmethod
+    def cancel_prestart() -> None:
+        """Stop a fork server started by :meth:`prestart` for a backend that never started."""
+        stop_fork_server()
 
     def start(self) -> None:
         (self.base / "upload").mkdir(parents=True, exist_ok=True)
