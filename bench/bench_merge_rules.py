@@ -53,6 +53,7 @@ from boinc_dl.server.assimilator import rules as R  # noqa: E402
 from boinc_dl.server.common.datasets import load_dataset, split_shards  # noqa: E402
 from boinc_dl.server.common.spec import DatasetSpec  # noqa: E402
 from boinc_dl.server.common.spec_defaults import local_epochs_for  # noqa: E402
+from boinc_dl.server.work_generator import losscheck as WLC  # noqa: E402
 from boinc_dl.server.work_generator.vcasgd import unit_seed  # noqa: E402
 from tests.support import baselines as norms  # noqa: E402  (0.2's bound, the baseline)
 from tests.support.attacks import ATTACKS, Attack, craft  # noqa: E402  (the attacks, one home)
@@ -719,37 +720,43 @@ def candidate_rules(a: float = 0.5) -> dict[str, R.MergeRule]:
 
 def all_rules() -> dict[str, Any]:
     """The staleness table's rules: :func:`candidate_rules` and ``search`` (bound to each task)."""
-    return {**candidate_rules(), "search": SearchRule()}
+    return {**candidate_rules(), "search": SearchRule(), "search-fixed": SearchRule(fixed_sample=True)}
 
 
 class SearchRule:
     """``merge_rule: search`` in the simulated order: the product's candidates
     (``rules.search_steps`` of the capped ``delta`` weight, bounded by the units issued
     from the result's base version), its search (``rules.search_step``) and its merge
-    (``rules.stepped``), the loss that of a fixed uniform sample of ``batch`` training
-    examples at the server weights when the result is merged (the product samples an
-    equal share of each subset, and evaluates at the weights when the checker takes the
-    request: the same weights here, where merges land one at a time)."""
+    (``rules.stepped``), the loss that of ``batch`` training examples at the server
+    weights when the result is merged, drawn for each result (the checker's
+    ``sample_rows``) from a fixed pool of ``SEARCH_POOL`` samples' worth (uniform here,
+    where the product takes an equal share of each subset; it evaluates at the weights
+    when the checker takes the request: the same weights here, where merges land one at
+    a time). ``fixed_sample``: one sample for every result (the search before fresh
+    samples, for comparison)."""
 
     def __init__(self, task: Task | None = None, batch: int = 1024, base: R.MergeRule | None = None,
-                 stats: dict[str, int] | None = None):
-        self.task, self.batch = task, batch
+                 stats: dict[str, int] | None = None, fixed_sample: bool = False):
+        self.task, self.batch, self.fixed_sample = task, batch, fixed_sample
         self.base = base or candidate_rules()[REC]
         self.stats = stats if stats is not None else {"results": 0, "zero": 0, "evals": 0}
         self.xs = self.ys = None
         self.merged: int = 0  # this replay's merges so far: the server version
         self.in_flight: int = 1  # the window (capped sets it)
         self.cohorts: dict[int, int] | None = None  # version -> units issued from it (simulate sets it)
+        self.pool_x = self.pool_y = None
         if task is not None:
-            idx = np.random.default_rng([task.seed, 0x57E9]).permutation(len(task.x))[:batch]
-            self.xs, self.ys = task.x[np.sort(idx)], task.y[np.sort(idx)]
+            size = batch if fixed_sample else WLC.SEARCH_POOL * batch
+            idx = np.sort(np.random.default_rng([task.seed, 0x57E9]).permutation(len(task.x))[:size])
+            self.pool_x, self.pool_y = task.x[idx], task.y[idx]
+            self.xs, self.ys = self.pool_x, self.pool_y
 
     def bound(self, task: Task) -> SearchRule:
-        return SearchRule(task, self.batch, self.base)
+        return SearchRule(task, self.batch, self.base, fixed_sample=self.fixed_sample)
 
     def capped(self, in_flight: int) -> SearchRule:
-        out = SearchRule(None, self.batch, self.base.capped(in_flight), self.stats)
-        out.task, out.xs, out.ys = self.task, self.xs, self.ys
+        out = SearchRule(None, self.batch, self.base.capped(in_flight), self.stats, self.fixed_sample)
+        out.task, out.xs, out.ys, out.pool_x, out.pool_y = self.task, self.xs, self.ys, self.pool_x, self.pool_y
         # one job's replay: its merges so far (the server version) and, set by simulate(),
         # the units issued from each version (the product's JobStore.issued_from)
         out.merged, out.cohorts, out.in_flight = 0, None, max(1, int(in_flight))
@@ -759,8 +766,9 @@ class SearchRule:
         return None
 
     def describe(self) -> str:
+        sample = "one fixed sample" if self.fixed_sample else f"a sample per result of a pool of {WLC.SEARCH_POOL}"
         return f"search(0 or {self.base.describe()} x {', '.join(f'{m:g}' for m in R.SEARCH_MULTIPLIERS)}, " \
-               f"at most w x max(1, in flight / cohort); {self.batch} training examples)"
+               f"at most w x max(1, in flight / cohort); {self.batch} training examples, {sample})"
 
     def loss(self, flat: np.ndarray) -> float:
         assert self.task is not None and self.xs is not None, "bind the rule to a task first"
@@ -780,6 +788,10 @@ class SearchRule:
             self.stats["evals"] += 1
             return self.loss(ws + np.float32(c) * d)
         cohort = (self.cohorts or {}).get(self.merged - int(s), 1)  # units issued from the base version
+        assert self.task is not None and self.pool_x is not None and self.pool_y is not None
+        # this result's own sample of the pool, as the checker draws it from the request's id
+        rows = WLC.sample_rows(len(self.pool_y), self.batch, self.task.seed, f"step-{self.merged}")
+        self.xs, self.ys = (self.pool_x, self.pool_y) if rows is None else (self.pool_x[rows], self.pool_y[rows])
         self.merged += 1
         step, _ = R.search_step(R.search_steps(self.base.weight(s), cohort, self.in_flight), at)
         self.stats["results"] += 1

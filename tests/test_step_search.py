@@ -29,7 +29,13 @@ from boinc_dl.server.assimilator import rules, stepsearch
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import WeightsFile, write_weights
-from boinc_dl.server.work_generator.losscheck import JobChecker, search_batch
+from boinc_dl.server.work_generator import losscheck as wlc
+from boinc_dl.server.work_generator.losscheck import (
+    JobChecker,
+    sample_rows,
+    search_batch,
+    search_pool,
+)
 from boinc_dl.server.work_generator.prepare import JobFiles
 from tests.conftest import REPO, tiny_spec
 from tests.hostile_corpus import ATTACKS
@@ -63,7 +69,8 @@ def deliver(store: JobStore, spec, unit: str, paths: list[Path], seq: int = 0):
 def checker_running(store: JobStore, spec, job_dir: Path, loss=np_loss):
     """The checker loop in a thread, with its own store (its own caches, as in the work
     generator's thread) and ``loss`` as the step search's loss."""
-    own = JobChecker(JobStore(store.r, store.job), spec, job_dir, loss_fn=np_loss, search_loss_fn=loss)
+    own = JobChecker(JobStore(store.r, store.job), spec, job_dir, loss_fn=np_loss,
+                     search_loss_fn=lambda flat, rows: loss(flat))
     return loss_checker_running(store, spec, job_dir, own)
 
 
@@ -328,7 +335,7 @@ def test_the_checker_refuses_an_unreadable_upload_within_bounds(job, tmp_path: P
     store.request_loss_check("step-x", {"kind": "step", "file": "evil.h5", "unit": "s0", "model": "0",
                                         "base": base, "scale": 1.0, "steps": [0.0, 0.5, 1.0]},
                              "1.0", stale_s=60, max_queue=8)
-    ch = JobChecker(store, spec, job_dir, loss_fn=np_loss, search_loss_fn=np_loss)
+    ch = JobChecker(store, spec, job_dir, loss_fn=np_loss, search_loss_fn=lambda flat, rows: np_loss(flat))
     assert ch.handle(store.pop_loss_request(1.0)) == "unreadable"
     verdict = store.loss_verdict("step-x")
     assert verdict["ok"] is False and "cannot be read" in verdict["reason"] and attack.reason in verdict["reason"]
@@ -402,3 +409,66 @@ backend: {kind: local, local: {workers: 3, slots: 2, assimilators: 2}}
     # the search chose something other than delta's own weight for some results
     assert any(not r["merge_rule"].startswith(f"search(step {float(r['step']):.4g} = 1x") for r in rows)
     assert hist["epochs"][-1]["val_acc"] > 0.75
+
+
+def test_each_step_request_is_judged_on_a_sample_of_its_own_from_a_bounded_pool(tmp_path: Path,
+                                                                                 monkeypatch) -> None:
+    """One fixed sample judged every result of a job, and hundreds of choices made on the
+    same examples fit the server to them: each request draws its own sample of the pool,
+    from the job's seed and its id (the same request asked again gets the same one)."""
+    files = JobFiles(tmp_path, "j")
+    files.dir.mkdir(parents=True)
+    for k in range(4):
+        np.savez(files.shard(k), x=np.full((500, 3), k, np.float32), y=np.arange(500, dtype=np.int64) + 1000 * k)
+    pool_x, pool_y = search_pool(files, 4, 64, seed=1)
+    assert len(pool_y) == wlc.SEARCH_POOL * 64 == 1024
+    assert Counter((pool_y // 1000).tolist()) == {0: 256, 1: 256, 2: 256, 3: 256}  # an equal share of each subset
+    assert len(set(pool_y.tolist())) == 1024  # no example twice
+    a, a2, b = (sample_rows(1024, 64, 1, rid) for rid in ("step-u1-0-r", "step-u1-0-r", "step-u2-0-r"))
+    assert a is not None and b is not None and a2 is not None
+    assert len(a) == 64 and len(set(a.tolist())) == 64 and 0 <= a.min() and a.max() < 1024
+    assert np.array_equal(a, a2) and not np.array_equal(a, b)
+    # over many requests the samples cover the pool: no example judges every result
+    seen = np.zeros(1024, bool)
+    for i in range(200):
+        seen[sample_rows(1024, 64, 1, f"step-u{i}")] = True
+    assert seen.mean() > 0.99
+    assert sample_rows(64, 64, 1, "x") is None and sample_rows(10, 64, 1, "x") is None  # the pool is the sample
+    # a pool is bounded in bytes: a job of large examples keeps fewer (never fewer than a sample)
+    monkeypatch.setattr(wlc, "SEARCH_POOL_BYTES", 200 * 3 * 4)
+    assert len(search_pool(files, 4, 64, seed=1)[1]) == 200
+    monkeypatch.setattr(wlc, "SEARCH_POOL_BYTES", 10)
+    assert len(search_pool(files, 4, 64, seed=1)[1]) == 64
+
+
+def test_the_checker_judges_each_step_request_on_its_own_rows(job, tmp_path: Path) -> None:
+    """Through the checker: the loss function is called with the rows sample_rows gives the
+    request's id, for every candidate step of that request."""
+    store, spec, fp, job_dir = job
+    spool = lc.spool_dir(job_dir)
+    spool.mkdir(parents=True, exist_ok=True)
+    calls: list[tuple[str, bytes | None]] = []
+    current = {"rid": ""}
+
+    def loss(flat: np.ndarray, rows: np.ndarray | None) -> float:
+        calls.append((current["rid"], None if rows is None else rows.tobytes()))
+        return np_loss(flat)
+
+    ch = JobChecker(store, spec, job_dir, loss_fn=np_loss, search_loss_fn=loss)
+    ch.pool_size = 4096  # a pool larger than a sample (the tiny job's real pool is built by Keras)
+    base = store.unit_info("s0")["files"]["weights_in.h5"]
+    for i, rid in enumerate(("step-a", "step-b")):
+        write_weights(spool / f"r{i}.h5", WeightsFile(np.full(fp.n_params, 0.5, np.float32), fp, job=store.job,
+                                                      model="0", unit=f"s{i}", base_version=0, examples_seen=10))
+        store.request_loss_check(rid, {"kind": "step", "file": f"r{i}.h5", "unit": f"s{i}", "model": "0",
+                                       "base": base, "scale": 1.0, "steps": [0.0, 0.25, 1.0]},
+                                 "1.0", stale_s=60, max_queue=8)
+        current["rid"] = rid
+        assert ch.handle(store.pop_loss_request(1.0)).startswith("step")
+    by_request: dict[str, set[bytes | None]] = {}
+    for rid, rows in calls:
+        by_request.setdefault(rid, set()).add(rows)
+    want = {rid: sample_rows(4096, spec.vcasgd.search_batch, spec.seed, rid).tobytes() for rid in by_request}
+    assert {rid: rows for rid, rows in by_request.items()} == {rid: {want[rid]} for rid in want}
+    assert want["step-a"] != want["step-b"]
+
