@@ -95,7 +95,8 @@ class VCASGDSpec(_Strict):
         "(false: the uncapped rule)")
     search_batch: int = Field(
         1024, gt=0, le=65_536, description="search: training examples the server evaluates each candidate step "
-        "on (a fixed seeded sample of the training data; all of it when smaller)")
+        "on (drawn for each result from a seeded pool of 16 such samples of the training data, at most 256 MB; "
+        "all of it when smaller)")
     search_wait_s: float = Field(
         10.0, gt=0.0, le=3600.0, description="search: the assimilator's wait for the server's step search; "
         "then the result merges with delta's weight (a slow or stopped checker never holds merges back)")
