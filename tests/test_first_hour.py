@@ -106,6 +106,22 @@ def test_minimal_spec_says_what_it_chose_and_prints_a_line_per_epoch(finished) -
     # (How well the defaults learn is bench/bench_learning.py's to measure: against Keras.)
 
 
+def test_too_few_examples_for_every_slot_keep_as_many_units_in_flight_as_subsets(tmp_path: Path) -> None:
+    """250 examples on 4 x 2 slots: 3 subsets of at least 64, and 3 units in flight, so
+    that each epoch's units start from weights that learned from the epoch before (with
+    all 8 slots in flight, a 3-epoch job's 9 units all started from its initial weights)."""
+    spec = user_files(tmp_path, MINIMAL.replace("epochs: 2", "epochs: 3"), n=250)
+    res = bdl("run", str(spec), "--workers", "4", "--slots", "2", "--assimilators", "1", cwd=tmp_path)
+    assert res.returncode == 0, (res.stdout, res.stderr)
+    assert "vcasgd.n_subsets = 3" in res.stdout and "vcasgd.window = 3" in res.stdout, res.stdout
+    assert "3 subsets per epoch on 8 slots" in res.stdout
+    hist = json.loads((tmp_path / "runs" / "mine" / "history.json").read_text())
+    units = [u for u in hist["units"] if "failed" not in u]
+    assert len(units) == 9 and len({u["unit"] for u in units}) == 9
+    later = [u["base_version"] for u in units if u["epoch"] > 1]
+    assert later and min(later) >= 1, later  # no unit of epochs 2-3 trained from the initial weights
+
+
 def test_a_second_run_offers_resume_new_overwrite(finished) -> None:
     tmp, _ = finished
     first = tmp / "runs" / "mine"

@@ -26,27 +26,46 @@ def spec(**sections):
     return parse_spec(data)
 
 
-@pytest.mark.parametrize(("n_train", "slots", "subsets", "local_epochs", "rule"), [
-    (800, 8, 8, 8, "delta"),          # the issue's user: one subset per slot, a local epoch per unit in flight
-    (1437, 8, 8, 8, "delta"),         # digits
-    (60000, 8, 8, 8, "delta"),        # MNIST: 7,500 examples a subset
-    (100000, 8, 16, 8, "delta"),      # past 10,000 examples a subset: two rounds of the slots
-    (200, 8, 3, 8, "delta"),          # at least 64 examples a subset
-    (30, 8, 1, 8, "delta"),
-    (1437, 2, 2, 4, "delta"),         # a small machine: at least 4 local epochs
-    (1437, 1, 1, 4, "delta"),
-    (100000, 31, 31, 16, "delta"),    # below 32 in flight: no search
-    (100000, 32, 32, 16, "search"),   # a large fleet: at most 16 local epochs, the step search
-    (60000, 1000, 937, 16, "search"),  # 1,000 hosts on MNIST: 64 examples a subset, more units than subsets
+@pytest.mark.parametrize(("n_train", "slots", "subsets", "window", "local_epochs", "rule"), [
+    (800, 8, 8, None, 8, "delta"),       # the issue's user: one subset per slot, a local epoch per unit in flight
+    (1437, 8, 8, None, 8, "delta"),      # digits
+    (60000, 8, 8, None, 8, "delta"),     # MNIST: 7,500 examples a subset
+    (100000, 8, 16, None, 8, "delta"),   # past 10,000 examples a subset: two rounds of the slots
+    (200, 8, 3, 3, 4, "delta"),          # at least 64 examples a subset, as many in flight
+    (30, 8, 1, 1, 4, "delta"),
+    (1437, 2, 2, None, 4, "delta"),      # a small machine: at least 4 local epochs
+    (1437, 1, 1, None, 4, "delta"),
+    (100000, 31, 31, None, 16, "delta"),   # below 32 in flight: no search
+    (100000, 32, 32, None, 16, "search"),  # a large fleet: at most 16 local epochs, the step search
+    (60000, 1000, 937, 937, 16, "search"),  # 1,000 hosts on MNIST: 64 examples a subset, 937 in flight
 ])
-def test_derived_values(n_train: int, slots: int, subsets: int, local_epochs: int, rule: str) -> None:
+def test_derived_values(n_train: int, slots: int, subsets: int, window: int | None, local_epochs: int,
+                        rule: str) -> None:
     s = spec()
     assert missing(s) == ["vcasgd.n_subsets", "vcasgd.merge_rule", "training.local_epochs"]
     d, chosen = derive(s, n_train, slots)
-    assert (d.vcasgd.n_subsets, d.training.local_epochs, d.vcasgd.merge_rule) == (subsets, local_epochs, rule)
-    assert [c.field for c in chosen] == ["vcasgd.n_subsets", "training.local_epochs", "vcasgd.merge_rule"]
+    assert (d.vcasgd.n_subsets, d.vcasgd.window, d.training.local_epochs, d.vcasgd.merge_rule) == \
+        (subsets, window, local_epochs, rule)
+    assert [c.field for c in chosen] == ["vcasgd.n_subsets", *(["vcasgd.window"] if window else []),
+                                         "training.local_epochs", "vcasgd.merge_rule"]
     assert all(c.why for c in chosen) and not missing(d)
     assert spec_from_json(spec_to_json(d)) == d  # what the store keeps, the daemons read back
+
+
+def test_too_few_examples_for_a_subset_per_slot_keep_as_many_units_in_flight_as_subsets() -> None:
+    """455 examples on 32 slots: 7 subsets, and 7 in flight, not 32: with 32 the job's three
+    epochs were all issued from its initial weights (0.912 after each of them)."""
+    d, chosen = derive(spec(), 455, 32)
+    assert (d.vcasgd.n_subsets, d.vcasgd.window, d.training.local_epochs, d.vcasgd.merge_rule) == \
+        (7, 7, 7, "delta")
+    why = {c.field: c.why for c in chosen}["vcasgd.window"]
+    assert "7 subsets per epoch on 32 slots" in why
+    # a window or subsets the user gives stay theirs (D = 4x the subsets is theirs to choose)
+    assert derive(spec(vcasgd={"window": 32}), 455, 32)[0].vcasgd.window == 32
+    assert derive(spec(vcasgd={"n_subsets": 7}), 455, 32)[0].vcasgd.window is None
+    # a resumed job keeps the window derived with its subsets
+    assert fill_from(spec(), d).vcasgd.window == 7
+    assert fill_from(spec(), derive(spec(), 1437, 8)[0]).vcasgd.window is None
 
 
 def test_window_sets_units_in_flight_and_given_values_stay() -> None:

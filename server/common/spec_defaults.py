@@ -16,6 +16,10 @@ more slowly per epoch than one process does, whatever the merge rule:
   is one epoch, fewer when subsets would fall under ``MIN_SUBSET_EXAMPLES``, more (a
   multiple of the slots) when a subset would exceed ``MAX_SUBSET_EXAMPLES``, so that a
   unit stays short next to ``units.timeout_s`` and a preempted unit loses little.
+  With fewer subsets than slots, ``vcasgd.window`` (units in flight) is the subsets
+  per epoch: more in flight would start the next epochs' units from weights that have
+  not learned from this epoch's yet (a job's three epochs would all train from its
+  initial weights), and the local epochs and the merge rule follow that window.
 
 MOP trains each model on each partition once per epoch (Cerebro's model hopping):
 ``training.local_epochs`` defaults to 1 there.
@@ -97,6 +101,12 @@ def subsets_for(n_train: int, slots: int) -> tuple[int, str]:
     return slots, f"one subset per slot: {slots} slots, {n_train:,} training examples"
 
 
+def window_why(n: int, slots: int) -> str:
+    """Why a job with ``n`` subsets per epoch on ``slots`` slots keeps ``n`` units in flight."""
+    return (f"{n} subsets per epoch on {slots} slots: more units in flight would start the next "
+            f"epoch's units from weights that have not learned from this one's")
+
+
 def local_epochs_for(k: int) -> tuple[int, str]:
     """Local epochs per unit with ``k`` units in flight, and why."""
     le = max(LOCAL_EPOCHS_MIN, min(LOCAL_EPOCHS_MAX, math.ceil(LOCAL_EPOCHS_PER_UNIT_IN_FLIGHT * k)))
@@ -123,6 +133,14 @@ def derive(spec: JobSpec, n_train: int, slots: int | None) -> tuple[JobSpec, lis
             n, why = subsets_for(n_train, k)
             vc = vc.model_copy(update={"n_subsets": n})
             chosen.append(Chosen("vcasgd.n_subsets", n, why))
+            if vc.window is None and n < k:
+                # Too few examples for a subset per slot: more units in flight than subsets
+                # would issue the next epochs' units from weights that have not yet learned
+                # from this epoch's (455 examples on 32 slots: 0.912 after 3 epochs, flat
+                # from the first, in 17.8 s; 7 in flight: 0.921 / 0.939 / 0.947 in 13.2 s).
+                vc = vc.model_copy(update={"window": n})
+                chosen.append(Chosen("vcasgd.window", n, window_why(n, k)))
+                k = n
         if tr.local_epochs is None:
             le, why = local_epochs_for(k)
             tr = tr.model_copy(update={"local_epochs": le})
@@ -142,7 +160,9 @@ def fill_from(spec: JobSpec, stored: JobSpec) -> JobSpec:
     spec as first derived): a resumed job keeps its subsets, local epochs and merge rule."""
     vc, tr = spec.vcasgd, spec.training
     if vc.n_subsets is None:
-        vc = vc.model_copy(update={"n_subsets": stored.vcasgd.n_subsets})
+        # the window derived with the subsets (none when there was a subset per slot)
+        vc = vc.model_copy(update={"n_subsets": stored.vcasgd.n_subsets,
+                                   "window": vc.window or stored.vcasgd.window})
     if vc.merge_rule is None:
         # a job stored before the rule was derived ran delta, the default then
         vc = vc.model_copy(update={"merge_rule": stored.vcasgd.merge_rule or "delta"})
