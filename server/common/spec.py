@@ -102,7 +102,8 @@ class VCASGDSpec(_Strict):
         "then the result merges with delta's weight (a slow or stopped checker never holds merges back)")
     alpha: float | AlphaSchedule = Field("e/(e+1)", description="paper, fedasync: constant in [0,1) or 'e/(e+1)'")
     merge: Literal["strict", "eventual"] = "strict"
-    window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots")
+    window: int | None = Field(None, gt=0, le=1_000_000, description="units in flight; default: total slots "
+                               "(the subsets per epoch when n_subsets is derived below them)")
     give_up_policy: Literal["skip", "fail"] = Field(
         "skip", description="a subset whose unit failed for good: skip it or fail the job"
     )
