@@ -152,16 +152,25 @@ def test_each_result_merges_with_the_step_that_lowers_the_loss_most(job, tmp_pat
     assert store.loss_pending_count() == 0 and not list(lc.spool_dir(job_dir).iterdir())
 
 
-def test_the_work_generators_cohort_of_a_base_bounds_its_results_steps(job, tmp_path: Path) -> None:
-    """The count of units issued from a version is kept with their registration (one
-    script: a restart re-registering a unit counts nothing twice) and read at the merge."""
-    store, spec, fp, job_dir = job
+def register_cohort(store: JobStore, again: bool = False) -> str:
+    """Units c0..c7 of epoch 2 registered as the work generator registers them, all issued
+    from version 0 into a window of 4 (with ``again``, each registered twice: the second
+    counts nothing); returns their base weights file."""
     base = store.unit_info("s0")["files"]["weights_in.h5"]
     for i in range(8):
         info = {"epoch": 2, "shard": i % 4, "model": "0", "weights_version": 0, "in_flight": 4,
                 "files": {"weights_in.h5": base}}
         assert store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))
-        assert not store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))  # again: not counted
+        if again:
+            assert not store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))
+    return base
+
+
+def test_the_work_generators_cohort_of_a_base_bounds_its_results_steps(job, tmp_path: Path) -> None:
+    """The count of units issued from a version is kept with their registration (one
+    script: a restart re-registering a unit counts nothing twice) and read at the merge."""
+    store, spec, fp, job_dir = job
+    register_cohort(store, again=True)
     assert store.issued_from("0", 0) == 8 and store.issued_from("0", 1) == 0
     with checker_running(store, spec, job_dir):
         # delta's weight 0.5 (4 in flight, s = 0); a cohort of 8 from version 0, twice the window:
@@ -176,11 +185,7 @@ def test_a_host_cannot_claim_a_lone_base_to_escape_its_cohorts_bound(job, tmp_pa
     result file names: a host of a large cohort that claims a version from which one unit
     was issued (whose steps would go up to its whole update) still gets 0 or delta's weight."""
     store, spec, fp, job_dir = job
-    base = store.unit_info("s0")["files"]["weights_in.h5"]
-    for i in range(8):
-        info = {"epoch": 2, "shard": i % 4, "model": "0", "weights_version": 0, "in_flight": 4,
-                "files": {"weights_in.h5": base}}
-        assert store.register_unit(f"c{i}", info, 2, issued_from=("0", 0))
+    base = register_cohort(store)
     lone = {"epoch": 2, "shard": 0, "model": "0", "weights_version": 1, "in_flight": 4,
             "files": {"weights_in.h5": base}}
     assert store.register_unit("lone", lone, 2, issued_from=("0", 1))

@@ -20,6 +20,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
+from boinc_dl.server.backends.local.jobsystem import LOG_NAME, start_fork_server, stop_fork_server
 from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, local_options
@@ -27,6 +28,7 @@ from boinc_dl.server.common.spec_defaults import describe
 from boinc_dl.server.run.failfast import FailFastWatch
 from boinc_dl.server.run.signals import RunStopped, raise_if_stopped
 from boinc_dl.server.work_generator.prepare import derived_settings, n_shards
+from boinc_dl.server.work_generator.vcasgd import FINISHED
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +69,9 @@ def prestart_local_backend(store: JobStore, run_dir: Path, resume: bool) -> None
     """Start the local backend's fork server before the job is prepared, so that its
     TensorFlow import runs beside the run's own (the initial model): start-up pays for one
     import, not two in a row. Not for a resumed job that is over (no backend starts)."""
-    if resume and store.meta().get("status") in ("done", "failed", "cancelled"):
+    if resume and store.meta().get("status") in FINISHED:
         return
-    LocalJobSystem.prestart(run_dir)
+    start_fork_server(Path(run_dir).resolve() / LOG_NAME)
 
 
 def end_prestart(backend: LocalJobSystem | None) -> None:
@@ -77,7 +79,7 @@ def end_prestart(backend: LocalJobSystem | None) -> None:
     stops the fork server :func:`prestart_local_backend` started, which may still be
     importing TensorFlow, rather than leave it to outlive the run."""
     if backend is None:
-        LocalJobSystem.cancel_prestart()
+        stop_fork_server()
 
 
 def start_local_backend(spec: JobSpec, run_dir: Path, redis_url: str,

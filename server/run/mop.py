@@ -35,6 +35,7 @@ from boinc_dl.server.work_generator.mop.assignment import round_robin_availabili
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from boinc_dl.server.work_generator.prepare import effective_spec, prepare_job
+from boinc_dl.server.work_generator.vcasgd import FINISHED
 
 #: Configurations named in learning_curves.png's legend (the best ones).
 LEGEND_MAX = 12
@@ -219,7 +220,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         spec = effective_spec(spec, store)
         print_derived(console, store)
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
-        if store.meta().get("status") not in ("done", "failed", "cancelled"):
+        if store.meta().get("status") not in FINISHED:
             store.set_meta(status="running", reason="", **owner_fields())
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)

@@ -52,7 +52,7 @@ from boinc_dl.server.work_generator.prepare import (
     n_shards,
     prepare_job,
 )
-from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
+from boinc_dl.server.work_generator.vcasgd import FINISHED, VCASGDWorkGenerator
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 def _epoch_line(closed: int, epochs: int, creating: int, status: str) -> str:
     """``3 / 20 closed · units of epochs 4-5 in flight`` (no "creating" once it is over)."""
     text = f"{closed} / {epochs} closed"
-    if status in ("done", "failed", "cancelled") or closed >= epochs:
+    if status in FINISHED or closed >= epochs:
         return text
     first = closed + 1
     return text + (f" · training epoch {first}" if creating <= first else f" · units of epochs {first}-{creating} in flight")
@@ -159,7 +159,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
                             slots=int(opts["workers"]) * int(opts["slots"]), owner=owner_fields())
         spec = effective_spec(spec, store)
         print_derived(console, store)
-        if store.meta().get("status") in ("done", "failed", "cancelled") and resume:
+        if store.meta().get("status") in FINISHED and resume:
             console.print(f"job {spec.name} already {store.meta()['status']}: writing its outputs")
             earlier = earlier_summary(run_dir)
         else:

@@ -18,7 +18,7 @@ check's. A fresh sample per request, as SGD takes a fresh batch per step: one fi
 judged every result of the job, and hundreds of choices made on the same examples fit the
 server to them (simulated order, MNIST with as many subsets as units in flight: final
 accuracy 0.937 / 0.919 / 0.891 at 32 / 128 / 1,000 in flight with one fixed sample,
-0.944 / 0.925 / 0.913 with a fresh one; docs/merge-rules.md).
+0.939 / 0.920 / 0.914 with a fresh one per request; docs/merge-rules.md).
 
 For each request: the result's weights are read from the job's ``loss_check/`` spool
 with the bounded, fingerprint-checked reader (the file is a host's upload: it is

@@ -216,17 +216,6 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.log_file = self.base / LOG_NAME
 
     # ---- lifecycle ------------------------------------------------------------------------
-    @staticmethod
-    def prestart(base_dir: Path) -> None:
-        """Start the fork server that the backend of ``base_dir`` will use, ahead of it
-        (:func:`start_fork_server`: its TensorFlow import overlaps the caller's work)."""
-        start_fork_server(Path(base_dir).resolve() / LOG_NAME)
-
-    @staticmethod
-    def cancel_prestart() -> None:
-        """Stop a fork server started by :meth:`prestart` for a backend that never started."""
-        stop_fork_server()
-
     def start(self) -> None:
         (self.base / "upload").mkdir(parents=True, exist_ok=True)
         start_fork_server(self.log_file)
