@@ -45,14 +45,11 @@ from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import ResultRejected, StoreUnavailable, UnknownJob
 from boinc_dl.server.common.paths import check_name, is_safe_name
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
+from boinc_dl.server.common.states import SETTLED
 from boinc_dl.server.common.workunit import parse_unit_name, unit_name
 from boinc_dl.server.validator.checks import Expected, identify_files, validate_result
 
 log = logging.getLogger(__name__)
-
-#: Unit states after which nothing about the unit changes any more.
-SETTLED = ("assimilated", "failed", "cancelled")
-
 
 class Records(Protocol):
     """What a job system keeps about its workunits, as the framework needs it."""

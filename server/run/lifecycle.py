@@ -25,10 +25,10 @@ from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.spec_defaults import describe
+from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.run.failfast import FailFastWatch
 from boinc_dl.server.run.signals import RunStopped, raise_if_stopped
 from boinc_dl.server.work_generator.prepare import derived_settings, n_shards
-from boinc_dl.server.work_generator.vcasgd import FINISHED
 
 log = logging.getLogger(__name__)
 

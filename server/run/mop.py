@@ -20,6 +20,7 @@ from rich.table import Table
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.spec import JobSpec, local_options
+from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
@@ -35,7 +36,6 @@ from boinc_dl.server.work_generator.mop.assignment import round_robin_availabili
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
 from boinc_dl.server.work_generator.prepare import effective_spec, prepare_job
-from boinc_dl.server.work_generator.vcasgd import FINISHED
 
 #: Configurations named in learning_curves.png's legend (the best ones).
 LEGEND_MAX = 12

@@ -22,7 +22,6 @@ from boinc_dl.server.common.spec import spec_from_json
 #: second; one older than this means the process that ran it is gone (crashed,
 #: killed, its machine lost).
 HEARTBEAT_STALE_S = 30.0
-FINISHED = ("done", "failed", "cancelled")
 
 
 def effective_status(meta: dict[str, str], now: float | None = None) -> tuple[str, str]:

@@ -26,6 +26,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, local_options
+from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.planner.runcheck import predict_epoch
 from boinc_dl.server.run.eta import EtaEstimator, format_eta
 from boinc_dl.server.run.lifecycle import (
@@ -52,7 +53,7 @@ from boinc_dl.server.work_generator.prepare import (
     n_shards,
     prepare_job,
 )
-from boinc_dl.server.work_generator.vcasgd import FINISHED, VCASGDWorkGenerator
+from boinc_dl.server.work_generator.vcasgd import VCASGDWorkGenerator
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.common.errors import BoincDLError, ModelError
 from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.common.weights import OptimizerState, WeightsFile, write_weights
 from boinc_dl.server.common.workunit import (
     WEIGHTS_IN,
@@ -47,7 +48,7 @@ from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
 from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, unit_training
-from boinc_dl.server.work_generator.vcasgd import FINISHED, unit_seed
+from boinc_dl.server.work_generator.vcasgd import unit_seed
 
 log = logging.getLogger(__name__)
 

@@ -53,6 +53,7 @@ from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import StoreUnavailable
 from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.states import FINISHED, SETTLED
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from boinc_dl.server.common.workunit import (
     WEIGHTS_IN,
@@ -63,9 +64,6 @@ from boinc_dl.server.common.workunit import (
 from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, n_shards, unit_training
 
 log = logging.getLogger(__name__)
-
-FINISHED = ("done", "failed", "cancelled")
-
 
 def unit_seed(seed: int, epoch: int, shard: int) -> int:
     """A distinct, reproducible seed per unit."""
@@ -254,7 +252,7 @@ class VCASGDWorkGenerator:
         """
         info = self.store.unit_info(unit)
         state = self.store.unit_states().get(unit, "")
-        if not info or state in ("assimilated", "failed", "cancelled"):
+        if not info or state in SETTLED:
             return None
         attempt = max(attempt, int(info.get("attempt", 0)) + 1)
         epoch, shard = int(info["epoch"]), int(info["shard"])

@@ -38,10 +38,10 @@ from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import BoincDLError, StoreUnavailable
 from boinc_dl.server.common.spec import spec_from_json
+from boinc_dl.server.common.states import FINISHED
 
 log = logging.getLogger("boinc-dl.work_generator")
 
-FINISHED = ("done", "failed", "cancelled")
 LOG_NAME = "bdl_work_generator.log"
 
 

@@ -81,6 +81,7 @@ from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.backends.boinc.spotcheck import SpotChecks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
+from boinc_dl.server.common.states import SETTLED
 from boinc_dl.server.common.workunit import (
     WEIGHTS_IN,
     WU_JSON,
@@ -141,10 +142,6 @@ def file_md5(path: Path) -> tuple[str, int]:
             h.update(block)
             n += len(block)
     return h.hexdigest(), n
-
-
-#: Unit states after which none of the unit's workunits is needed.
-UNIT_DONE = ("assimilated", "failed", "cancelled")
 
 
 class BoincJobSystem(JobSystem):
@@ -430,7 +427,7 @@ class BoincJobSystem(JobSystem):
         states = dict(zip(units, store.unit_states_of(units), strict=True))
         current = {u: (rec["name"] if rec else None) for u, rec in zip(units, reg.issued(units), strict=True)}
         stray = [wu for wu, unit in live.items()
-                 if states.get(unit) in UNIT_DONE or states.get(unit) is None
+                 if states.get(unit) in SETTLED or states.get(unit) is None
                  or (current.get(unit) is not None and current[unit] != wu)]
         return self._cancel_live(job, stray)
 

@@ -52,9 +52,9 @@ import time
 from collections.abc import Callable
 
 from boinc_dl.server.assimilator import losscheck as lc
-from boinc_dl.server.assimilator.framework import SETTLED
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.states import SETTLED
 
 log = logging.getLogger(__name__)
 

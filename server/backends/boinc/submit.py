@@ -14,12 +14,13 @@ from pathlib import Path
 
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
-from boinc_dl.server.backends.boinc.daemon import FINISHED, finalize_job
+from boinc_dl.server.backends.boinc.daemon import finalize_job
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.filelock import FileLock, LockBusy
 from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.states import FINISHED
 
 log = logging.getLogger(__name__)
 
