@@ -139,3 +139,11 @@ def test_run_interrupt_resume_status(tmp_path: Path) -> None:
         assert (run_dir / name).exists()
     st = _cli("status", "--run-dir", str(run_dir), cwd=tmp_path)
     assert st.returncode == 0 and "done" in st.stdout
+    # The run directory as the argument, as a user types it after a run (absolute, and
+    # relative to where they stand), reads the same state; a job name still means runs/<job>.
+    for where in (str(run_dir), "run"):
+        st = _cli("status", where, "--json", cwd=tmp_path)
+        assert st.returncode == 0, st.stderr
+        assert json.loads(st.stdout)["status"] == "done" and json.loads(st.stdout)["run_dir"] == where
+    st = _cli("status", "digits-vcasgd", cwd=tmp_path)
+    assert st.returncode != 0 and "runs/digits-vcasgd" in st.stderr

@@ -127,9 +127,20 @@ def _open_store_redis(run_dir: Path | None, redis_url: str | None) -> Iterator[A
         server.stop()
 
 
+def _names_a_run_dir(job: str) -> bool:
+    """True when ``boinc-dl status``'s job argument is a run directory rather than a job
+    name: a path to a directory with a job state that is not ``runs/<job>`` itself (a job
+    name is one path component of letters, digits and ``_.-``)."""
+    from boinc_dl.server.common.paths import is_safe_name
+
+    if not (Path(job) / "redis").is_dir():
+        return False
+    return not is_safe_name(job) or not (Path("runs") / job / "redis").is_dir()
+
+
 @app.command()
 def status(
-    job: Annotated[str | None, typer.Argument(help="job name (default: all jobs found)")] = None,
+    job: Annotated[str | None, typer.Argument(help="job name, or a run directory (default: all jobs found)")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="run directory (default runs/<job>)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Redis holding the job state")] = None,
     project: Annotated[Path | None, typer.Option(help="BOINC project (its Redis)")] = None,
@@ -146,6 +157,8 @@ def status(
             dirs = [None]
         elif run_dir is not None:
             dirs = [run_dir]
+        elif job is not None and _names_a_run_dir(job):
+            dirs, job = [Path(job)], None  # `boinc-dl status runs/myjob`: every job of that run
         elif job is not None:
             dirs = [Path("runs") / job]
         else:
