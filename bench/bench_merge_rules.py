@@ -733,11 +733,19 @@ class SearchRule:
     where the product takes an equal share of each subset; it evaluates at the weights
     when the checker takes the request: the same weights here, where merges land one at
     a time). ``fixed_sample``: one sample for every result (the search before fresh
-    samples, for comparison)."""
+    samples, for comparison). ``multipliers``: the candidate steps' multiples of ``delta``'s
+    weight (the product's ``rules.SEARCH_MULTIPLIERS``; ``--search-multipliers``).
+    ``buffer_k`` > 1 (``--search-buffer``, not a product rule): the search on the sum of
+    ``buffer_k`` results at a time, a step of ``c`` moving the server by ``c`` times their
+    sum, ``c`` among 0 and their mean ``delta`` weight times the multipliers, at most their
+    mean bound (a buffer left part-filled at the job's end is not merged)."""
 
     def __init__(self, task: Task | None = None, batch: int = 1024, base: R.MergeRule | None = None,
-                 stats: dict[str, int] | None = None, fixed_sample: bool = False):
+                 stats: dict[str, int] | None = None, fixed_sample: bool = False,
+                 multipliers: tuple[float, ...] = R.SEARCH_MULTIPLIERS, buffer_k: int = 1):
         self.task, self.batch, self.fixed_sample = task, batch, fixed_sample
+        self.multipliers, self.buffer_k = tuple(multipliers), max(1, int(buffer_k))
+        self.buffer: list[tuple[np.ndarray, float, float]] = []  # (update, delta's weight, bound)
         self.base = base or candidate_rules()[REC]
         self.stats = stats if stats is not None else {"results": 0, "zero": 0, "evals": 0}
         self.xs = self.ys = None
@@ -752,10 +760,12 @@ class SearchRule:
             self.xs, self.ys = self.pool_x, self.pool_y
 
     def bound(self, task: Task) -> SearchRule:
-        return SearchRule(task, self.batch, self.base, fixed_sample=self.fixed_sample)
+        return SearchRule(task, self.batch, self.base, fixed_sample=self.fixed_sample, multipliers=self.multipliers,
+                          buffer_k=self.buffer_k)
 
     def capped(self, in_flight: int) -> SearchRule:
-        out = SearchRule(None, self.batch, self.base.capped(in_flight), self.stats, self.fixed_sample)
+        out = SearchRule(None, self.batch, self.base.capped(in_flight), self.stats, self.fixed_sample,
+                         self.multipliers, self.buffer_k)
         out.task, out.xs, out.ys, out.pool_x, out.pool_y = self.task, self.xs, self.ys, self.pool_x, self.pool_y
         # one job's replay: its merges so far (the server version) and, set by simulate(),
         # the units issued from each version (the product's JobStore.issued_from)
@@ -767,8 +777,9 @@ class SearchRule:
 
     def describe(self) -> str:
         sample = "one fixed sample" if self.fixed_sample else f"a sample per result of a pool of {WLC.SEARCH_POOL}"
-        return f"search(0 or {self.base.describe()} x {', '.join(f'{m:g}' for m in R.SEARCH_MULTIPLIERS)}, " \
-               f"at most w x max(1, in flight / cohort); {self.batch} training examples, {sample})"
+        buffered = f", on the sum of {self.buffer_k} results at a time" if self.buffer_k > 1 else ""
+        return f"search(0 or {self.base.describe()} x {', '.join(f'{m:g}' for m in self.multipliers)}, " \
+               f"at most w x max(1, in flight / cohort); {self.batch} training examples, {sample}{buffered})"
 
     def loss(self, flat: np.ndarray) -> float:
         assert self.task is not None and self.xs is not None, "bind the rule to a task first"
@@ -793,11 +804,34 @@ class SearchRule:
         rows = WLC.sample_rows(len(self.pool_y), self.batch, self.task.seed, f"step-{self.merged}")
         self.xs, self.ys = (self.pool_x, self.pool_y) if rows is None else (self.pool_x[rows], self.pool_y[rows])
         self.merged += 1
-        step, _ = R.search_step(R.search_steps(self.base.weight(s), cohort, self.in_flight), at)
+        if self.buffer_k > 1:
+            return self._apply_buffered(ws, d, s, cohort)
+        step, _ = R.search_step(R.search_steps(self.base.weight(s), cohort, self.in_flight, self.multipliers), at)
         self.stats["results"] += 1
         self.stats["zero"] += step == 0.0
         rule, factor = R.stepped(step)
         return rule.apply(ws, wc, wb, s, None, scale * factor, scratch)
+
+    def _apply_buffered(self, ws: np.ndarray, d: np.ndarray, s: float, cohort: int) -> np.ndarray:
+        """``buffer_k`` > 1: hold ``d`` until the buffer is full, then search one step on the sum."""
+        w = self.base.weight(s)
+        self.buffer.append((d, w, min(1.0, w * max(1.0, self.in_flight / max(1, cohort)))))
+        if len(self.buffer) < self.buffer_k:
+            return ws
+        total = np.sum([b[0] for b in self.buffer], axis=0, dtype=np.float32)
+        w_mean = float(np.mean([b[1] for b in self.buffer]))
+        top = float(np.mean([b[2] for b in self.buffer]))
+        self.buffer = []
+        steps = [0.0] + sorted({min(top, w_mean * m) for m in self.multipliers})
+
+        def at(c: float) -> float:
+            self.stats["evals"] += 1
+            return self.loss(ws + np.float32(c) * total)
+        step, _ = R.search_step(steps, at)
+        self.stats["results"] += 1
+        self.stats["zero"] += step == 0.0
+        ws += np.float32(step) * total
+        return ws
 
 
 def fmt(x: float) -> str:
@@ -815,7 +849,8 @@ class Bench:
     rules: dict[str, Any]  # R.MergeRule, or a SearchRule
     d_list: list[int]
     #: "task": the task's own local epochs; "derived": the project's default for D units in
-    #: flight (boinc_dl.server.common.spec_defaults.local_epochs_for), D = 1 alike
+    #: flight (boinc_dl.server.common.spec_defaults.local_epochs_for), D = 1 alike; a
+    #: number: that many for every D
     local_epochs: str = "task"
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -842,6 +877,8 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
         for d, ns in pairs:
             if b.local_epochs == "derived":  # the unit length a job with D in flight gets by default
                 tr.task = replace(task, local_epochs=local_epochs_for(d)[0])
+            elif b.local_epochs != "task":
+                tr.task = replace(task, local_epochs=int(b.local_epochs))
             base = {n: simulate(tr.task, tr, b.rules[n], 1, ns, b.epochs) for n in ("paper", REC)}
             res, zero = {}, {}
             for n, r in b.rules.items():
@@ -857,7 +894,7 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
                   " ".join(f"{cell(res[n]):>13s}" for n in names) +
                   f" | {cell(dfd):>17s} {refused:6.1%} {clipped:6.1%}" +
                   "".join(f" | {n}: step 0 for {z:.0%}" for n, z in zero.items()), flush=True)
-            key = f"{task.name}|{regime}|D={d}|subsets={ns}|local_epochs={'derived' if b.local_epochs == 'derived' else task.local_epochs}"
+            key = f"{task.name}|{regime}|D={d}|subsets={ns}|local_epochs={task.local_epochs if b.local_epochs == 'task' else b.local_epochs}"
             out[key] = {"d1_paper": [base["paper"].final, base["paper"].first],
                         "d1_rec": [base[REC].final, base[REC].first],
                         **{n: [r.final, r.first] for n, r in res.items()},
@@ -1073,6 +1110,13 @@ def latency_section(n: int = 4_972_746, shards: int = 16, repeats: int = 9) -> d
     return out
 
 
+def local_epochs_arg(text: str) -> str:
+    """``--local-epochs``: task, derived, or a number of local epochs >= 1."""
+    if text in ("task", "derived") or (text.isdigit() and int(text) >= 1):
+        return text
+    raise argparse.ArgumentTypeError(f"task, derived or a number >= 1, not {text!r}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="digits only, fewer rules: a few minutes")
@@ -1081,9 +1125,15 @@ def main() -> None:
     ap.add_argument("--D", default=None, help="units in flight (default 8,32,128,1000; quick: 8,32,128; the poison "
                     "section: 32)")
     ap.add_argument("--epochs", type=int, default=10)
-    ap.add_argument("--local-epochs", choices=("task", "derived"), default="task",
+    ap.add_argument("--local-epochs", default="task", type=local_epochs_arg,
                     help="task: the task's own (digits 2, MNIST 1, the issue's setting); derived: what a job "
-                         "with D units in flight gets by default (4 to 16)")
+                         "with D units in flight gets by default (4 to 16); a number: that many at every D")
+    ap.add_argument("--search-buffer", type=int, default=1,
+                    help="the step search on the sum of this many results at a time (a variant measured against "
+                         "the product's one result at a time; 1: the product's)")
+    ap.add_argument("--search-multipliers", default=None,
+                    help="the step search's candidate steps as multiples of delta's weight, comma list "
+                         "(default: the product's, " + ",".join(f"{m:g}" for m in R.SEARCH_MULTIPLIERS) + ")")
     ap.add_argument("--mnist-train", type=int, default=12000, help="MNIST training images used")
     ap.add_argument("--sections", default="staleness,poison,single,cost")
     ap.add_argument("--single-cap", type=int, default=None,
@@ -1151,6 +1201,11 @@ def main() -> None:
     sections = set(args.sections.split(","))
     d_list = args.D or ("8,32,128" if args.quick else "8,32,128,1000")
     cap = args.single_cap or (100 if args.quick else 300)
+    if args.search_multipliers or args.search_buffer > 1:
+        mult = tuple(float(m) for m in args.search_multipliers.split(",")) if args.search_multipliers \
+            else R.SEARCH_MULTIPLIERS
+        allr = {n: (SearchRule(fixed_sample=r.fixed_sample, multipliers=mult, buffer_k=args.search_buffer)
+                    if isinstance(r, SearchRule) else r) for n, r in allr.items()}
     b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")],
               local_epochs=args.local_epochs)
     print(f"merge rules bench, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
