@@ -26,32 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import before_after_args, emit, export_ref, machine, median  # noqa: E402
+from tests.support.userjob import user_files  # noqa: E402  (the user's own files, as the tests write them)
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REF = "d623d10"  # before the lean TensorFlow import and the early fork server
 
-MODEL = '''import keras
-
-
-def build(hidden=16):
-    return keras.Sequential([keras.Input(shape=(20,)),
-                             keras.layers.Dense(hidden, activation="relu"),
-                             keras.layers.Dense(3, activation="softmax")])
-'''
-SPEC = "name: mine\nmode: vcasgd\nmodel: mymodel:build\ndataset: {train: data.npz}\ntraining: {epochs: 2}\n"
 ARGS = ["--workers", "1", "--slots", "2", "--assimilators", "1"]
-
-
-def user_files(d: Path) -> None:
-    import numpy as np
-    from sklearn.datasets import make_classification
-
-    d.mkdir(parents=True, exist_ok=True)
-    x, y = make_classification(n_samples=400, n_features=20, n_informative=10, n_classes=3,
-                               class_sep=2.0, random_state=0)
-    np.savez(d / "data.npz", x=x.astype(np.float32), y=y.astype(np.int64))
-    (d / "mymodel.py").write_text(MODEL)
-    (d / "job.yaml").write_text(SPEC)
 
 
 def run_once(code: tuple[Path, str] | None, work: Path) -> dict[str, float]:

@@ -21,37 +21,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
+
+from .support.userjob import MINIMAL, MODEL, user_files
 
 # The installed command: beside this interpreter (a virtualenv), else on PATH.
 BDL = str(Path(sys.executable).parent / "boinc-dl") if (Path(sys.executable).parent / "boinc-dl").exists() \
     else (shutil.which("boinc-dl") or "boinc-dl")
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("TF_")}, "COLUMNS": "120", "BDL_THREADS": "1"}
 SMALL = ["--workers", "1", "--slots", "2", "--assimilators", "1"]
-
-MODEL = '''import keras
-
-
-def build(hidden=16):
-    return keras.Sequential([keras.Input(shape=(20,)),
-                             keras.layers.Dense(hidden, activation="relu"),
-                             keras.layers.Dense(3, activation="softmax")])
-'''
-
-MINIMAL = "name: mine\nmode: vcasgd\nmodel: mymodel:build\ndataset: {train: data.npz}\ntraining: {epochs: 2}\n"
-
-
-def user_files(tmp: Path, spec: str = MINIMAL, model: str = MODEL, n: int = 400) -> Path:
-    """The user's model module, their data as an .npz (3 classes, 20 features) and spec."""
-    from sklearn.datasets import make_classification
-
-    x, y = make_classification(n_samples=n, n_features=20, n_informative=10, n_classes=3,
-                               class_sep=2.0, random_state=0)
-    np.savez(tmp / "data.npz", x=x.astype(np.float32), y=y.astype(np.int64))
-    (tmp / "mymodel.py").write_text(model)
-    (tmp / "job.yaml").write_text(spec)
-    return tmp / "job.yaml"
 
 
 def bdl(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
