@@ -8,6 +8,7 @@ fixes the train/validation split and the shuffle before splitting into subsets
 from __future__ import annotations
 
 import importlib.util
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +152,18 @@ def split_shards(n: int, n_shards: int, seed: int) -> list[np.ndarray]:
         raise DatasetError(f"cannot split {n} training examples into {n_shards} subsets/partitions")
     order = np.random.default_rng(seed + 1).permutation(n)
     return [np.sort(s) for s in np.array_split(order, n_shards)]
+
+
+def npz_array_shape(path: str | Path, name: str) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype of array ``name`` in an ``.npz`` written by :func:`save_npz`,
+    from its header alone (the array's data is not read)."""
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    with zipfile.ZipFile(path) as zf, zf.open(f"{name}.npy") as f:
+        version = np.lib.format.read_magic(f)
+        if version not in readers:
+            raise DatasetError(f"{path}: array {name!r} has .npy format {version}, not 1.0 or 2.0")
+        shape, _, dtype = readers[version](f)
+    return tuple(int(n) for n in shape), np.dtype(dtype)
 
 
 def save_npz(path: str | Path, x: np.ndarray, y: np.ndarray) -> None:

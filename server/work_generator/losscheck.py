@@ -55,6 +55,7 @@ import numpy as np
 from boinc_dl.server.assimilator import losscheck as lc
 from boinc_dl.server.assimilator import rules, stepsearch
 from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.common.datasets import npz_array_shape
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob, WeightsFormatError
 from boinc_dl.server.common.paths import confined, is_safe_name
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
@@ -92,10 +93,7 @@ def search_batch(files: JobFiles, n_subsets: int, size: int, seed: int) -> tuple
     every restart: as equal a share of each subset as their sizes allow, read one subset
     at a time (memory: one subset and the sample). The step search's pool
     (:func:`search_pool`), from which each request draws its own sample."""
-    sizes = []
-    for k in range(n_subsets):
-        with np.load(files.shard(k)) as z:
-            sizes.append(len(z["y"]))
+    sizes = [npz_array_shape(files.shard(k), "y")[0][0] for k in range(n_subsets)]
     take = _shares(sizes, size)
     xs, ys = [], []
     for k, n in enumerate(take):
@@ -115,9 +113,8 @@ def search_pool(files: JobFiles, n_subsets: int, batch: int, seed: int) -> tuple
     """The step search's pool: :data:`SEARCH_POOL` samples of ``batch`` examples' worth of
     the training data (all of it when smaller), at most :data:`SEARCH_POOL_BYTES` of
     examples, never fewer than ``batch`` (:func:`search_batch` draws it)."""
-    with np.load(files.shard(0)) as z:
-        x0 = z["x"]
-        per = max(1, int(np.prod(x0.shape[1:], dtype=np.int64)) * x0.dtype.itemsize)
+    shape, dtype = npz_array_shape(files.shard(0), "x")  # from the header: no subset read twice
+    per = max(1, int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
     size = max(int(batch), min(SEARCH_POOL * int(batch), SEARCH_POOL_BYTES // per))
     return search_batch(files, n_subsets, size, seed)
 
