@@ -20,7 +20,7 @@ from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.redis_server import EmbeddedRedis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
-from boinc_dl.server.backends.local.jobsystem import LOG_NAME, start_fork_server, stop_fork_server
+from boinc_dl.server.backends.local.jobsystem import start_fork_server, stop_fork_server
 from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, local_options
@@ -71,7 +71,7 @@ def prestart_local_backend(store: JobStore, run_dir: Path, resume: bool) -> None
     import, not two in a row. Not for a resumed job that is over (no backend starts)."""
     if resume and store.meta().get("status") in FINISHED:
         return
-    start_fork_server(Path(run_dir).resolve() / LOG_NAME)
+    start_fork_server(run_dir)
 
 
 def end_prestart(backend: LocalJobSystem | None) -> None:

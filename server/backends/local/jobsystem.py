@@ -102,10 +102,15 @@ def process_context() -> Any:
     return ctx
 
 
-def start_fork_server(log_file: Path) -> None:
+def backend_log(base_dir: Path) -> Path:
+    """The backend's log under its directory ``base_dir`` (the run directory)."""
+    return Path(base_dir).resolve() / LOG_NAME
+
+
+def start_fork_server(base_dir: Path) -> None:
     """Start this process's fork server (if it has none yet) with its stdout and stderr on
-    ``log_file``: TensorFlow's start-up lines in every slot, and any child's traceback, go
-    there instead of the run's console. It returns at once; the server imports
+    the backend's log under ``base_dir`` (:func:`backend_log`): TensorFlow's start-up lines
+    in every slot, and any child's traceback, go there instead of the run's console. It returns at once; the server imports
     :data:`FORKSERVER_PRELOAD` in the background, so a run that starts it before preparing
     its job (which imports TensorFlow too) pays for both imports once, side by side."""
     from multiprocessing import forkserver
@@ -114,7 +119,8 @@ def start_fork_server(log_file: Path) -> None:
 
     process_context()
     quiet_env()
-    Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+    log_file = backend_log(base_dir)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
     with stdio_to(log_file):
         forkserver.ensure_running()
 
@@ -213,12 +219,12 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
         self.host_data: dict[int, set[str]] = {h: set() for h in range(workers)}
         self.slot_busy_s = 0.0
         self.started_at = 0.0
-        self.log_file = self.base / LOG_NAME
+        self.log_file = backend_log(self.base)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         (self.base / "upload").mkdir(parents=True, exist_ok=True)
-        start_fork_server(self.log_file)
+        start_fork_server(self.base)
         for i in range(self.n_assim):
             a = _Assimilator(i)
             self._spawn_assimilator(a)
