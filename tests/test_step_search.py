@@ -446,6 +446,21 @@ def test_each_step_request_is_judged_on_a_sample_of_its_own_from_a_bounded_pool(
     assert len(search_pool(files, 4, 64, seed=1)[1]) == 64
 
 
+def test_the_pool_reads_subset_shapes_from_their_headers(tmp_path: Path) -> None:
+    """The pool's sizes come from the subsets' .npz headers (no subset read for its shape):
+    the same shapes and dtypes as loading the arrays."""
+    from boinc_dl.server.common.datasets import npz_array_shape, save_npz
+
+    for i, (x, y) in enumerate([(np.zeros((7, 3, 2), np.float32), np.zeros(7, np.int64)),
+                                (np.zeros((1, 784), np.uint8), np.zeros(1, np.int32)),
+                                (np.zeros((0, 5), np.float64), np.zeros(0, np.int64))]):
+        path = tmp_path / f"s{i}.npz"
+        save_npz(path, x, y)
+        with np.load(path) as z:
+            for name in ("x", "y"):
+                assert npz_array_shape(path, name) == (z[name].shape, z[name].dtype)
+
+
 def test_the_checker_judges_each_step_request_on_its_own_rows(job, tmp_path: Path) -> None:
     """Through the checker: the loss function is called with the rows sample_rows gives the
     request's id, for every candidate step of that request."""
