@@ -703,6 +703,25 @@ def test_dispatch_validate_round_trip(tmp_path: Path) -> None:
     assert list((spool / "validate-done").iterdir()) == []  # collected by the shims
 
 
+def test_dispatch_validator_killed_is_transient(tmp_path: Path) -> None:
+    """boinc-dl's validator killed by a signal (the OOM killer) gives no verdict: 3, never invalid."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    fake = tmp_path / "fake-boinc-dl"
+    fake.write_text("#!/bin/sh\nkill -9 $$\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "BDL_SPOOL": str(spool), "BDL_VALIDATE_WAIT": "30"}
+    p = subprocess.Popen(["sh", str(DISPATCH), "validate-init", "--project", "/p", "--", "/up/x_0"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 20
+    while not list((spool / "validate").glob("*")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (res,) = spool_consumer.ValidateRunner(spool, command=[str(fake)]).run_once()
+    assert res.status == "validate-init rc=3" and "signal 9" in res.reason
+    assert p.wait(30) == 3 and b"validate again later" in p.stderr.read()
+
+
 def test_dispatch_validate_times_out_as_transient(tmp_path: Path) -> None:
     spool = tmp_path / "spool"
     spool.mkdir()

@@ -148,21 +148,52 @@ def gpu_plan_class(
     return pc
 
 
+#: The shims whose exit status is a verdict on a result (``script_validator``'s init and
+#: compare scripts): a run that ended without one must say "try again later".
+VERDICT_SUBCOMMANDS = ("validate-init", "validate-compare")
+
+
 def shim(command: list[str], project: Path, subcommand: str, pass_args: bool = True) -> str:
-    """A POSIX-sh shim in the project's ``bin/`` that execs a boinc-dl command.
+    """A POSIX-sh shim in the project's ``bin/`` that runs a boinc-dl command.
 
     BOINC's daemons run ``../bin/<script> tokens`` through ``system()`` from
     ``tmp_<host>``; the shim pins the project directory and hands every argument
     through untouched (``--`` keeps ``--error`` from being read as an option).
+
+    The assimilator's and work generator's shims ``exec`` the command: any non-zero exit
+    already means "not done, hand it over again". The validator's shims
+    (:data:`VERDICT_SUBCOMMANDS`) run it as a child instead and answer 3
+    (``VAL_RESULT_TRANSIENT_ERROR``) when it gave no verdict: killed by a signal (the
+    OOM killer, an admin's ``kill -9``: status 128 + n through the shell), or not
+    runnable at all (126, 127: a moved virtualenv). ``script_validator`` takes any
+    other non-zero status of the init script for "invalid" (``init_result``,
+    ``sched/script_validator.cpp``; a death by a signal reaches it as 137 through
+    ``system()``'s shell), which marks a good result invalid, counts against its
+    host, and asks for another replica that a small fleet under
+    ``one_result_per_host_per_wu`` may never be able to send; and a compare script's
+    for "the two results differ". Seen on a real server: one ``kill -9`` of the init
+    script's Python marked a good result invalid and left its workunit unsendable.
     """
     parts = " ".join(_sh_quote(c) for c in command)
     tail = ' -- "$@"' if pass_args else ""
-    return (
+    run = f"{parts} {subcommand} --project {_sh_quote(str(project))}{tail}"
+    head = (
         "#!/bin/sh\n"
         f"# boinc-dl: {subcommand} (installed by 'boinc-dl boinc install'; do not edit)\n"
         f"BDL_PROJECT={_sh_quote(str(project))}\n"
         "export BDL_PROJECT\n"
-        f"exec {parts} {subcommand} --project {_sh_quote(str(project))}{tail}\n"
+    )
+    if subcommand not in VERDICT_SUBCOMMANDS:
+        return head + f"exec {run}\n"
+    return head + (
+        f"{run}\n"
+        "rc=$?\n"
+        "# no verdict (killed by a signal, or not runnable): try again later, never \"invalid\"\n"
+        "if [ \"$rc\" -gt 128 ] || [ \"$rc\" -eq 126 ] || [ \"$rc\" -eq 127 ]; then\n"
+        "    echo \"bdl: $0 ended without a verdict (status $rc); BOINC will validate again later\" >&2\n"
+        "    exit 3\n"
+        "fi\n"
+        "exit \"$rc\"\n"
     )
 
 

@@ -58,6 +58,7 @@ from typing import Any
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import AssimilationOutcome
 from boinc_dl.server.assimilator.store import DEFAULT_RETRY_S, JobStore
+from boinc_dl.server.backends.boinc.artifacts import VERDICT_SUBCOMMANDS
 from boinc_dl.server.backends.boinc.intake import (
     assimilate_give_up,
     assimilate_upload,
@@ -235,7 +236,7 @@ class SpoolConsumer:
 class ValidateRunner:
     """Answer the synchronous validation requests in ``spool/validate``."""
 
-    SUBCOMMANDS = ("validate-init", "validate-compare")
+    SUBCOMMANDS = VERDICT_SUBCOMMANDS
 
     def __init__(self, spool: str | Path, command: list[str] | None = None, mod: tuple[int, int] = (1, 0),
                  timeout: float = 540.0):
@@ -266,6 +267,9 @@ class ValidateRunner:
         cmd = [*self.command, sub, *(["--project", project] if project else []), "--", *argv]
         try:
             res = subprocess.run(cmd, capture_output=True, timeout=self.timeout)
+            if res.returncode < 0:  # killed by a signal: no verdict, never "invalid" (artifacts.shim)
+                why = f"validator killed by signal {-res.returncode}; BOINC will validate again later\n"
+                return self._answer(entry, 3, res.stdout, res.stderr + why.encode(), sub)
             return self._answer(entry, res.returncode, res.stdout, res.stderr, sub)
         except subprocess.TimeoutExpired:
             return self._answer(entry, 3, b"", f"validator timed out after {self.timeout:.0f}s\n".encode(), sub)
