@@ -131,7 +131,8 @@ def _replicate_if_untrusted(project: BoincProject, wu_id: int, hostid: int, app_
                             rng: random.Random | None) -> None:
     """Adaptive replication when a result is sent (``sched/sched_send.cpp``), and the
     transitioner's pass that creates the replicas the new target asks for."""
-    w = rows(project, "SELECT w.name, w.appid, w.target_nresults, a.target_nresults AS app_target FROM workunit w "
+    w = rows(project, "SELECT w.name, w.appid, w.priority, w.target_nresults, a.target_nresults AS app_target "
+                      "FROM workunit w "
                       "JOIN app a ON a.id = w.appid WHERE w.id = %s", (wu_id,))
     if not w or not (int(w[0]["target_nresults"]) == 1 and int(w[0]["app_target"]) > 1):
         return
@@ -142,8 +143,9 @@ def _replicate_if_untrusted(project: BoincProject, wu_id: int, hostid: int, app_
           (target, target, now, wu_id))
     n = rows(project, "SELECT COUNT(*) AS n FROM result WHERE workunitid = %s", (wu_id,))[0]["n"]
     for i in range(n, target):
-        _exec(project, "INSERT INTO result (create_time, workunitid, server_state, appid, name) "
-                       "VALUES (%s, %s, 2, %s, %s)", (now, wu_id, int(w[0]["appid"]), f"{w[0]['name']}_{i}"))
+        _exec(project, "INSERT INTO result (create_time, workunitid, server_state, appid, name, priority) "
+                       "VALUES (%s, %s, 2, %s, %s, %s)",
+              (now, wu_id, int(w[0]["appid"]), f"{w[0]['name']}_{i}", int(w[0]["priority"])))
 
 
 def _count_validation(project: BoincProject, result_id: int, valid: bool) -> None:
@@ -213,16 +215,24 @@ def jobs_cap(project: BoincProject, ncpus: int, app: str = "boincdl") -> int | N
 def request_work(project: BoincProject, hostid: int, ncpus: int, n_wanted: int, in_progress: int = 0,
                  now: float | None = None, userid: int | None = None) -> list[str]:
     """A host with ``ncpus`` CPUs and ``in_progress`` boincdl tasks asks for ``n_wanted``
-    more: the scheduler sends UNSENT results in creation order within its limits; the
-    names sent."""
+    more: the scheduler sends UNSENT results by score within its limits; the names sent.
+
+    The score is the result's priority (``JOB::get_score``, ``sched/sched_score.cpp``: 0
+    plus ``res_priority`` with no size classes, keywords or ``batch_accel``), highest
+    first (``std::sort`` of the jobs scanned from a random slot, ``send_work_score_type``).
+    BOINC leaves the order of equal scores to that unstable sort; on a real server new
+    results won most ties (the feeder refills the slots freed by sent ones), so the fake
+    takes the newest first among equals: the worst case for a unit left waiting, never
+    the creation order that would hide it."""
     per_rpc = int(_config_number(project, "max_wus_to_send", 10)) * ncpus
     cap = jobs_cap(project, ncpus)
     room = min(n_wanted, per_rpc, (cap - in_progress) if cap is not None else n_wanted)
     sent: list[str] = []
     if room <= 0:
         return sent
-    for w in rows(project, "SELECT DISTINCT w.name, w.id FROM result r JOIN workunit w ON w.id = r.workunitid "
-                           "WHERE r.server_state = 2 AND w.error_mask = 0 ORDER BY w.id"):
+    for w in rows(project, "SELECT w.name, MAX(r.priority) AS p, MAX(r.id) AS newest FROM result r "
+                           "JOIN workunit w ON w.id = r.workunitid WHERE r.server_state = 2 AND w.error_mask = 0 "
+                           "GROUP BY w.id, w.name ORDER BY p DESC, newest DESC"):
         sent += send(project, [w["name"]], hostid, now, userid=userid)
         if len(sent) >= room:
             break
@@ -280,15 +290,16 @@ def time_out(project: BoincProject, now: float | None = None) -> list[str]:
     """Results past their report deadline become NO_REPLY and each gets a new UNSENT
     instance within max_total_results; the names of the timed-out results."""
     now = int(now if now is not None else time.time())
-    late = rows(project, "SELECT r.id, r.name, r.workunitid, w.name AS wu, w.max_total_results FROM result r "
+    late = rows(project, "SELECT r.id, r.name, r.workunitid, w.name AS wu, w.max_total_results, w.priority "
+                         "FROM result r "
                          "JOIN workunit w ON w.id = r.workunitid WHERE r.server_state = 4 AND r.report_deadline < %s",
                 (now,))
     for r in late:
         _exec(project, "UPDATE result SET server_state = 5, outcome = 4 WHERE id = %s", (r["id"],))
         n = rows(project, "SELECT COUNT(*) AS n FROM result WHERE workunitid = %s", (r["workunitid"],))[0]["n"]
         if n < r["max_total_results"]:
-            _exec(project, "INSERT INTO result (create_time, workunitid, server_state, name) VALUES (%s, %s, 2, %s)",
-                  (now, r["workunitid"], f"{r['wu']}_{n}"))
+            _exec(project, "INSERT INTO result (create_time, workunitid, server_state, name, priority) "
+                           "VALUES (%s, %s, 2, %s, %s)", (now, r["workunitid"], f"{r['wu']}_{n}", int(r["priority"])))
     return [r["name"] for r in late]
 
 

@@ -99,6 +99,7 @@ def test_batched_create_work_command_line(setup) -> None:
     assert opts["--max_error_results"] == "3" and opts["--max_total_results"] == "6"
     assert opts["--max_success_results"] == "6"
     assert opts["--wu_template"] == "templates/boincdl_in"
+    assert opts["--priority"] == "0"  # epoch 1 (on the command line: release 1.2 has no per-line --priority)
     # The result bound follows the model (no units.max_upload_bytes in the spec): 16 bytes
     # per parameter, 1 KiB per tensor and 16 MiB of headroom.
     fp = store.fingerprint("0")
@@ -118,6 +119,7 @@ def test_batched_create_work_command_line(setup) -> None:
     assert sorted(db["workunits"]) == sorted(wu.unit for wu in wus)
     w = db["workunits"][wus[0].unit]
     assert (w["delay_bound"], w["max_error_results"], w["max_total_results"], w["min_quorum"]) == (deadline, 3, 6, 1)
+    assert w["priority"] == 0
     assert be.pending() == []
     assert r.smembers(BoincRegistry(store).created_key) == {wu.unit.encode() for wu in wus}
     assert (project.root / opts["--result_template"]).is_file()

@@ -8,7 +8,7 @@ Facts from BOINC's source that shape this driver (``tools/create_work.cpp``,
   the workunit record and read again for every result the transitioner creates.
 * With ``--stdin`` each line describes one job but accepts only ``--wu_name``,
   ``--wu_template``, ``--result_template``, ``--command_line``, ``--remote_file``,
-  ``--target_host``, ``--target_user``, ``--priority`` and physical file names;
+  ``--target_host``, ``--target_user``, ``--priority`` (not on 1.2) and physical file names;
   deadlines and retry limits are per call. So units are batched per (job, limits)
   and every call passes ``--delay_bound``, ``--min_quorum``, ``--target_nresults``,
   ``--max_error_results``, ``--max_total_results`` and ``--max_success_results``:
@@ -111,6 +111,31 @@ FPOPS_MARGIN = 1.2
 #: active host, so a host holds at most two such tasks per CPU until the job's own tasks
 #: are measured.
 CALIBRATION_FRACTION = 0.5
+
+
+#: The lowest ``--priority`` a workunit gets (an epoch this old and older share it).
+PRIORITY_FLOOR = -1_000_000
+
+
+def send_priority(unit: str) -> int:
+    """The ``--priority`` of a unit's workunit: 0 for epoch 1, one lower per epoch after.
+
+    BOINC's scheduler sends the highest-scoring jobs first, and a job's score is 0 plus
+    its result's priority (``JOB::get_score``, ``sched/sched_score.cpp``; results inherit
+    the workunit's, ``tools/backend_lib.cpp``); equal scores leave the order to an
+    unstable sort from a random slot, and on a real server new results won most ties: an
+    epoch-1 unit waited ten minutes while later epochs' units went out around it, and
+    every epoch then closed at once, when it merged. With the older epoch's units scoring
+    higher, a unit still queued is sent before any unit issued after its epoch, whatever
+    its slot (a regenerated unit keeps its epoch). Never positive: BOINC reads a
+    priority above 0 as "high" (``batch_accel``) and a project's
+    ``reliable_on_priority`` threshold as "reliable hosts only", so other apps' jobs
+    (priority 0) are never pushed back by boinc-dl's. It is passed on create_work's
+    command line (one call per priority: release 1.2 takes no ``--priority`` on a
+    ``--stdin`` line)."""
+    meta = parse_unit_name(unit)
+    epoch = int(meta["epoch"]) if meta else 1
+    return max(PRIORITY_FLOOR, 1 - max(1, epoch))
 
 
 class BoincToolError(BoincDLError):
@@ -500,14 +525,16 @@ class BoincJobSystem(JobSystem):
         On failure the units not created stay queued (a later flush retries them) and
         :class:`BoincToolError` is raised.
         """
-        groups: dict[tuple[str, RetryLimits, int], list[_Pending]] = defaultdict(list)
+        # one create_work call per (job, limits, quorum, priority): release 1.2 takes
+        # --priority only on the command line, not on a --stdin line
+        groups: dict[tuple[str, RetryLimits, int, int], list[_Pending]] = defaultdict(list)
         for p in self._pending:
-            groups[(p.wu.job, p.limits, p.quorum)].append(p)
+            groups[(p.wu.job, p.limits, p.quorum, send_priority(p.wu.unit))].append(p)
         created = 0
-        for (job, limits, quorum), items in groups.items():
+        for (job, limits, quorum, priority), items in groups.items():
             for i in range(0, len(items), self.batch_size):
                 chunk = items[i : i + self.batch_size]
-                self._create_batch(job, limits, chunk, quorum)
+                self._create_batch(job, limits, chunk, quorum, priority)
                 done = {p.name for p in chunk}
                 self._pending = [p for p in self._pending if p.name not in done]
                 created += len(chunk)
@@ -521,9 +548,10 @@ class BoincJobSystem(JobSystem):
         return max(1, math.ceil(limits.delay_bound_s + host_wait_s(self.project.config)))
 
     def create_work_args(self, job: str, limits: RetryLimits, result_template: str,
-                         disk_bound: float, quorum: int = 0) -> list[str]:
+                         disk_bound: float, quorum: int = 0, priority: int = 0) -> list[str]:
         """The command line (without stdin lines) for one batch of ``job``'s units
-        (``quorum``: their ``min_quorum``; 0, the project's)."""
+        (``quorum``: their ``min_quorum``; 0, the project's; ``priority``: their
+        :func:`send_priority`)."""
         q = quorum or self.settings.min_quorum
         total = int(limits.max_total_results)
         errors = int(limits.max_error_results)
@@ -548,10 +576,12 @@ class BoincJobSystem(JobSystem):
             "--rsc_fpops_bound", f"{bound:.6g}",
             "--rsc_memory_bound", f"{self.settings.rsc_memory_bound:.6g}",
             "--rsc_disk_bound", f"{disk_bound:.6g}",
+            "--priority", str(int(priority)),
             "--stdin",
         ]
 
-    def _create_batch(self, job: str, limits: RetryLimits, items: list[_Pending], quorum: int = 0) -> None:
+    def _create_batch(self, job: str, limits: RetryLimits, items: list[_Pending], quorum: int = 0,
+                      priority: int = 0) -> None:
         spec = self._spec(job)
         result_template = self.ensure_output_template(artifacts.job_upload_bound(JobStore(self.r, job), spec))
         lines: list[str] = []
@@ -567,7 +597,7 @@ class BoincJobSystem(JobSystem):
                                    "--result_template", result_template, *phys]))
         # slot copies of the inputs, the outputs and a checkpoint (model + optimizer state)
         disk_bound = 2.0 * input_bytes + 6.0 * weights_bytes + 256 * 1024 * 1024
-        args = self.create_work_args(job, limits, result_template, disk_bound, quorum)
+        args = self.create_work_args(job, limits, result_template, disk_bound, quorum, priority)
         proc = self._run(args, stdin="".join(line + "\n" for line in lines), check=False)
         if proc.returncode == 0:
             self._mark_created(job, items)
@@ -578,7 +608,7 @@ class BoincJobSystem(JobSystem):
         if "Duplicate entry" in proc.stderr and len(items) > 1:
             log.warning("create_work: a unit of the batch already exists; creating them one by one")
             for p in items:
-                self._create_batch(job, limits, [p], quorum)
+                self._create_batch(job, limits, [p], quorum, priority)
             return
         if "Duplicate entry" in proc.stderr:
             log.warning("workunit %s already exists in BOINC (created before a restart)", items[0].name)

@@ -29,7 +29,8 @@ SCHEMA = (
         target_nresults INTEGER NOT NULL DEFAULT 1,
         max_error_results INTEGER NOT NULL DEFAULT 1,
         max_total_results INTEGER NOT NULL DEFAULT 1,
-        max_success_results INTEGER NOT NULL DEFAULT 1
+        max_success_results INTEGER NOT NULL DEFAULT 1,
+        priority INTEGER NOT NULL DEFAULT 0
     )""",
     """CREATE TABLE result (
         id INTEGER NOT NULL AUTO_INCREMENT PRIMARY KEY,
@@ -50,6 +51,7 @@ SCHEMA = (
         elapsed_time DOUBLE NOT NULL DEFAULT 0,
         cpu_time DOUBLE NOT NULL DEFAULT 0,
         flops_estimate DOUBLE NOT NULL DEFAULT 0,
+        priority INTEGER NOT NULL DEFAULT 0,
         KEY (workunitid)
     )""",
     """CREATE TABLE host (

@@ -86,6 +86,14 @@ def process_input_template(text, infiles, wu):
             die(f"process_input_template: md5_file {name}: file not found")
 
 
+def atoi(text: str) -> int:
+    """C's ``atoi``: the leading integer of ``text`` (0 when there is none)."""
+    import re
+
+    m = re.match(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else 0
+
+
 def main():
     args = sys.argv[1:]
     stdin = sys.stdin.read() if "--stdin" in args or "-stdin" in args else None
@@ -107,19 +115,22 @@ def main():
         die(f"create_work: input template file {main_tpl} doesn't exist")
     jobs = []
     if stdin is None:
-        jobs.append((opts.get("wu_name", "job"), main_tpl, main_res, files))
+        jobs.append((opts.get("wu_name", "job"), main_tpl, main_res, files, None))
     else:
         for j, line in enumerate(stdin.splitlines()):
             if len(line) + 1 >= 4096:
                 die("fgets() buffer was too small")
             lo, lf = parse(shlex.split(line), STDIN, "stdin ")
             jobs.append((lo.get("wu_name", f"{opts.get('wu_name', 'job')}_{j}"),
-                         lo.get("wu_template", main_tpl), lo.get("result_template", main_res), lf))
+                         lo.get("wu_template", main_tpl), lo.get("result_template", main_res), lf,
+                         atoi(lo["priority"]) if "priority" in lo else None))
     created = []
-    for name, tpl, res, infiles in jobs:
+    for name, tpl, res, infiles, *line_priority in jobs:
         if not Path(tpl).exists():
             die(f"Can't read WU template {tpl}")
         wu = dict(base)
+        # --priority: the call's, a line's own over it (atoi, as create_work reads it)
+        wu["priority"] = line_priority[0] if line_priority[0] is not None else atoi(opts.get("priority", "0"))
         process_input_template(Path(tpl).read_text(), infiles, wu)
         if not Path(res).exists():
             die(f"create_work: result template file {res} doesn't exist")
@@ -152,15 +163,15 @@ def insert_sql(created):
     with conn.cursor() as c:
         for wu in created:
             c.execute("INSERT INTO workunit (create_time, name, rsc_fpops_est, rsc_fpops_bound, delay_bound, "
-                      "min_quorum, target_nresults, max_error_results, max_total_results, max_success_results) "
-                      "VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                      "min_quorum, target_nresults, max_error_results, max_total_results, max_success_results, "
+                      "priority) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
                       (now, wu["name"], wu["rsc_fpops_est"], wu["rsc_fpops_bound"], int(wu["delay_bound"]),
                        int(wu["min_quorum"]), int(wu["target_nresults"]), int(wu["max_error_results"]),
-                       int(wu["max_total_results"]), int(wu["max_success_results"])))
+                       int(wu["max_total_results"]), int(wu["max_success_results"]), wu["priority"]))
             wu_id = c.lastrowid
-            for i in range(int(wu["target_nresults"])):
-                c.execute("INSERT INTO result (create_time, workunitid, server_state, name) VALUES (%s,%s,2,%s)",
-                          (now, wu_id, f"{wu['name']}_{i}"))
+            for i in range(int(wu["target_nresults"])):  # result.priority = wu.priority (backend_lib.cpp)
+                c.execute("INSERT INTO result (create_time, workunitid, server_state, name, priority) "
+                          "VALUES (%s,%s,2,%s,%s)", (now, wu_id, f"{wu['name']}_{i}", wu["priority"]))
     conn.close()
 
 
