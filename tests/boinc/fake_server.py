@@ -327,6 +327,24 @@ def file_deleter(project: BoincProject, wu_infiles: dict[str, list[str]]) -> lis
     return removed
 
 
+def _replace_results(project: BoincProject, result_id: int) -> list[str]:
+    """The transitioner's pass after a result failed validation (``sched/transitioner.cpp``):
+    as many new UNSENT instances as the workunit is short of ``target_nresults`` results
+    still counting (sent, unsent, or back and not invalid), within ``max_total_results``;
+    each with the workunit's priority. Their names."""
+    w = rows(project, "SELECT w.id, w.name, w.priority, w.target_nresults, w.max_total_results FROM workunit w "
+                      "JOIN result r ON r.workunitid = w.id WHERE r.id = %s", (result_id,))[0]
+    res = rows(project, "SELECT server_state, outcome, validate_state FROM result WHERE workunitid = %s", (w["id"],))
+    counting = sum(1 for x in res if x["server_state"] in (2, 4)
+                   or (x["server_state"] == 5 and x["outcome"] == 1 and x["validate_state"] != 2))
+    names = []
+    for n in range(len(res), min(len(res) + max(0, int(w["target_nresults"]) - counting), int(w["max_total_results"]))):
+        names.append(f"{w['name']}_{n}")
+        _exec(project, "INSERT INTO result (create_time, workunitid, server_state, name, priority) "
+                       "VALUES (%s, %s, 2, %s, %s)", (int(time.time()), w["id"], names[-1], int(w["priority"])))
+    return names
+
+
 def judge(project: BoincProject, result: str, init_exit: int) -> tuple[int, int]:
     """A reported result through BOINC's transitioner and ``script_validator`` when its init
     script exits ``init_exit``; the result's (outcome, validate_state) afterwards.
@@ -336,7 +354,8 @@ def judge(project: BoincProject, result: str, init_exit: int) -> tuple[int, int]
     * the validator (``init_result`` in ``sched/script_validator.cpp``, ``check_set`` in
       ``sched/validate_util2.cpp``): 0 is valid (1); 3, VAL_RESULT_TRANSIENT_ERROR,
       leaves the result as it is; anything else is outcome VALIDATE_ERROR (6),
-      validate_state INVALID (2), a mark against the host.
+      validate_state INVALID (2), a mark against the host, and the transitioner's
+      replacement instance (:func:`_replace_results`).
     """
     r = rows(project, "SELECT r.id, r.validate_state, w.error_mask FROM result r JOIN workunit w "
                       "ON w.id = r.workunitid WHERE r.name = %s", (result,))[0]
@@ -348,5 +367,6 @@ def judge(project: BoincProject, result: str, init_exit: int) -> tuple[int, int]
     elif init_exit != 3:
         _exec(project, "UPDATE result SET outcome = 6, validate_state = 2 WHERE id = %s", (r["id"],))
         _count_validation(project, int(r["id"]), valid=False)
+        _replace_results(project, int(r["id"]))
     out = rows(project, "SELECT outcome, validate_state FROM result WHERE id = %s", (r["id"],))[0]
     return int(out["outcome"]), int(out["validate_state"])

@@ -135,6 +135,33 @@ def test_quorum_replicas_never_go_to_one_host(quorum_job) -> None:
     assert sorted(got2) == sorted(f"{u}_1" for u in units)
 
 
+def test_a_quorum_no_host_left_can_complete_is_regenerated(quorum_job) -> None:
+    """Two hosts, min_quorum 2, one replica judged invalid: the transitioner's replacement
+    can go to neither host (one_result_per_host_per_wu), so the workunit would wait for a
+    third host forever with its other replica back (seen on a real server: the job stalled
+    with both clients idle). Once that replacement has waited unsent for longer than the
+    workunit's delay_bound, boinc-dl regenerates the unit as a new workunit, which both
+    hosts may take; not before."""
+    project, store, spec, r = quorum_job
+    be, (u,) = create_units(project, r, spec, 1)
+    a = fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=1)
+    b = fake_server.request_work(project, hostid=2, ncpus=1, n_wanted=1)
+    assert sorted(a + b) == [f"{u}_0", f"{u}_1"]
+    for res in a + b:
+        fake_server.report(project, res)
+    assert fake_server.judge(project, a[0], 0)[1] == 1       # valid, waiting for its quorum
+    assert fake_server.judge(project, b[0], 1) == (6, 2)     # invalid: a replacement is created
+    unsent = fake_server.rows(project, "SELECT name FROM result WHERE server_state = 2")
+    assert [x["name"] for x in unsent] == [f"{u}_2"]
+    for host in (1, 2):  # neither host may take it
+        assert fake_server.request_work(project, hostid=host, ncpus=1, n_wanted=1) == []
+    assert be.regeneration_requests(spec.name) == []  # a replica waiting a while is normal
+    delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit")[0]["delay_bound"])
+    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE server_state = 2",
+                      (int(time.time()) - delay_bound - 5,))
+    assert be.regeneration_requests(spec.name) == [(u, 0)]
+
+
 def test_compare_counts_comparisons_across_hosts(quorum_job) -> None:
     project, store, spec, r = quorum_job
     _, (u, v) = create_units(project, r, spec, 2)

@@ -418,3 +418,23 @@ def test_boincdb_is_read_only_and_bounded(db_project) -> None:
     project.__dict__.pop("config", None)
     with pytest.raises(BoincDBError, match="cannot read BOINC's database"):
         BoincDB.connect(project, timeout_s=2)
+
+
+def test_stuck_only_with_a_result_back_and_a_replica_unsent_past_the_deadline() -> None:
+    from boinc_dl.server.backends.boinc.boincdb import ResultRow, WorkunitState
+
+    now = 10_000.0
+
+    def wu(*results: ResultRow, canonical: int = 0) -> WorkunitState:
+        return WorkunitState(1, "w", 0, 0, canonical, 100, list(results))
+
+    back = ResultRow(1, "w_0", 5, 1, 0, 1000, 1100, 1050, 1, create_time=900)
+    old_unsent = ResultRow(2, "w_1", 2, 0, 0, 0, 0, 0, 0, create_time=int(now) - 101)
+    new_unsent = ResultRow(3, "w_2", 2, 0, 0, 0, 0, 0, 0, create_time=int(now) - 99)
+    running = ResultRow(4, "w_3", 4, 0, 0, int(now) - 10, int(now) + 90, 0, 2, create_time=int(now) - 500)
+    assert wu(back, old_unsent).stuck(now) and wu(back, old_unsent).overdue(now)
+    assert not wu(back, old_unsent, new_unsent).stuck(now)  # the last replica has not waited long
+    assert not wu(old_unsent).stuck(now)  # nothing came back: still queued, never overdue
+    assert not wu(old_unsent).overdue(now)
+    assert not wu(back, old_unsent, running).stuck(now)  # a replica is being computed
+    assert not wu(back, old_unsent, canonical=1).stuck(now)  # validated

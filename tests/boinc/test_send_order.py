@@ -40,3 +40,4 @@ def test_send_priority() -> None:
     assert send_priority("j__m2_e0007_s0000_a1") == -6
     assert send_priority("j__m0_e9999999_s0000") == PRIORITY_FLOOR
     assert send_priority("not-a-unit") == 0  # never above 0: other apps' jobs keep their place
+

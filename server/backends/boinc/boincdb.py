@@ -79,6 +79,7 @@ class ResultRow:
     report_deadline: int
     received_time: int
     hostid: int
+    create_time: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,14 +185,36 @@ class WorkunitState:
 
     def overdue(self, now: float) -> bool:
         """The unit is lost: no result back, and a sent result passed its report deadline
-        or BOINC timed one out or saw it fail. A workunit whose results were never sent
-        (still queued in BOINC) is never overdue, nor one BOINC finished (error mask)."""
+        or BOINC timed one out or saw it fail; or it is :meth:`stuck`. A workunit whose
+        results were never sent (still queued in BOINC) is never overdue, nor one BOINC
+        finished (error mask)."""
+        if self.stuck(now):
+            return True
         if self.error_mask or self.result_back():
             return False
         lost = any((r.server_state == RESULT_SERVER_STATE_IN_PROGRESS and 0 < r.report_deadline <= now)
                    or (r.server_state == RESULT_SERVER_STATE_OVER and r.outcome in LOST_OUTCOMES)
                    for r in self.results)
         return lost and not self.in_flight(now)
+
+    def stuck(self, now: float) -> bool:
+        """Results came back but the workunit cannot finish: none is in progress, and the
+        replica BOINC created last has waited unsent for longer than ``delay_bound``.
+
+        Seen on a real server with two hosts and ``min_quorum 2``: one replica judged
+        invalid, and the transitioner's replacement could go to neither host
+        (``one_result_per_host_per_wu``: each already had a result of the workunit), so
+        the workunit waited for a third host forever with its other replica back. A
+        regenerated unit is a new workunit that those hosts may take. A replica waits
+        unsent at most about a unit's time in a fleet that can take it (the generator
+        keeps a window of about the hosts' slots), so ``delay_bound`` (the unit's
+        ``timeout_s`` plus the restart slack) never cuts a replica that would be sent."""
+        if self.error_mask or self.canonical_resultid or self.assimilate_state != ASSIMILATE_INIT:
+            return False
+        if self.in_flight(now) or not any(r.server_state == RESULT_SERVER_STATE_OVER for r in self.results):
+            return False
+        unsent = [r.create_time for r in self.results if r.server_state == RESULT_SERVER_STATE_UNSENT]
+        return bool(unsent) and now - max(unsent) > self.delay_bound
 
     def live(self) -> bool:
         """BOINC may still send or run an instance (worth cancelling)."""
@@ -347,12 +370,12 @@ class BoincDB:
             marks = ",".join(["%s"] * len(chunk))
             # Only "%s" placeholders are formatted in; the values go as query parameters.
             for row in self.query("SELECT id, workunitid, name, server_state, outcome, validate_state, sent_time, "  # nosec B608
-                                  "report_deadline, received_time, hostid FROM result "
+                                  "report_deadline, received_time, hostid, create_time FROM result "
                                   f"WHERE workunitid IN ({marks}) ORDER BY id", chunk):
                 by_id[int(row["workunitid"])].results.append(ResultRow(
                     int(row["id"]), str(row["name"]), int(row["server_state"]), int(row["outcome"]),
                     int(row["validate_state"]), int(row["sent_time"]), int(row["report_deadline"]),
-                    int(row["received_time"]), int(row["hostid"])))
+                    int(row["received_time"]), int(row["hostid"]), int(row["create_time"])))
         return out
 
     def result_hosts(self, names: Iterable[str]) -> dict[str, ResultHost]:
