@@ -51,13 +51,14 @@ sys.path.insert(0, str(ROOT))
 from bench._common import emit, machine  # noqa: E402
 from boinc_dl.server.assimilator import rules as R  # noqa: E402
 from boinc_dl.server.common.datasets import load_dataset, split_shards  # noqa: E402
-from boinc_dl.server.common.spec import DatasetSpec  # noqa: E402
+from boinc_dl.server.common.spec import DatasetSpec, VCASGDSpec  # noqa: E402
 from boinc_dl.server.common.spec_defaults import local_epochs_for  # noqa: E402
 from boinc_dl.server.work_generator import losscheck as WLC  # noqa: E402
 from boinc_dl.server.work_generator.vcasgd import unit_seed  # noqa: E402
 from tests.support import baselines as norms  # noqa: E402  (0.2's bound, the baseline)
 from tests.support.attacks import ATTACKS, Attack, craft  # noqa: E402  (the attacks, one home)
 
+SEARCH_BATCH = VCASGDSpec.model_fields["search_batch"].default  # the product's vcasgd.search_batch
 THREADS = int(os.environ.get("BDL_THREADS", "2") or 2)
 
 
@@ -740,7 +741,7 @@ class SearchRule:
     sum, ``c`` among 0 and their mean ``delta`` weight times the multipliers, at most their
     mean bound (a buffer left part-filled at the job's end is not merged)."""
 
-    def __init__(self, task: Task | None = None, batch: int = 1024, base: R.MergeRule | None = None,
+    def __init__(self, task: Task | None = None, batch: int = SEARCH_BATCH, base: R.MergeRule | None = None,
                  stats: dict[str, int] | None = None, fixed_sample: bool = False,
                  multipliers: tuple[float, ...] = R.SEARCH_MULTIPLIERS, buffer_k: int = 1):
         self.task, self.batch, self.fixed_sample = task, batch, fixed_sample
@@ -1134,7 +1135,12 @@ def main() -> None:
     ap.add_argument("--search-multipliers", default=None,
                     help="the step search's candidate steps as multiples of delta's weight, comma list "
                          "(default: the product's, " + ",".join(f"{m:g}" for m in R.SEARCH_MULTIPLIERS) + ")")
+    ap.add_argument("--search-batch", type=int, default=SEARCH_BATCH,
+                    help="training examples the step search judges each result on (the product's "
+                         "vcasgd.search_batch; its pool is 16 times as many)")
     ap.add_argument("--mnist-train", type=int, default=12000, help="MNIST training images used")
+    ap.add_argument("--task-seed", type=int, default=Task.seed,
+                    help="the task's seed: its subsets, batch orders and the search's samples")
     ap.add_argument("--sections", default="staleness,poison,single,cost")
     ap.add_argument("--single-cap", type=int, default=None,
                     help="attacker results sent at most, single attacker (default 300; quick: 100)")
@@ -1201,10 +1207,13 @@ def main() -> None:
     sections = set(args.sections.split(","))
     d_list = args.D or ("8,32,128" if args.quick else "8,32,128,1000")
     cap = args.single_cap or (100 if args.quick else 300)
-    if args.search_multipliers or args.search_buffer > 1:
+    if args.search_batch < 1:
+        ap.error("--search-batch must be >= 1")
+    if args.search_multipliers or args.search_buffer > 1 or args.search_batch != SEARCH_BATCH:
         mult = tuple(float(m) for m in args.search_multipliers.split(",")) if args.search_multipliers \
             else R.SEARCH_MULTIPLIERS
-        allr = {n: (SearchRule(fixed_sample=r.fixed_sample, multipliers=mult, buffer_k=args.search_buffer)
+        allr = {n: (SearchRule(batch=args.search_batch, fixed_sample=r.fixed_sample, multipliers=mult,
+                               buffer_k=args.search_buffer)
                     if isinstance(r, SearchRule) else r) for n, r in allr.items()}
     b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")],
               local_epochs=args.local_epochs)
@@ -1215,7 +1224,7 @@ def main() -> None:
                               "rules": {n: r.describe() for n, r in b.rules.items()},
                               "recommended": REC}
     for ds in datasets:
-        task = load_task(ds, args.epochs, args.mnist_train)
+        task = replace(load_task(ds, args.epochs, args.mnist_train), seed=args.task_seed)
         tr = VecTrainer(task)
         b.rules = {n: (r.bound(task) if isinstance(r, SearchRule) else r) for n, r in b.rules.items()}
         print(f"\n== {ds}: {len(task.x)} training / {len(task.xv)} validation examples, MLP {task.d}-{task.hidden}-"
