@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 import time
@@ -274,13 +275,31 @@ def test_doctor_names_each_gap_and_its_fix(project, tmp_path) -> None:
         assert name in notes
 
 
-def test_doctor_python_for_bin_start(tmp_path) -> None:
+def test_doctor_python_for_bin_start(tmp_path, project) -> None:
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "python").write_text("#!/bin/sh\nexit 1\n")  # a python without MySQLdb
+    (fake / "python").write_text("#!/bin/sh\necho 'no such interpreter' >&2\nexit 1\n")
     (fake / "python").chmod(0o755)
-    f = doctor.check_python_for_start(path=str(fake))
-    assert not f.ok and "MySQLdb" in f.detail and "python3-mysqldb" in f.fix
+    f = doctor.check_python_for_start(project, path=str(fake))
+    assert not f.ok and "no such interpreter" in f.detail and "python-is-python3" in f.fix
+    # bin/start imports the project's boinc_path_config and BOINC's configxml, no MySQLdb:
+    # a python without a database driver runs it (seen on a real server)
+    (fake / "python").unlink()
+    (fake / "python").symlink_to(sys.executable)
+    (project.bin_dir / "boinc_path_config.py").write_text(
+        f"import sys, os\nsys.path.insert(0, os.path.join({str(project.root)!r}, 'py'))\n")
+    boinc_py = project.root / "py" / "Boinc"
+    boinc_py.mkdir(parents=True)
+    (boinc_py / "__init__.py").write_text("")
+    (boinc_py / "boinc_project_path.py").write_text("")
+    (boinc_py / "configxml.py").write_text("import xml.dom.minidom\n")
+    assert doctor.check_python_for_start(project, path=f"{fake}:/usr/bin:/bin").ok is (
+        shutil.which("python", path="/usr/bin:/bin") is not None)
+    f = doctor.check_python_for_start(project, path=str(fake))
+    assert "your PATH" not in f.detail  # ours runs bin/start's imports (cron's PATH may have none)
+    (boinc_py / "configxml.py").write_text("import MySQLdb_that_is_not_there\n")
+    f = doctor.check_python_for_start(project, path=str(fake))
+    assert not f.ok and "your PATH" in f.detail and "MySQLdb_that_is_not_there" in f.detail
 
 
 def test_doctor_web_user_access(project) -> None:

@@ -98,22 +98,35 @@ def check_db_password(project: BoincProject) -> Finding:
     return Finding("database password", True, "set")
 
 
-def check_python_for_start(path: str | None = None) -> Finding:
-    """The ``python`` of bin/start's ``#!/usr/bin/env python``, in the admin's PATH and cron's."""
+#: What ``bin/start`` imports before it starts a daemon (``sched/start``, releases 1.2 to
+#: 1.6 and master): the project's ``bin/boinc_path_config.py`` (written by make_project)
+#: and BOINC's own Python modules under ``py/``; no database driver.
+START_IMPORTS = "import boinc_path_config; from Boinc import boinc_project_path, configxml"
+
+
+def check_python_for_start(project: BoincProject | None = None, path: str | None = None) -> Finding:
+    """The ``python`` of bin/start's ``#!/usr/bin/env python``, in the admin's PATH and
+    cron's: it must run bin/start's own imports (:data:`START_IMPORTS`, from the project's
+    ``bin/``); a project without ``bin/boinc_path_config.py`` (not made by make_project)
+    only needs a python that runs."""
     problems = []
+    bin_dir = project.bin_dir if project is not None else None
+    own = bin_dir is not None and (bin_dir / "boinc_path_config.py").is_file()
+    code_line = f"import sys; sys.path.insert(0, {str(bin_dir)!r}); {START_IMPORTS}" if own else "import sys"
     for where, p in (("your PATH", path if path is not None else os.environ.get("PATH", "")), ("cron's PATH", CRON_PATH)):
         py = shutil.which("python", path=p)
         if not py:
             problems.append(f"no python in {where}")
             continue
-        code, _ = _run([py, "-c", "import MySQLdb"], p)
+        code, out = _run([py, "-c", code_line], p)
         if code != 0:
-            problems.append(f"{py} ({where}) cannot import MySQLdb")
+            last = out.strip().splitlines()[-1] if out.strip() else f"exit {code}"
+            problems.append(f"{py} ({where}) cannot run bin/start's imports: {last}")
     if problems:
         return Finding("python for bin/start", False, "; ".join(problems),
-                       "bin/start runs '/usr/bin/env python' and imports MySQLdb: "
-                       "apt-get install python-is-python3 python3-mysqldb (or put such a python first on PATH)")
-    return Finding("python for bin/start", True, "python with MySQLdb found (also in cron's PATH)")
+                       "bin/start runs '/usr/bin/env python': apt-get install python-is-python3 "
+                       "(or put a python that runs it first on PATH, cron's PATH=/usr/bin:/bin included)")
+    return Finding("python for bin/start", True, "python runs bin/start's imports (also in cron's PATH)")
 
 
 def check_host(project: BoincProject) -> Finding:
@@ -239,7 +252,7 @@ def diagnose(project: BoincProject, web_user_name: str | None = None) -> list[Fi
         skipped = f"BOINC's tools run through {elsewhere}: check there"
         tools = [Finding("php for bin/xadd", True, skipped), Finding("python for bin/start", True, skipped)]
     else:
-        tools = [check_php(), check_python_for_start()]
+        tools = [check_php(), check_python_for_start(project)]
     return [tools[0], check_db_password(project), tools[1], check_host(project),
             check_web_access(project, web_user_name), check_app_version(project), check_admin_page(project),
             check_project_name(project)]
