@@ -11,8 +11,9 @@ when one fails.
 * BOINC's PHP refuses to connect without a database password (``BoincDb::get_aux``,
   ``html/inc/boinc_db.inc``: ``if (!$name || !$user || !$passwd)``); ``make_project``
   writes a blank ``<db_passwd>`` when given none.
-* ``bin/start`` is ``#!/usr/bin/env python`` and imports ``MySQLdb``: the ``python`` that
-  the admin's shell and cron find must have it (Debian: ``python3-mysqldb`` plus
+* ``bin/start`` is ``#!/usr/bin/env python``: the ``python`` that the admin's shell and
+  cron find must run its imports (the project's ``bin/boinc_path_config.py``, BOINC's
+  ``py/Boinc`` modules; no database driver, on releases 1.2 to master; Debian:
   ``python-is-python3``).
 * ``bin/start`` starts only the daemons whose host is this machine's short host name
   (``sched/start``: ``task.host = config.host``, compared with ``gethostname()``);
