@@ -273,9 +273,12 @@ def test_unstage_job(setup) -> None:
     be, wus = created(project, r, spec, 2)
     staged = [dir_hier_path(Path(p).name, project.download_dir, 1024) for p in wus[0].files.values()]
     assert all(p.exists() for p in staged)
-    assert be.unstage_job(spec.name) == 7  # model, val, 2 shards, weights, 2 unit descriptions
-    assert not any(p.exists() for p in staged)
-    assert not any(Path(f"{p}.md5").exists() for p in staged)
+    # model, val, 2 shards, weights; the 2 workunits' own descriptions are the file deleter's
+    assert be.unstage_job(spec.name) == 5
+    described = {Path(wu.files["wu.json"]).name for wu in wus}
+    assert not any(p.exists() for p in staged if p.name not in described)
+    assert not any(Path(f"{p}.md5").exists() for p in staged if p.name not in described)
+    assert all(dir_hier_path(n, project.download_dir, 1024).exists() for n in described)
 
 
 def test_bad_unit(setup) -> None:

@@ -151,10 +151,11 @@ def test_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     infiles = [w["infiles"] for w in wus.values()]
     assert len({i[0] for i in infiles}) == 1 and len({i[1] for i in infiles}) == 1
     assert len({i[2] for i in infiles}) == 4
-    # the finished job left the download hierarchy clean, kept its per-unit metrics
+    # the finished job left the download hierarchy clean but for the workunits' own
+    # descriptions, which BOINC's file deleter removes (not <no_delete/>); kept its metrics
     assert meta["boinc_finalized"] == "1"
-    assert not any(dir_hier_path(n, project.download_dir, project.fanout).exists()
-                   for i in infiles for n in i)
+    left = {n for i in infiles for n in i if dir_hier_path(n, project.download_dir, project.fanout).exists()}
+    assert left == {f"{name}.json" for name in wus}
     kept = sorted((job_dir / "results").iterdir())
     assert len(kept) == 8 and all(json.loads((k / "metrics.json").read_text())["unit"] == k.name for k in kept)
 

@@ -509,9 +509,15 @@ class BoincJobSystem(JobSystem):
         return BoincRegistry(JobStore(self.r, job))
 
     def _mark_created(self, job: str, items: list[_Pending]) -> None:
-        self._registry(job).mark_created(
+        reg = self._registry(job)
+        reg.mark_created(
             (i.name, i.wu.unit, self.deadline_s(i.limits), (parse_unit_name(i.name) or {}).get("attempt", 0))
             for i in items)
+        # A workunit's own description is not <no_delete/>: BOINC's file deleter removes it
+        # when the workunit is done. Removed at the job's end as well, the last workunits'
+        # ones were gone when the file deleter came ("[CRITICAL] get_file_path: ... not
+        # found" on a real server).
+        reg.release_staged(Path(i.wu.files[WU_JSON]).name for i in items)
 
     def _spec(self, job: str) -> JobSpec:
         if job not in self._specs:

@@ -15,7 +15,8 @@ in the job's slot), plus one project-wide key:
 ``bdl:J:boinc:refused_pending``  set: those the work generator has not issued again yet
 ``bdl:J:boinc:refused_count``    hash unit -> how many of its results were refused and
                                  the unit issued again (``validation.reissue_refused``)
-``bdl:J:boinc:staged``           set: physical names the job staged into download/
+``bdl:J:boinc:staged``           set: physical names the job staged into download/ and removes
+                                 when it ends (not a created workunit's description: the file deleter's)
 ``bdl:J:boinc:late_results``     hash result name -> ``{"wu", "reason", "t"}``: results of
                                  superseded or cancelled workunits the validator left
                                  unchecked (not the host's fault, never judged invalid)
@@ -284,6 +285,13 @@ class BoincRegistry:
     # ---- staged files -----------------------------------------------------------------------------
     def add_staged(self, name: str) -> None:
         self.store.call(lambda: self._r.sadd(self.staged_key, name))
+
+    def release_staged(self, names: Iterable[str]) -> None:
+        """These staged files now belong to BOINC's file deleter (a created workunit's own
+        description): the job's end leaves them to it."""
+        names = list(names)
+        if names:
+            self.store.call(lambda: self._r.srem(self.staged_key, *names))
 
     def staged(self) -> list[str]:
         return sorted(x.decode() for x in self.store.call(lambda: self._r.smembers(self.staged_key)))
