@@ -202,6 +202,11 @@ def test_supervised_redis_comes_back_by_itself(tmp_path: Path) -> None:
         pid = srv.pid
         srv.kill()
         assert store.meta()["marker"] == "kept"  # waits for the supervisor's restart
+        # The new server may answer before the supervisor's thread has stored its Popen
+        # (the client's retry can win the GIL over the thread returning from Popen).
+        deadline = time.monotonic() + 10
+        while srv.pid == pid and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert srv.pid != pid and srv.restarts == 1
     finally:
         srv.stop()
