@@ -719,7 +719,7 @@ def test_dispatch_validator_killed_is_transient(tmp_path: Path) -> None:
         time.sleep(0.05)
     (res,) = spool_consumer.ValidateRunner(spool, command=[str(fake)]).run_once()
     assert res.status == "validate-init rc=3" and "signal 9" in res.reason
-    assert p.wait(30) == 3 and b"validate again later" in p.stderr.read()
+    assert p.wait(30) == 3 and b"judges the result again later" in p.stderr.read()
 
 
 def test_dispatch_validate_times_out_as_transient(tmp_path: Path) -> None:

@@ -149,7 +149,7 @@ def gpu_plan_class(
 
 
 #: The shims whose exit status is a verdict on a result (``script_validator``'s init and
-#: compare scripts): a run that ended without one must say "try again later".
+#: compare scripts): a run that ended without one must say "not judged" (3), never "invalid".
 VERDICT_SUBCOMMANDS = ("validate-init", "validate-compare")
 
 
@@ -188,9 +188,9 @@ def shim(command: list[str], project: Path, subcommand: str, pass_args: bool = T
     return head + (
         f"{run}\n"
         "rc=$?\n"
-        "# no verdict (killed by a signal, or not runnable): try again later, never \"invalid\"\n"
+        "# no verdict (killed by a signal, or not runnable): not judged (3), never \"invalid\"\n"
         "if [ \"$rc\" -gt 128 ] || [ \"$rc\" -eq 126 ] || [ \"$rc\" -eq 127 ]; then\n"
-        "    echo \"bdl: $0 ended without a verdict (status $rc); BOINC will validate again later\" >&2\n"
+        "    echo \"bdl: $0 ended without a verdict (status $rc); BOINC judges the result again later\" >&2\n"
         "    exit 3\n"
         "fi\n"
         "exit \"$rc\"\n"

@@ -268,7 +268,7 @@ class ValidateRunner:
         try:
             res = subprocess.run(cmd, capture_output=True, timeout=self.timeout)
             if res.returncode < 0:  # killed by a signal: no verdict, never "invalid" (artifacts.shim)
-                why = f"validator killed by signal {-res.returncode}; BOINC will validate again later\n"
+                why = f"validator killed by signal {-res.returncode}; BOINC judges the result again later\n"
                 return self._answer(entry, 3, res.stdout, res.stderr + why.encode(), sub)
             return self._answer(entry, res.returncode, res.stdout, res.stderr, sub)
         except subprocess.TimeoutExpired:
