@@ -127,6 +127,13 @@ def trusted(project: BoincProject, hostid: int, app_version_id: int, appid: int 
     return (rng or random).random() > 1.0 / n
 
 
+def _new_instance(project: BoincProject, wu_id: int, name: str, priority: int, now: int, appid: int = 1) -> None:
+    """An UNSENT result the transitioner creates for a workunit; it inherits the
+    workunit's priority (``create_result_ti``, ``tools/backend_lib.cpp``)."""
+    _exec(project, "INSERT INTO result (create_time, workunitid, server_state, appid, name, priority) "
+                   "VALUES (%s, %s, 2, %s, %s, %s)", (now, wu_id, appid, name, priority))
+
+
 def _replicate_if_untrusted(project: BoincProject, wu_id: int, hostid: int, app_version_id: int, now: int,
                             rng: random.Random | None) -> None:
     """Adaptive replication when a result is sent (``sched/sched_send.cpp``), and the
@@ -143,9 +150,7 @@ def _replicate_if_untrusted(project: BoincProject, wu_id: int, hostid: int, app_
           (target, target, now, wu_id))
     n = rows(project, "SELECT COUNT(*) AS n FROM result WHERE workunitid = %s", (wu_id,))[0]["n"]
     for i in range(n, target):
-        _exec(project, "INSERT INTO result (create_time, workunitid, server_state, appid, name, priority) "
-                       "VALUES (%s, %s, 2, %s, %s, %s)",
-              (now, wu_id, int(w[0]["appid"]), f"{w[0]['name']}_{i}", int(w[0]["priority"])))
+        _new_instance(project, wu_id, f"{w[0]['name']}_{i}", int(w[0]["priority"]), now, int(w[0]["appid"]))
 
 
 def _count_validation(project: BoincProject, result_id: int, valid: bool) -> None:
@@ -298,8 +303,7 @@ def time_out(project: BoincProject, now: float | None = None) -> list[str]:
         _exec(project, "UPDATE result SET server_state = 5, outcome = 4 WHERE id = %s", (r["id"],))
         n = rows(project, "SELECT COUNT(*) AS n FROM result WHERE workunitid = %s", (r["workunitid"],))[0]["n"]
         if n < r["max_total_results"]:
-            _exec(project, "INSERT INTO result (create_time, workunitid, server_state, name, priority) "
-                           "VALUES (%s, %s, 2, %s, %s)", (now, r["workunitid"], f"{r['wu']}_{n}", int(r["priority"])))
+            _new_instance(project, int(r["workunitid"]), f"{r['wu']}_{n}", int(r["priority"]), now)
     return [r["name"] for r in late]
 
 
@@ -340,8 +344,7 @@ def _replace_results(project: BoincProject, result_id: int) -> list[str]:
     names = []
     for n in range(len(res), min(len(res) + max(0, int(w["target_nresults"]) - counting), int(w["max_total_results"]))):
         names.append(f"{w['name']}_{n}")
-        _exec(project, "INSERT INTO result (create_time, workunitid, server_state, name, priority) "
-                       "VALUES (%s, %s, 2, %s, %s)", (int(time.time()), w["id"], names[-1], int(w["priority"])))
+        _new_instance(project, int(w["id"]), names[-1], int(w["priority"]), int(time.time()))
     return names
 
 

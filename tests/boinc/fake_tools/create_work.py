@@ -88,8 +88,6 @@ def process_input_template(text, infiles, wu):
 
 def atoi(text: str) -> int:
     """C's ``atoi``: the leading integer of ``text`` (0 when there is none)."""
-    import re
-
     m = re.match(r"\s*([+-]?\d+)", text)
     return int(m.group(1)) if m else 0
 
@@ -125,12 +123,12 @@ def main():
                          lo.get("wu_template", main_tpl), lo.get("result_template", main_res), lf,
                          atoi(lo["priority"]) if "priority" in lo else None))
     created = []
-    for name, tpl, res, infiles, *line_priority in jobs:
+    for name, tpl, res, infiles, line_priority in jobs:
         if not Path(tpl).exists():
             die(f"Can't read WU template {tpl}")
         wu = dict(base)
         # --priority: the call's, a line's own over it (atoi, as create_work reads it)
-        wu["priority"] = line_priority[0] if line_priority[0] is not None else atoi(opts.get("priority", "0"))
+        wu["priority"] = line_priority if line_priority is not None else atoi(opts.get("priority", "0"))
         process_input_template(Path(tpl).read_text(), infiles, wu)
         if not Path(res).exists():
             die(f"create_work: result template file {res} doesn't exist")
