@@ -24,7 +24,7 @@ from boinc_dl.server.backends.boinc.project import BoincProject, BoincSettings, 
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.weights import upload_bound
-from boinc_dl.server.common.workunit import Workunit
+from boinc_dl.server.common.workunit import Workunit, parse_unit_name
 from tests.boinc.conftest import calls, fake_db, seed_db_app
 
 LIMITS = RetryLimits(delay_bound_s=90.0, max_error_results=3, max_total_results=6)
@@ -41,7 +41,7 @@ def make_inputs(project: BoincProject, job: str, units: list[str], version: int 
     for u in units:
         shard = int(u.split("_s")[-1][:4])
         (d / f"{job}__shard{shard:04d}.npz").write_bytes(b"shard%d" % shard * 100)
-        wu = Workunit(job=job, unit=u, mode="vcasgd", epoch=1, model="0", shard=shard,
+        wu = Workunit(job=job, unit=u, mode="vcasgd", epoch=parse_unit_name(u)["epoch"], model="0", shard=shard,
                       weights_version=version, training={}, seed=1)
         (d / f"{u}.json").write_text(wu.to_json())
         wu.files = {"wu.json": str(d / f"{u}.json"), "model.keras": str(d / f"{job}__model.keras"),

@@ -36,8 +36,8 @@ def test_a_waiting_unit_goes_before_later_epochs(job) -> None:  # noqa: F811
 
 
 def test_send_priority() -> None:
-    assert send_priority("j__m0_e0001_s0003") == 0
-    assert send_priority("j__m2_e0007_s0000_a1") == -6
-    assert send_priority("j__m0_e9999999_s0000") == PRIORITY_FLOOR
-    assert send_priority("not-a-unit") == 0  # never above 0: other apps' jobs keep their place
+    assert send_priority(1) == 0
+    assert send_priority(7) == -6
+    assert send_priority(9_999_999) == PRIORITY_FLOOR
+    assert send_priority(0) == 0  # never above 0: other apps' jobs keep their place
 

@@ -117,8 +117,9 @@ CALIBRATION_FRACTION = 0.5
 PRIORITY_FLOOR = -1_000_000
 
 
-def send_priority(unit: str) -> int:
-    """The ``--priority`` of a unit's workunit: 0 for epoch 1, one lower per epoch after.
+def send_priority(epoch: int) -> int:
+    """The ``--priority`` of a workunit of ``epoch`` (``Workunit.epoch``): 0 for epoch 1, one lower
+    per epoch after.
 
     BOINC's scheduler sends the highest-scoring jobs first, and a job's score is 0 plus
     its result's priority (``JOB::get_score``, ``sched/sched_score.cpp``; results inherit
@@ -133,9 +134,7 @@ def send_priority(unit: str) -> int:
     (priority 0) are never pushed back by boinc-dl's. It is passed on create_work's
     command line (one call per priority: release 1.2 takes no ``--priority`` on a
     ``--stdin`` line)."""
-    meta = parse_unit_name(unit)
-    epoch = int(meta["epoch"]) if meta else 1
-    return max(PRIORITY_FLOOR, 1 - max(1, epoch))
+    return max(PRIORITY_FLOOR, 1 - max(1, int(epoch)))
 
 
 class BoincToolError(BoincDLError):
@@ -535,7 +534,7 @@ class BoincJobSystem(JobSystem):
         # --priority only on the command line, not on a --stdin line
         groups: dict[tuple[str, RetryLimits, int, int], list[_Pending]] = defaultdict(list)
         for p in self._pending:
-            groups[(p.wu.job, p.limits, p.quorum, send_priority(p.wu.unit))].append(p)
+            groups[(p.wu.job, p.limits, p.quorum, send_priority(p.wu.epoch))].append(p)
         created = 0
         for (job, limits, quorum, priority), items in groups.items():
             for i in range(0, len(items), self.batch_size):
