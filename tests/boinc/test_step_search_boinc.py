@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from boinc_dl.server.assimilator import rules
+from boinc_dl.server.assimilator import policy, rules
 from tests.boinc.test_loss_check_boinc import Play
 
 pytestmark = pytest.mark.slow
@@ -58,11 +58,17 @@ def test_each_result_gets_its_searched_step_through_a_daemon_sigkill(play: Play)
     for n in names:
         rec = merged[n]
         assert rec["merge_rule"].startswith("search(step ") and 0.0 <= rec["step"] <= 1.0, rec["merge_rule"]
+        # its candidates as the product bounds them: delta's weight capped by the window the
+        # generator recorded with the unit (BOINC's live capacity may have set it below the
+        # spec's), the steps by the units issued from the result's base version
+        info = store.unit_info(Play.unit_of(n))
+        k = policy.in_flight_of(info)
         w = rules.MergeRule("delta", staleness=rules.Staleness("poly", p=1.0), server_lr=1.0,
-                            cap_in_flight=True).capped(8).weight(rec["staleness"])
+                            cap_in_flight=True).capped(k).weight(rec["staleness"])
+        steps = rules.search_steps(w, store.issued_from("0", rec["base_version"]) or 1, k)
         # one of its candidates, chosen by the daemon's forward passes (losses recorded), or,
         # for a result that waited longer than search_wait_s across the kill, delta's weight
-        assert any(np.isclose(rec["step"], c) for c in rules.search_steps(w))
+        assert any(np.isclose(rec["step"], c) for c in steps), (rec, info, steps)
         if rec["step_fallback"]:
             assert np.isclose(rec["step"], w) and n in names[4:]
         else:
