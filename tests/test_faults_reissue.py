@@ -81,6 +81,29 @@ def test_first_merged_result_of_a_subset_wins(tmp_path: Path, redis_server, firs
     assert gen.regenerate(a, 2) is None
 
 
+def test_same_policy_regenerates_a_unit_from_its_own_inputs(tmp_path: Path, redis_server) -> None:
+    """``reissue: same``: a unit the job system cannot finish (a stuck BOINC workunit) runs
+    again as ``<unit>_r1`` from the weights it was issued from, not the server's newer ones."""
+    spec = small_spec("regen-same", vcasgd={"reissue": "same", "window": 2})
+    store = JobStore(connect(redis_server.url), spec.name)
+    prepare_job(spec, store, tmp_path, search_path=EXAMPLES)
+    backend = LocalJobSystem(tmp_path, redis_server.url, spec.name, workers=1, slots=2, assimilators=1)
+    gen = VCASGDWorkGenerator(store, spec, tmp_path, backend)
+    assert gen.step()
+    a, b = sorted(store.units())
+    before = dict(store.unit_info(a))
+    assert assimilate_files(store, _result(tmp_path / "rb", store, b, 0, 1.0), spec, unit=b).status == "merged"
+    assert store.version("0") == 1
+    wu_r, name = gen.regenerate(a, 1)
+    assert name == f"{a}_r1" and wu_r.unit == a
+    assert wu_r.weights_version == 0 and wu_r.files[WEIGHTS_IN] == before["files"][WEIGHTS_IN]
+    info = store.unit_info(a)
+    assert info["attempt"] == 1 and info["weights_version"] == 0 and info["bases"]["1"][0] == 0
+    # its result is then measured against the base it really started from
+    out = assimilate_files(store, _result(tmp_path / "ra", store, a, 0, 2.0), spec, f"{name}_0", unit=a)
+    assert out.status == "merged" and store.assimilated()[a]["base_version"] == 0
+
+
 def test_resubmit_regenerated_only_when_still_wanted(tmp_path: Path, redis_server) -> None:
     spec = small_spec("regen2", vcasgd={"reissue": "fresh"})
     store = JobStore(connect(redis_server.url), spec.name)
@@ -147,7 +170,7 @@ def test_fresh_falls_back_to_same_inputs_when_the_generator_cannot_regenerate(tm
                       units={"timeout_s": 0.5, "max_total_results": 8})
 
     def deaf(backend: LocalJobSystem, gen: VCASGDWorkGenerator) -> None:
-        gen.reissue = "same"  # the job system still asks; the generator no longer answers
+        gen.service_regenerations = lambda: 0  # the job system still asks; the generator no longer answers
 
     # Units of 2 s: overdue at 0.5 s, the fallback due 0.3 s later. (With 0.8 s units the
     # fallback raced the first result on a loaded machine and sometimes lost.)

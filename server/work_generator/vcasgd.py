@@ -243,12 +243,14 @@ class VCASGDWorkGenerator:
 
     # ---- re-issue with fresh weights -------------------------------------------------------
     def regenerate(self, unit: str, attempt: int) -> tuple[Workunit, str] | None:
-        """Rebuild ``unit`` from the current server weights as attempt ``attempt``.
+        """Rebuild ``unit`` as attempt ``attempt``: from the current server weights (``fresh``),
+        or from the weights its current attempt was issued from (``same``: a workunit BOINC's
+        own re-issue cannot finish, run again as a new one with its inputs).
 
-        Returns the new workunit (same identity, fresh weights, its own ``wu.json``) and
-        its job-system name ``<unit>_r<attempt>``, or None if the unit is finished. The
-        unit's Redis record is updated first, so a restarted generator re-submits the
-        regenerated inputs, not the stale ones.
+        Returns the new workunit (same identity, its own ``wu.json``) and its job-system
+        name ``<unit>_r<attempt>``, or None if the unit is finished. The unit's Redis
+        record is updated first, so a restarted generator re-submits the regenerated
+        inputs, not the stale ones.
         """
         info = self.store.unit_info(unit)
         state = self.store.unit_states().get(unit, "")
@@ -257,6 +259,11 @@ class VCASGDWorkGenerator:
         attempt = max(attempt, int(info.get("attempt", 0)) + 1)
         epoch, shard = int(info["epoch"]), int(info["shard"])
         version, wpath = self._weights_path()
+        if self.reissue == "same":
+            # the unit's base: kept on disk while a unit issued from it is in flight
+            old_version, old_path = info.get("weights_version"), (info.get("files") or {}).get(WEIGHTS_IN)
+            if old_version is not None and old_path and Path(old_path).is_file():
+                version, wpath = int(old_version), Path(old_path)
         wu = self._describe(epoch, shard, version, wpath, attempt)
         Path(wu.files[WU_JSON]).write_text(wu.to_json())
         bases = dict(info.get("bases") or {})
@@ -268,9 +275,10 @@ class VCASGDWorkGenerator:
         return wu, unit_name(self.spec.name, epoch, shard, self.model, attempt)
 
     def service_regenerations(self) -> int:
-        """Answer the job system's requests to regenerate lost units (``fresh`` policy)."""
+        """Answer the job system's requests to regenerate lost units (``fresh`` policy) or
+        stuck ones (``same``: BOINC's re-issue cannot finish them, :meth:`regenerate`)."""
         requests = getattr(self.backend, "regeneration_requests", None)
-        if self.reissue != "fresh" or not callable(requests):
+        if not callable(requests):
             return 0
         n = 0
         for unit, attempts in requests(self.spec.name):

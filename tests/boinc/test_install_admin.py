@@ -26,6 +26,7 @@ from boinc_dl.server.backends.boinc import doctor
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.project import BoincProjectError
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
+from boinc_dl.server.common.spec import parse_spec
 from tests.boinc import fake_server
 from tests.boinc.conftest import (
     REPO,
@@ -161,6 +162,71 @@ def test_a_quorum_no_host_left_can_complete_is_regenerated(quorum_job) -> None:
     fake_server._exec(project, "UPDATE result SET create_time = %s WHERE server_state = 2",
                       (int(time.time()) - delay_bound - 5,))
     assert be.regeneration_requests(spec.name) == [(u, 0)]
+
+
+def _stuck(project, be, u: str) -> None:
+    """``u``'s workunit stuck as on the real server: one replica valid and waiting for its
+    quorum, the other invalid, the replacement sendable to neither host."""
+    a = fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=1)
+    b = fake_server.request_work(project, hostid=2, ncpus=1, n_wanted=1)
+    for res in a + b:
+        fake_server.report(project, res)
+    assert fake_server.judge(project, a[0], 0)[1] == 1 and fake_server.judge(project, b[0], 1) == (6, 2)
+    for host in (1, 2):
+        assert fake_server.request_work(project, hostid=host, ncpus=1, n_wanted=1) == []
+
+
+def _age_unsent(project) -> None:
+    """The replacement replica has waited unsent for longer than the workunit's delay_bound."""
+    delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit")[0]["delay_bound"])
+    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE server_state = 2",
+                      (int(time.time()) - delay_bound - 5,))
+
+
+def _restore_spec(r, store, spec) -> None:
+    r.set(store.k("spec"), spec.model_dump_json())
+
+
+def test_same_inputs_regenerate_only_a_stuck_workunit(quorum_job) -> None:
+    """``reissue: same``: BOINC's own re-issue recovers a lost result, so a unit past its
+    deadline is not regenerated; a stuck one, which BOINC's re-issue cannot finish, is."""
+    project, store, spec, r = quorum_job
+    _restore_spec(r, store, spec.model_copy(update={"vcasgd": spec.vcasgd.model_copy(update={"reissue": "same"})}))
+    be, (u, v) = create_units(project, r, spec, 2)
+    # v: both replicas sent, then their deadlines passed (BOINC times them out and re-issues)
+    (v0,) = fake_server.send(project, [v], hostid=3)
+    (v1,) = fake_server.send(project, [v], hostid=4)
+    _stuck(project, be, u)
+    fake_server._exec(project, "UPDATE result SET report_deadline = %s WHERE name IN (%s, %s)",
+                      (int(time.time()) - 10, v0, v1))
+    assert be.regeneration_requests(spec.name) == []
+    _age_unsent(project)
+    assert be.regeneration_requests(spec.name) == [(u, 0)]
+    assert be.cancel_stuck(spec.name) == 0  # VC-ASGD regenerates; only MOP cancels
+
+
+def test_a_stuck_mop_workunit_is_cancelled_and_given_up_once(quorum_job) -> None:
+    """A MOP job has no regeneration: its stuck workunit is cancelled, BOINC hands it to the
+    assimilator as failed (``--error``), and the unit is given up, so the MOP scheduler
+    queues the sub-epoch again as a new workunit. Not before delay_bound, and only once."""
+    project, store, spec, r = quorum_job
+    mop = parse_spec({"name": spec.name, "mode": "mop", "model": "models:mlp", "dataset": {"name": "digits"},
+                      "mop": {"param_grid": {"lr": [0.01, 0.001]}}})
+    _restore_spec(r, store, mop)
+    be, (u,) = create_units(project, r, spec, 1)
+    _stuck(project, be, u)
+    assert be.cancel_stuck(spec.name) == 0  # a replica waiting a while is normal
+    assert be.regeneration_requests(spec.name) == []
+    _age_unsent(project)
+    assert be.cancel_stuck(spec.name) == 1
+    (wu,) = fake_server.rows(project, "SELECT id, error_mask FROM workunit")
+    assert wu["error_mask"] & 16
+    assert not BoincRegistry(store).live()
+    assert be.cancel_stuck(spec.name) == 0  # done with: not cancelled again
+    # BOINC's assimilator then hands the cancelled workunit over as failed
+    p = run_script(project.root, f"../bin/bdl_assimilate --error 16 {u} {wu['id']} 0", script_env())
+    assert p.returncode == 0, p.stderr
+    assert u in store.failed() and u not in store.assimilated()
 
 
 def test_compare_counts_comparisons_across_hosts(quorum_job) -> None:

@@ -277,17 +277,21 @@ class BoincJobSystem(JobSystem):
     def regeneration_requests(self, job: str | None = None) -> list[tuple[str, int]]:
         """Units of ``job`` that BOINC lost, unmerged: (unit, attempt) (module docstring).
 
-        Only for VC-ASGD jobs with ``vcasgd.reissue: fresh``, and only with BOINC's
-        database readable: without it nothing is regenerated (BOINC's own same-input
-        re-issue still recovers lost results), because a guess from creation times
-        regenerates units that merely waited in BOINC's queue.
+        Only for VC-ASGD jobs, and only with BOINC's database readable: without it nothing
+        is regenerated (BOINC's own same-input re-issue still recovers lost results),
+        because a guess from creation times regenerates units that merely waited in
+        BOINC's queue. With ``vcasgd.reissue: same`` only :meth:`WorkunitState.stuck`
+        workunits, which BOINC's re-issue cannot finish (the generator rebuilds those
+        from the same inputs); with ``fresh`` every lost one, and refused ones.
         """
         if job is None:
             return []
         spec = self._spec(job)
-        if spec.mode != "vcasgd" or spec.vcasgd is None or spec.vcasgd.reissue != "fresh":
+        if spec.mode != "vcasgd" or spec.vcasgd is None:
             return []
         store = JobStore(self.r, job)
+        if spec.vcasgd.reissue != "fresh":
+            return self._lost_units(store, spec, set(), stuck_only=True)
         reg = BoincRegistry(store)
         # Workunits whose host the fleet controller saw reclaimed (it read BOINC's database
         # itself): honoured while still their unit's current, live workunit, so a request
@@ -329,7 +333,8 @@ class BoincJobSystem(JobSystem):
             log.info("job %s: issuing %d unit(s) again whose result was refused", store.job, len(out))
         return out
 
-    def _lost_units(self, store: JobStore, spec: JobSpec, asked: set[str]) -> list[tuple[str, int]]:
+    def _lost_units(self, store: JobStore, spec: JobSpec, asked: set[str],
+                    stuck_only: bool = False) -> list[tuple[str, int]]:
         # Only the workunits BOINC may still run (the live ledger: units in flight), not
         # the job's every unit, on every pass.
         reg = BoincRegistry(store)
@@ -356,8 +361,9 @@ class BoincJobSystem(JobSystem):
         rest = [name for _, _, name in cand if name not in asked]
         wus = self.boinc_workunits(rest) if rest else {}
         now = time.time()
+        lost = (lambda w: w.stuck(now)) if stuck_only else (lambda w: w.overdue(now))
         return sorted((u, a) for u, a, name in cand
-                      if name in now_asked or (wus is not None and name in wus and wus[name].overdue(now)))
+                      if name in now_asked or (wus is not None and name in wus and lost(wus[name])))
 
     def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
         """BOINC's view of these workunits (None, logged, when its database is unreadable)."""
@@ -454,6 +460,27 @@ class BoincJobSystem(JobSystem):
                  if states.get(unit) in SETTLED or states.get(unit) is None
                  or (current.get(unit) is not None and current[unit] != wu)]
         return self._cancel_live(job, stray)
+
+    def cancel_stuck(self, job: str) -> int:
+        """Cancel the live workunits of a MOP job that are stuck (:meth:`WorkunitState.stuck`:
+        results came back, and the replica BOINC needs could go to no host that has not had
+        one). BOINC then hands each over as failed (``--error``), the unit is given up, and
+        the MOP scheduler queues its sub-epoch again as a new attempt: a new workunit the same
+        hosts may take. VC-ASGD jobs regenerate theirs instead (:meth:`regeneration_requests`);
+        without BOINC's database nothing is cancelled."""
+        if self._spec(job).mode != "mop":
+            return 0
+        live = self._registry(job).live()
+        wus = self.boinc_workunits(sorted(live)) if live else None
+        if not wus:
+            return 0
+        now = time.time()
+        stuck = sorted(name for name, w in wus.items() if w.stuck(now))
+        for name in stuck:
+            log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
+                        "cancelled, its sub-epoch runs again as a new workunit", job, name)
+            self._cancel_workunit(name, job)
+        return len(stuck)
 
     def cancel_all(self, job: str) -> int:
         """Cancel every live workunit of a job that ended."""

@@ -1,0 +1,102 @@
+"""A stuck MOP workunit runs again, through the fake BOINC project and the work generator daemon.
+
+``min_quorum 2`` and two hosts: one replica valid and waiting for its quorum, the other
+judged invalid, and the replacement BOINC's transitioner creates can go to neither host
+(``one_result_per_host_per_wu``). Seen on a real server, where the job then waited for a
+third host with both clients idle. A MOP job has no regeneration, so the daemon cancels
+such a workunit once its replacement has waited unsent for longer than ``delay_bound``;
+BOINC hands it to the assimilator as failed (``--error``), and the MOP scheduler queues the
+sub-epoch again as a new workunit, which the same hosts may take. The daemon is restarted
+(its memory lost, as after a SIGKILL) at each point of that sequence: one cancellation,
+one new workunit.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from boinc_dl.server.assimilator.connection import connect
+from boinc_dl.server.assimilator.store import JobStore
+from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
+from boinc_dl.server.backends.boinc.install import InstallOptions, install
+from boinc_dl.server.backends.boinc.submit import submit_job
+from boinc_dl.server.common.spec import parse_spec
+from boinc_dl.server.common.workunit import parse_unit_name
+from tests.boinc import fake_server
+from tests.boinc.conftest import REPO, calls, run_script, script_env
+
+pytestmark = pytest.mark.slow
+
+
+def _workunits(project) -> dict[str, dict]:
+    return {w["name"]: w for w in fake_server.rows(project, "SELECT id, name, error_mask FROM workunit")}
+
+
+@pytest.mark.parametrize("restart", ["before-cancel", "after-cancel", "after-error"])
+def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_server, tmp_path,
+                                                            restart: str) -> None:
+    project = db_project
+    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
+    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
+    install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper, min_quorum=2,
+                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
+    project.__dict__.pop("settings", None)
+    spec = parse_spec({
+        "name": "stuck-mop", "mode": "mop", "model": "models:mlp",
+        "model_args": {"input_dim": 64, "n_classes": 10},
+        "dataset": {"name": "digits", "limit": 300},
+        "training": {"epochs": 1, "batch_size": 32, "learning_rate": 0.01},
+        "mop": {"partitions": 2, "param_grid": {"hidden": [8, 16]}},
+        "units": {"timeout_s": 600, "max_error_results": 2, "max_total_results": 4},
+        "seed": 3,
+    })
+    submit_job(spec, project.root, search_path=REPO / "examples")
+    store = JobStore(connect(redis_server.url), spec.name)
+    env = script_env()
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    daemon.one_pass()
+    first = _workunits(project)
+    assert len(first) == 2  # one unit per model in flight
+    wu = sorted(first)[0]
+    # the two replicas go to two hosts; one valid (waiting for its quorum), one invalid
+    (a,) = fake_server.send(project, [wu], hostid=1)
+    (b,) = fake_server.send(project, [wu], hostid=2)
+    for res in (a, b):
+        fake_server.report(project, res)
+    assert fake_server.judge(project, a, 0)[1] == 1 and fake_server.judge(project, b, 1) == (6, 2)
+    for host in (1, 2):  # the replacement can go to neither host
+        assert f"{wu}_2" not in fake_server.request_work(project, hostid=host, ncpus=1, n_wanted=4)
+    daemon.one_pass()
+    assert calls(project.root, "cancel_jobs") == []  # a replica waiting a while is normal
+    delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit WHERE name = %s",
+                                       (wu,))[0]["delay_bound"])
+    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE name = %s",
+                      (int(time.time()) - delay_bound - 5, f"{wu}_2"))
+
+    if restart == "before-cancel":
+        daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    daemon.one_pass()
+    assert [c["argv"][-1] for c in calls(project.root, "cancel_jobs")] == [wu]
+    assert _workunits(project)[wu]["error_mask"] & 16
+    if restart == "after-cancel":
+        daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+        daemon.one_pass()
+    # BOINC's assimilator hands the cancelled workunit over as failed
+    p = run_script(project.root, f"../bin/bdl_assimilate --error 16 {wu} {first[wu]['id']} 0", env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert wu in store.failed()
+    if restart == "after-error":
+        daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    for _ in range(3):
+        daemon.one_pass()
+    new = sorted(set(_workunits(project)) - set(first))
+    assert len(new) == 1, new  # the sub-epoch runs again, once
+    old, again = parse_unit_name(wu), parse_unit_name(new[0])
+    assert (again["model"], again["epoch"], again["shard"]) == (old["model"], old["epoch"], old["shard"])
+    assert again["attempt"] > old["attempt"]
+    assert [c["argv"][-1] for c in calls(project.root, "cancel_jobs")] == [wu]  # cancelled once, whatever restarted
+    # the new workunit is one the same hosts may take
+    assert any(r.startswith(new[0]) for r in fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=4))
