@@ -721,7 +721,8 @@ def candidate_rules(a: float = 0.5) -> dict[str, R.MergeRule]:
 
 def all_rules() -> dict[str, Any]:
     """The staleness table's rules: :func:`candidate_rules` and ``search`` (bound to each task)."""
-    return {**candidate_rules(), "search": SearchRule(), "search-fixed": SearchRule(fixed_sample=True)}
+    return {**candidate_rules(), "search": SearchRule(), "search-fixed": SearchRule(fixed_sample=True),
+            "oracle": OracleRule()}
 
 
 class SearchRule:
@@ -833,6 +834,45 @@ class SearchRule:
         self.stats["zero"] += step == 0.0
         ws += np.float32(step) * total
         return ws
+
+
+class OracleRule(SearchRule):
+    """Not a rule a server can run: a ceiling for every rule that chooses each result's
+    step as it arrives. Each result's step is the one of ``ORACLE_STEPS`` (0, then 1/1024
+    to 1 by factors of 2, with no bound by staleness, window or cohort) after which the loss
+    on the *validation* set, the one the run is scored on, is lowest, all of them evaluated.
+    A greedy rule that looks at anything the server may use (a training sample, a held-out
+    batch) can only do worse, up to the noise of one run."""
+
+    STEPS: tuple[float, ...] = (0.0,) + tuple(2.0 ** -j for j in range(10, -1, -1))
+
+    def bound(self, task: Task) -> OracleRule:
+        out = OracleRule(task, self.batch, self.base)
+        out.xs, out.ys = task.xv, task.yv
+        return out
+
+    def capped(self, in_flight: int) -> OracleRule:
+        out = OracleRule(None, self.batch, self.base.capped(in_flight), self.stats)
+        out.task, out.xs, out.ys = self.task, self.xs, self.ys
+        out.merged, out.cohorts, out.in_flight = 0, None, max(1, int(in_flight))
+        return out
+
+    def describe(self) -> str:
+        return ("oracle(each result's step among 0 and 2^-10..1 by the validation loss: "
+                "a ceiling for greedy rules, not a rule)")
+
+    def apply(self, ws: np.ndarray, wc: np.ndarray, wb: np.ndarray | None, s: float, state: Any = None,
+              scale: float = 1.0, scratch: np.ndarray | None = None) -> np.ndarray:
+        assert wb is not None and self.task is not None
+        d = (wc - wb) * np.float32(scale)
+        losses = [self.loss(ws + np.float32(c) * d) for c in self.STEPS]
+        self.stats["evals"] += len(losses)
+        step = self.STEPS[int(np.argmin(losses))]
+        self.merged += 1
+        self.stats["results"] += 1
+        self.stats["zero"] += step == 0.0
+        rule, factor = R.stepped(step)
+        return rule.apply(ws, wc, wb, s, None, scale * factor, scratch)
 
 
 def fmt(x: float) -> str:
@@ -1198,8 +1238,8 @@ def main() -> None:
         names = [n for n in args.rules.split(",") if n]
     elif args.quick:
         names = ["paper", "fedasync-poly", "fedbuff", REC]
-    else:
-        names = list(allr)
+    else:  # the oracle is a ceiling to measure against, named with --rules
+        names = [n for n in allr if n != "oracle"]
     for must in ("paper", REC) + (("search",) if args.poison_rule == "search" else ()):
         if must not in names:
             names.insert(0, must)
@@ -1214,7 +1254,7 @@ def main() -> None:
             else R.SEARCH_MULTIPLIERS
         allr = {n: (SearchRule(batch=args.search_batch, fixed_sample=r.fixed_sample, multipliers=mult,
                                buffer_k=args.search_buffer)
-                    if isinstance(r, SearchRule) else r) for n, r in allr.items()}
+                    if isinstance(r, SearchRule) and not isinstance(r, OracleRule) else r) for n, r in allr.items()}
     b = Bench(args.quick, args.epochs, {n: allr[n] for n in names}, [int(x) for x in d_list.split(",")],
               local_epochs=args.local_epochs)
     print(f"merge rules bench, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "

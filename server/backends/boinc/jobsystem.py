@@ -38,7 +38,10 @@ running it) is handed over at once, without waiting for its deadline. So is a un
 whose final result the assimilator refused for what its host computed
 (``validation.reissue_refused``, :meth:`BoincRegistry.reissue_refused`): its workunit is
 finished, so nothing is cancelled, and another host computes the unit from the freshest
-weights instead of its subset being skipped for the epoch.
+weights instead of its subset being skipped for the epoch. A workunit that is stuck
+(results back, and the replica it needs can go to no host that has not had one) is
+regenerated under either policy (``same``: from its own inputs); a MOP job's is
+cancelled (:meth:`BoincJobSystem.cancel_stuck`), so that its sub-epoch runs again.
 
 Every workunit created is kept in a ledger of live workunits
 (``bdl:<job>:boinc:live``, name -> unit) until it is cancelled or the assimilator
