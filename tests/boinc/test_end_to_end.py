@@ -30,7 +30,7 @@ from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.project import BoincProject, dir_hier_path
 from boinc_dl.server.backends.boinc.submit import submit_job
-from boinc_dl.server.common.spec import parse_spec
+from boinc_dl.server.common.spec import JobSpec, parse_spec
 from tests.boinc.conftest import REPO, calls, fake_db, run_script, script_env
 
 
@@ -68,13 +68,29 @@ def play_boinc(project, wu: dict, seq: int, env: dict[str, str], launcher: Path)
 LAUNCHER = "apps/boincdl/1.0/x86_64-pc-linux-gnu/bdl_launcher_1.0.sh"
 
 
-def install_with_wrapper(project, redis_url: str, tmp_path: Path, assimilators: int = 1):  # noqa: ANN201
+def install_with_wrapper(project, redis_url: str, tmp_path: Path, assimilators: int = 1,  # noqa: ANN201
+                         min_quorum: int | None = None):
     """``boinc-dl boinc install`` with a stand-in wrapper binary and the daemons run by
     this interpreter; returns the install report."""
     wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
     wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
+    quorum = {} if min_quorum is None else {"min_quorum": min_quorum}
     return install(project.root, InstallOptions(redis_url=redis_url, wrapper=wrapper, assimilators=assimilators,
-                                                command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
+                                                command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"],
+                                                **quorum))
+
+
+def digits_mop_spec(name: str, epochs: int, limit: int, **units: float) -> JobSpec:
+    """A MOP job of two MLPs on a digits subset, two partitions."""
+    return parse_spec({
+        "name": name, "mode": "mop", "model": "models:mlp",
+        "model_args": {"input_dim": 64, "n_classes": 10},
+        "dataset": {"name": "digits", "limit": limit},
+        "training": {"epochs": epochs, "batch_size": 32, "learning_rate": 0.01},
+        "mop": {"partitions": 2, "param_grid": {"hidden": [8, 16]}},
+        "units": {"max_error_results": 2, "max_total_results": 4, **units},
+        "seed": 3,
+    })
 
 
 def run_unit(project, wu: dict, validate: bool = True) -> list[str]:
@@ -167,15 +183,7 @@ def test_mop_job_through_fake_boinc(project, redis_server, tmp_path) -> None:
     from boinc_dl.server.common.workunit import parse_unit_name
 
     install_with_wrapper(project, redis_server.url, tmp_path)
-    spec = parse_spec({
-        "name": "digits-boinc-mop", "mode": "mop", "model": "models:mlp",
-        "model_args": {"input_dim": 64, "n_classes": 10},
-        "dataset": {"name": "digits", "limit": 600},
-        "training": {"epochs": 2, "batch_size": 32, "learning_rate": 0.01},
-        "mop": {"partitions": 2, "param_grid": {"hidden": [8, 16]}},
-        "units": {"timeout_s": 120, "max_error_results": 2, "max_total_results": 4, "checkpoint_every_s": 2},
-        "seed": 3,
-    })
+    spec = digits_mop_spec("digits-boinc-mop", epochs=2, limit=600, timeout_s=120, checkpoint_every_s=2)
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
     visits: dict[tuple[str, int], list[int]] = {}

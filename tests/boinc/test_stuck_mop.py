@@ -13,7 +13,6 @@ one new workunit.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
@@ -21,12 +20,11 @@ import pytest
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
-from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.submit import submit_job
-from boinc_dl.server.common.spec import parse_spec
 from boinc_dl.server.common.workunit import parse_unit_name
 from tests.boinc import fake_server
 from tests.boinc.conftest import REPO, calls, run_script, script_env
+from tests.boinc.test_end_to_end import digits_mop_spec, install_with_wrapper
 
 pytestmark = pytest.mark.slow
 
@@ -39,20 +37,9 @@ def _workunits(project) -> dict[str, dict]:
 def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_server, tmp_path,
                                                             restart: str) -> None:
     project = db_project
-    wrapper = tmp_path / "wrapper_26016_x86_64-pc-linux-gnu"
-    wrapper.write_bytes(b"\x7fELF stand-in for BOINC's wrapper\n")
-    install(project.root, InstallOptions(redis_url=redis_server.url, wrapper=wrapper, min_quorum=2,
-                                         command=[sys.executable, "-m", "boinc_dl.server.backends.boinc"]))
+    install_with_wrapper(project, redis_server.url, tmp_path, min_quorum=2)
     project.__dict__.pop("settings", None)
-    spec = parse_spec({
-        "name": "stuck-mop", "mode": "mop", "model": "models:mlp",
-        "model_args": {"input_dim": 64, "n_classes": 10},
-        "dataset": {"name": "digits", "limit": 300},
-        "training": {"epochs": 1, "batch_size": 32, "learning_rate": 0.01},
-        "mop": {"partitions": 2, "param_grid": {"hidden": [8, 16]}},
-        "units": {"timeout_s": 600, "max_error_results": 2, "max_total_results": 4},
-        "seed": 3,
-    })
+    spec = digits_mop_spec("stuck-mop", epochs=1, limit=300, timeout_s=600)
     submit_job(spec, project.root, search_path=REPO / "examples")
     store = JobStore(connect(redis_server.url), spec.name)
     env = script_env()
