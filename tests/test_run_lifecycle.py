@@ -142,14 +142,24 @@ def test_sigterm_and_sighup_stop_the_run_cleanly(tmp_path: Path, sig: signal.Sig
     assert state["status"] == "interrupted" and signal.Signals(sig).name in state["reason"]
 
 
-def test_sigkilled_run_leaves_no_redis_and_shows_as_crashed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["sigkill", "sigsegv"])
+def test_sigkilled_run_leaves_no_redis_and_shows_as_crashed(tmp_path: Path, sig: signal.Signals) -> None:
+    """No clean-up at all (SIGKILL; or a crash in a native library, SIGSEGV): only the
+    kernel's parent-death signal is left. A crash prints every thread's Python stack."""
     run_dir = tmp_path / "run"
     proc = _start(tmp_path, _spec(tmp_path, epochs=20), run_dir)
     _wait_for(lambda: len(_family(proc.pid)) >= 8, 300, proc, "the run to start its processes")
     time.sleep(2.0)  # a heartbeat or two
     family = _family(proc.pid)
-    proc.kill()  # no clean-up at all: only the kernel's parent-death signal is left
-    proc.communicate(timeout=30)
+    proc.send_signal(sig)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == -sig
+    if sig == signal.SIGSEGV:
+        assert "Fatal Python error: Segmentation fault" in err and "most recent call first" in err, err[-3000:]
+        stacks = err.split("Fatal Python error")[1]
+        # every thread, and where in the run's own code they were
+        assert stacks.count("Thread 0x") + stacks.count("Current thread 0x") >= 2, stacks[:3000]
+        assert "/server/" in stacks or "boinc_dl" in stacks, stacks[:3000]
     assert _survivors(family) == []
     st = subprocess.run([*EXE, "status", "--run-dir", str(run_dir)], cwd=tmp_path, env=ENV,
                         capture_output=True, text=True, timeout=120)

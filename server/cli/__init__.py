@@ -14,6 +14,7 @@ Further groups go beside these: a module with its own ``typer.Typer`` added with
 
 from __future__ import annotations
 
+import faulthandler
 import sys
 
 from boinc_dl.server.cli import jobs  # noqa: F401 - registers the job commands on ``app``
@@ -43,6 +44,9 @@ _mount_optional()
 
 def main() -> None:
     """Console-script entry point."""
+    # A fatal signal inside a native library (TensorFlow, h5py) prints every thread's
+    # Python stack on stderr before the process dies, so the crash names where it was.
+    faulthandler.enable()
     try:
         app()
     except KeyboardInterrupt:
