@@ -15,22 +15,20 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from boinc_dl.server.cli.app import redis_url_for
+from boinc_dl.server.cli.app import console, error_line, redis_url_for
 from boinc_dl.server.common.errors import BoincDLError
 
 fleet_app = typer.Typer(add_completion=False, no_args_is_help=True,
                         help="Spot/preemptible cloud fleets: size, replace, re-issue early, fall back.")
-console = Console()
-err = Console(stderr=True)
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="fleet.yaml")]
 
 
 def _fail(e: BaseException) -> None:
-    err.print(f"[red]error:[/] {e}", markup=True, highlight=False)
+    """``e`` as one ``error:`` line (whatever the terminal's width), then its exit code."""
+    error_line(str(e))
     raise typer.Exit(getattr(e, "exit_code", 2))
 
 

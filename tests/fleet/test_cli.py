@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.cli import app
+from boinc_dl.server.cli.app import console
 from boinc_dl.server.fleet.records import FallbackState
 from boinc_dl.server.fleet.state import Commit, FleetState
+
+
+@pytest.fixture(autouse=True)
+def wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command's console reads COLUMNS once, when first imported: in a test worker,
+    whichever test imported it first (one runs on a 40-column terminal) set its width.
+    The status table's words are asserted, not its wrapping; error lines never wrap."""
+    monkeypatch.setattr(console, "width", 200)
 
 
 def test_watch_refuses_a_bad_config_in_one_line(tmp_path) -> None:
