@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from boinc_dl.server.assimilator.policy import base_of
 from boinc_dl.server.assimilator.shards import (
     load_shard_versions,
     save_shard_versions,
@@ -258,12 +259,12 @@ class VCASGDWorkGenerator:
             return None
         attempt = max(attempt, int(info.get("attempt", 0)) + 1)
         epoch, shard = int(info["epoch"]), int(info["shard"])
-        version, wpath = self._weights_path()
-        if self.reissue == "same":
-            # the unit's base: kept on disk while a unit issued from it is in flight
-            old_version, old_path = info.get("weights_version"), (info.get("files") or {}).get(WEIGHTS_IN)
-            if old_version is not None and old_path and Path(old_path).is_file():
-                version, wpath = int(old_version), Path(old_path)
+        base = base_of(info, None) if self.reissue == "same" else (None, None)
+        if base[0] is not None and base[1] and Path(base[1]).is_file():
+            # same: the unit's own base, kept on disk while a unit issued from it is in flight
+            version, wpath = base[0], Path(base[1])
+        else:  # fresh (or a base gone): the current weights, snapshot and file only then
+            version, wpath = self._weights_path()
         wu = self._describe(epoch, shard, version, wpath, attempt)
         Path(wu.files[WU_JSON]).write_text(wu.to_json())
         bases = dict(info.get("bases") or {})

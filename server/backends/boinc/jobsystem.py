@@ -364,9 +364,9 @@ class BoincJobSystem(JobSystem):
         rest = [name for _, _, name in cand if name not in asked]
         wus = self.boinc_workunits(rest) if rest else {}
         now = time.time()
-        lost = (lambda w: w.stuck(now)) if stuck_only else (lambda w: w.overdue(now))
+        lost = WorkunitState.stuck if stuck_only else WorkunitState.overdue
         return sorted((u, a) for u, a, name in cand
-                      if name in now_asked or (wus is not None and name in wus and lost(wus[name])))
+                      if name in now_asked or (wus is not None and name in wus and lost(wus[name], now)))
 
     def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
         """BOINC's view of these workunits (None, logged, when its database is unreadable)."""
