@@ -114,10 +114,14 @@ def test_sync_aof_runs_until_sigterm_and_syncs_once_more(tmp_path: Path) -> None
                           "--interval", "0.1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env={**os.environ, "COLUMNS": "200"})
     try:
-        time.sleep(2.0)
+        # its first line says it runs (a fixed sleep lost the race to a slow start under load)
+        first = p.stdout.readline()
+        assert "syncing the AOF" in first, first + p.stdout.read()
+        time.sleep(1.5)
         assert p.poll() is None  # it keeps running: a service
         p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=30)
+        rest, _ = p.communicate(timeout=30)
+        out = first + rest
     finally:
         p.kill()
     assert p.returncode == 0, out

@@ -133,11 +133,11 @@ def sync_aof(
         return
     syncer = AofSyncer(data_dir, interval)
     n = len(aof_files(data_dir))
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the line that says it runs: a SIGTERM
+        signal.signal(sig, lambda *_: done.set())  # from then on always gets its last pass
     console.print(f"syncing the AOF in {data_dir} every {interval:g} s ({n} file(s) now); "
                   "stop with SIGTERM or Ctrl-C", highlight=False)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
     syncer.start()
     while not done.wait(1.0):
         if not syncer.running:  # the thread died: say so rather than pretend to sync
