@@ -49,10 +49,11 @@ def test_time_to_reissue_with_and_without_notice(tmp_path: Path, redis_server, m
     if mode == "notice":
         assert {d["via"] for d in res.reissue_delays} == {"lost"}
         assert b["lost_reported"] == len(delays) and b["timed_out"] == 0
-        # notice -> checkpoint -> report -> re-issue, well inside the deadline the vanish case
-        # waits for: 0.03 s on an idle 2-core machine, 0.17 s beside two busy processes,
-        # 0.68 s beside a C++ build and another test suite
-        assert statistics.median(delays) < t_o / 3
+        # notice -> checkpoint -> report -> re-issue, inside the deadline the vanish case
+        # waits for, so below the least delay that case can have (its bound below): 0.03 s
+        # on an idle 2-core machine, 0.17 s beside two busy processes, 0.68 s beside a C++
+        # build and another test suite, 1.54 s beside a BOINC server training on two clients
+        assert statistics.median(delays) < t_o - 1.0
     else:
         assert {d["via"] for d in res.reissue_delays} == {"no_reply"}
         assert b["lost_reported"] == 0 and b["timed_out"] == len(delays)
