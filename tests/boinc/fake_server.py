@@ -28,6 +28,12 @@ boinc-dl reads (``db/boinc_db_types.h`` for the values):
   A valid result of a replicated workunit adds one to its host app version's
   ``consecutive_valid``, an invalid one (:func:`judge`) sets it to 0 (``is_valid`` and
   ``is_invalid``, ``sched/validator.cpp``).
+* :func:`validate_set`: the validator on a workunit without a canonical result, as a
+  set (``handle_wu``, ``sched/validator.cpp``; ``check_set``, ``sched/validate_util2.cpp``):
+  a result it cannot judge (transient) is not good, and with fewer good results than the
+  quorum every viable one becomes INCONCLUSIVE and ``target_nresults`` is raised for one
+  more replica; :func:`validator_pass` judges the workunits with ``need_validate`` set
+  (the validator's enumeration), as ``html/ops/revalidate.php`` leaves them.
 * :func:`time_out`: the transitioner times out results past their deadline
   (``NO_REPLY``) and creates a new UNSENT instance (``sched/transitioner.cpp``).
 * :func:`file_deleter`: removes the input files (not ``<no_delete/>``) and uploaded outputs
@@ -332,12 +338,18 @@ def file_deleter(project: BoincProject, wu_infiles: dict[str, list[str]]) -> lis
 
 
 def _replace_results(project: BoincProject, result_id: int) -> list[str]:
-    """The transitioner's pass after a result failed validation (``sched/transitioner.cpp``):
-    as many new UNSENT instances as the workunit is short of ``target_nresults`` results
-    still counting (sent, unsent, or back and not invalid), within ``max_total_results``;
-    each with the workunit's priority. Their names."""
-    w = rows(project, "SELECT w.id, w.name, w.priority, w.target_nresults, w.max_total_results FROM workunit w "
-                      "JOIN result r ON r.workunitid = w.id WHERE r.id = %s", (result_id,))[0]
+    """The transitioner's pass after a result failed validation (:func:`_transition`)."""
+    wu_id = rows(project, "SELECT workunitid FROM result WHERE id = %s", (result_id,))[0]["workunitid"]
+    return _transition(project, int(wu_id))
+
+
+def _transition(project: BoincProject, wu_id: int) -> list[str]:
+    """The transitioner's pass on a workunit (``sched/transitioner.cpp``): as many new
+    UNSENT instances as it is short of ``target_nresults`` results still counting (sent,
+    unsent, or back and not invalid), within ``max_total_results``; each with the
+    workunit's priority. Their names."""
+    w = rows(project, "SELECT id, name, priority, target_nresults, max_total_results FROM workunit WHERE id = %s",
+             (wu_id,))[0]
     res = rows(project, "SELECT server_state, outcome, validate_state FROM result WHERE workunitid = %s", (w["id"],))
     counting = sum(1 for x in res if x["server_state"] in (2, 4)
                    or (x["server_state"] == 5 and x["outcome"] == 1 and x["validate_state"] != 2))
@@ -373,3 +385,67 @@ def judge(project: BoincProject, result: str, init_exit: int) -> tuple[int, int]
         _replace_results(project, int(r["id"]))
     out = rows(project, "SELECT outcome, validate_state FROM result WHERE id = %s", (r["id"],))[0]
     return int(out["outcome"]), int(out["validate_state"])
+
+
+def validate_set(project: BoincProject, wu: str, init_exits: dict[str, int] | None = None,
+                 agree: bool = True) -> str | None:
+    """BOINC's validator on workunit ``wu`` while it has no canonical result (``handle_wu``,
+    ``sched/validator.cpp``; ``check_set``, ``sched/validate_util2.cpp``); the canonical
+    result's name, or None.
+
+    The viable results are those back successful and not INVALID (INCONCLUSIVE ones
+    included); with fewer than ``min_quorum`` nothing happens. Each viable result's init
+    script exits ``init_exits[name]`` (0 when absent): 0 is a good result, 3
+    (VAL_RESULT_TRANSIENT_ERROR) is not good and not judged, anything else is outcome
+    VALIDATE_ERROR and INVALID. With a quorum of good results that ``agree``, they are
+    VALID, the first is canonical, the workunit is ready to assimilate, and its unsent
+    results are not needed (OVER, DIDNT_NEED). Otherwise no consensus: every viable
+    result still INIT becomes INCONCLUSIVE, and when the viable results are as many as
+    ``target_nresults`` it is raised by one; the transitioner then adds the replicas
+    (:func:`_transition`). ``need_validate`` is cleared either way."""
+    w = rows(project, "SELECT id, min_quorum, target_nresults FROM workunit WHERE name = %s", (wu,))[0]
+    wu_id, quorum = int(w["id"]), int(w["min_quorum"])
+    _exec(project, "UPDATE workunit SET need_validate = 0 WHERE id = %s", (wu_id,))
+    res = rows(project, "SELECT id, name, validate_state FROM result WHERE workunitid = %s AND server_state = 5 "
+                        "AND outcome = 1 AND validate_state <> 2 ORDER BY id", (wu_id,))
+    if len(res) < quorum:
+        return None
+    exits = init_exits or {}
+    good, viable = [], []
+    for r in res:
+        code = exits.get(r["name"], 0)
+        if code == 0:
+            good.append(r)
+        if code in (0, 3):
+            viable.append(r)
+        else:
+            _exec(project, "UPDATE result SET outcome = 6, validate_state = 2 WHERE id = %s", (r["id"],))
+            _count_validation(project, int(r["id"]), valid=False)
+    if len(good) >= quorum and agree:
+        for r in good:
+            _exec(project, "UPDATE result SET validate_state = 1 WHERE id = %s", (r["id"],))
+            _count_validation(project, int(r["id"]), valid=True)
+        _exec(project, "UPDATE workunit SET canonical_resultid = %s, assimilate_state = 1 WHERE id = %s",
+              (good[0]["id"], wu_id))
+        _exec(project, "UPDATE result SET server_state = 5, outcome = 5 WHERE workunitid = %s AND server_state = 2",
+              (wu_id,))
+        return str(good[0]["name"])
+    for r in viable:
+        if int(r["validate_state"]) == 0:
+            _exec(project, "UPDATE result SET validate_state = 4 WHERE id = %s", (r["id"],))
+    if len(viable) >= int(w["target_nresults"]):
+        _exec(project, "UPDATE workunit SET target_nresults = %s WHERE id = %s", (len(viable) + 1, wu_id))
+    _transition(project, wu_id)
+    return None
+
+
+def validator_pass(project: BoincProject, init_exits: dict[str, int] | None = None,
+                   agree: bool = True) -> list[str]:
+    """One pass of BOINC's validator: :func:`validate_set` on every workunit with
+    ``need_validate > 0`` (its enumeration, ``db/boinc_db.cpp``); the canonical results found."""
+    out = []
+    for w in rows(project, "SELECT name FROM workunit WHERE need_validate > 0 ORDER BY id"):
+        found = validate_set(project, str(w["name"]), init_exits, agree)
+        if found:
+            out.append(found)
+    return out

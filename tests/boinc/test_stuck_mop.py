@@ -87,3 +87,37 @@ def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_s
     assert [c["argv"][-1] for c in calls(project.root, "cancel_jobs")] == [wu]  # cancelled once, whatever restarted
     # the new workunit is one the same hosts may take
     assert any(r.startswith(new[0]) for r in fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=4))
+
+
+def test_an_undecided_mop_workunit_is_judged_again_across_a_daemon_restart(db_project, redis_server,
+                                                                           tmp_path) -> None:
+    """The validator could not judge one of the two replicas (its shim answered 3): the
+    set is INCONCLUSIVE and the replica BOINC adds can go to neither host. The daemon asks
+    BOINC's validator to judge it again (once, whatever restarts), and nothing is cancelled."""
+    project = db_project
+    install_with_wrapper(project, redis_server.url, tmp_path, min_quorum=2)
+    project.__dict__.pop("settings", None)
+    spec = digits_mop_spec("undecided-mop", epochs=1, limit=300, timeout_s=600)
+    submit_job(spec, project.root, search_path=REPO / "examples")
+    store = JobStore(connect(redis_server.url), spec.name)
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    daemon.one_pass()
+    wu = sorted(_workunits(project))[0]
+    (a,) = fake_server.send(project, [wu], hostid=1)
+    (b,) = fake_server.send(project, [wu], hostid=2)
+    for res in (a, b):
+        fake_server.report(project, res)
+    assert fake_server.validate_set(project, wu, {a: 3}) is None
+    daemon.one_pass()
+    need = fake_server.rows(project, "SELECT need_validate FROM workunit WHERE name = %s", (wu,))[0]
+    assert need["need_validate"] == 1
+    fake_server._exec(project, "UPDATE workunit SET need_validate = 0")  # as if the validator ran, again undecided
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)  # restarted: its memory lost
+    daemon.one_pass()
+    assert fake_server.rows(project, "SELECT need_validate FROM workunit WHERE name = %s", (wu,))[0][
+        "need_validate"] == 0  # asked once
+    fake_server._exec(project, "UPDATE workunit SET need_validate = 1 WHERE name = %s", (wu,))
+    assert fake_server.validator_pass(project) == [a]
+    fake_server._exec(project, "UPDATE result SET create_time = 0 WHERE name = %s", (f"{wu}_2",))
+    daemon.one_pass()
+    assert calls(project.root, "cancel_jobs") == [] and store.counters()["boinc_revalidated"] == 1

@@ -9,8 +9,10 @@ reads those facts here instead of guessing them from workunit creation times.
   ``db_user``, ``db_passwd``, optional ``db_port`` and ``db_socket``), as BOINC's own
   tools read them (``sched/sched_config.cpp``). ``db_host`` may be ``host:port``.
 * Every session is read-only (``SET SESSION TRANSACTION READ ONLY``) except one opened
-  with ``writable=True`` for the single write boinc-dl makes, what BOINC's validator does
-  to the host of an invalid result (:meth:`BoincDB.reset_consecutive_valid`); every query is
+  with ``writable=True`` for the two writes boinc-dl makes: what BOINC's validator does
+  to the host of an invalid result (:meth:`BoincDB.reset_consecutive_valid`), and what
+  BOINC's own ops page ``revalidate.php`` does to a workunit whose results the validator
+  could not judge (:meth:`BoincDB.ask_revalidation`); every query is
   parametrized, has a row limit and runs under connect/read timeouts, so a slow or
   unreachable database degrades boinc-dl (logged, retried next pass) instead of
   hanging a daemon.
@@ -48,6 +50,7 @@ RESULT_OUTCOME_CLIENT_DETACHED = 7
 VALIDATE_STATE_INIT = 0
 VALIDATE_STATE_VALID = 1
 VALIDATE_STATE_INVALID = 2
+VALIDATE_STATE_INCONCLUSIVE = 4
 # workunit.assimilate_state
 ASSIMILATE_INIT = 0
 ASSIMILATE_READY = 1
@@ -169,6 +172,7 @@ class WorkunitState:
     canonical_resultid: int
     delay_bound: int
     results: list[ResultRow] = field(default_factory=list)
+    min_quorum: int = 1
 
     def result_back(self) -> bool:
         """A result was returned and not (yet) judged invalid: the unit is not lost,
@@ -202,8 +206,10 @@ class WorkunitState:
         replica BOINC created last has waited unsent for longer than ``delay_bound``.
 
         Seen on a real server with two hosts and ``min_quorum 2``: one replica judged
-        invalid, and the transitioner's replacement could go to neither host
-        (``one_result_per_host_per_wu``: each already had a result of the workunit), so
+        invalid (or, once :meth:`undecided`, the set judged again and still undecided),
+        and the replica BOINC then needs could go to neither host
+        (``one_result_per_user_per_wu``, install's default, or ``one_result_per_host_per_wu``:
+        each already had a result of the workunit), so
         the workunit waited for a third host forever with its other replica back. A
         regenerated unit is a new workunit that those hosts may take. A replica waits
         unsent at most about a unit's time in a fleet that can take it (the generator
@@ -215,6 +221,28 @@ class WorkunitState:
             return False
         unsent = [r.create_time for r in self.results if r.server_state == RESULT_SERVER_STATE_UNSENT]
         return bool(unsent) and now - max(unsent) > self.delay_bound
+
+    def undecided(self, now: float) -> bool:
+        """The validator looked at a quorum of returned results and judged none of them:
+        at least ``min_quorum`` results back successful, every one of them INCONCLUSIVE,
+        none in progress, and the extra replica BOINC then asked for still unsent.
+
+        What BOINC's validator leaves when it cannot judge a result (a transient error, as
+        when boinc-dl's validator was killed: ``check_set`` in ``sched/validate_util2.cpp``
+        counts it as not good, finds no consensus, marks the set inconclusive and raises
+        ``target_nresults``, ``sched/validator.cpp``); the set is judged again only when
+        that replica comes back, which a fleet of as many hosts as the quorum never sends.
+        Two results that disagree look the same; judging them again costs one validator
+        run and changes nothing."""
+        if self.error_mask or self.canonical_resultid or self.assimilate_state != ASSIMILATE_INIT:
+            return False
+        if self.in_flight(now):
+            return False
+        back = [r for r in self.results if r.server_state == RESULT_SERVER_STATE_OVER
+                and r.outcome == RESULT_OUTCOME_SUCCESS and r.validate_state != VALIDATE_STATE_INVALID]
+        return (len(back) >= max(1, self.min_quorum)
+                and all(r.validate_state == VALIDATE_STATE_INCONCLUSIVE for r in back)
+                and any(r.server_state == RESULT_SERVER_STATE_UNSENT for r in self.results))
 
     def live(self) -> bool:
         """BOINC may still send or run an instance (worth cancelling)."""
@@ -257,7 +285,7 @@ def credentials(project: BoincProject) -> dict[str, Any]:
 
 class BoincDB:
     """A connection to one project's database, read-only unless opened ``writable`` (for
-    :meth:`reset_consecutive_valid` alone); use as a context manager or call
+    the ``consecutive_valid`` writes and :meth:`ask_revalidation` alone); use as a context manager or call
     :meth:`close`. Each method is one bounded query (chunked for long name lists)."""
 
     def __init__(self, project: BoincProject, timeout_s: float = 5.0, writable: bool = False):
@@ -279,7 +307,8 @@ class BoincDB:
     @classmethod
     def connect(cls, project: BoincProject, timeout_s: float = 5.0, writable: bool = False) -> BoincDB:
         """Open a session with the credentials of the project's config.xml (read-only
-        unless ``writable``: only :meth:`reset_consecutive_valid` needs that)."""
+        unless ``writable``: only the ``consecutive_valid`` writes and
+        :meth:`ask_revalidation` need that)."""
         return cls(project, timeout_s, writable)
 
     def __enter__(self) -> BoincDB:
@@ -349,6 +378,24 @@ class BoincDB:
             raise BoincDBError(f"update of BOINC's host_app_version failed: {e}") from None
         return TrustReset(hostid, avid, int(have[0]["consecutive_valid"]))
 
+    def ask_revalidation(self, wu_id: int) -> bool:
+        """Have BOINC's validator judge workunit ``wu_id``'s results again: set its
+        ``need_validate``, as BOINC's ``html/ops/revalidate.php`` does (the validator's
+        enumeration is ``need_validate > 0``), while the workunit still has no canonical
+        result, no error and nothing assimilated. Its INCONCLUSIVE results are viable
+        results to the validator as they are (only INVALID ones are left out), so nothing
+        else changes. Whether the row was changed (False: the workunit was decided, gave
+        up or is gone meanwhile). Repeating it asks for at most one more judgement."""
+        if not self.writable:
+            raise BoincDBError("asking for a revalidation needs a session opened with writable=True")
+        try:
+            with self.conn.cursor() as c:
+                n = c.execute("UPDATE workunit SET need_validate = 1 WHERE id = %s AND canonical_resultid = 0 "
+                              "AND error_mask = 0 AND assimilate_state = %s", (int(wu_id), ASSIMILATE_INIT))
+        except self._pymysql.MySQLError as e:
+            raise BoincDBError(f"update of BOINC's workunit failed: {e}") from None
+        return bool(n)
+
     def workunits(self, names: Iterable[str]) -> dict[str, WorkunitState]:
         """Workunits by name, each with its results (names BOINC does not know are absent)."""
         names = list(dict.fromkeys(names))
@@ -358,11 +405,11 @@ class BoincDB:
             chunk = names[i : i + CHUNK]
             marks = ",".join(["%s"] * len(chunk))
             # Only "%s" placeholders are formatted in; the values go as query parameters.
-            for row in self.query("SELECT id, name, error_mask, assimilate_state, canonical_resultid, delay_bound "
-                                  f"FROM workunit WHERE name IN ({marks})", chunk):  # nosec B608
+            for row in self.query("SELECT id, name, error_mask, assimilate_state, canonical_resultid, delay_bound, "
+                                  f"min_quorum FROM workunit WHERE name IN ({marks})", chunk):  # nosec B608
                 wu = WorkunitState(int(row["id"]), str(row["name"]), int(row["error_mask"]),
                                    int(row["assimilate_state"]), int(row["canonical_resultid"]),
-                                   int(row["delay_bound"]))
+                                   int(row["delay_bound"]), min_quorum=int(row["min_quorum"]))
                 out[wu.name] = by_id[wu.id] = wu
         ids = list(by_id)
         for i in range(0, len(ids), CHUNK):

@@ -289,6 +289,8 @@ class WorkGeneratorDaemon:
                 self.backend.flush()
                 # workunits of merged, given-up or superseded units: cancelled at once
                 self.backend.cancel_stray(job)
+                # results the validator could not judge: judged again, before any is thrown away
+                self.backend.revalidate_undecided(job)
                 self.backend.cancel_stuck(job)  # MOP: a stuck sub-epoch runs again
             except BoincToolError as e:
                 log.error("job %s: %s (retrying next pass)", job, e)

@@ -76,7 +76,12 @@ import redis
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.backends.boinc import artifacts
-from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, WorkunitState
+from boinc_dl.server.backends.boinc.boincdb import (
+    VALIDATE_STATE_INCONCLUSIVE,
+    BoincDB,
+    BoincDBError,
+    WorkunitState,
+)
 from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.hosts import HostCensus
 from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
@@ -365,8 +370,14 @@ class BoincJobSystem(JobSystem):
         wus = self.boinc_workunits(rest) if rest else {}
         now = time.time()
         lost = WorkunitState.stuck if stuck_only else WorkunitState.overdue
-        return sorted((u, a) for u, a, name in cand
-                      if name in now_asked or (wus is not None and name in wus and lost(wus[name], now)))
+        out = sorted((u, a) for u, a, name in cand
+                     if name in now_asked or (wus is not None and name in wus and lost(wus[name], now)))
+        for name in sorted(n for n, w in (wus or {}).items() if w.stuck(now)):
+            # the same words as a MOP job's (cancel_stuck): an operator can tell these apart
+            # from units BOINC lost to a host
+            log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
+                        "it is regenerated as a new workunit", store.job, name)
+        return out
 
     def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
         """BOINC's view of these workunits (None, logged, when its database is unreadable)."""
@@ -463,6 +474,49 @@ class BoincJobSystem(JobSystem):
                  if states.get(unit) in SETTLED or states.get(unit) is None
                  or (current.get(unit) is not None and current[unit] != wu)]
         return self._cancel_live(job, stray)
+
+    def revalidate_undecided(self, job: str) -> int:
+        """Ask BOINC's validator to judge again, once per workunit, each live workunit of
+        ``job`` whose returned results it left undecided (:meth:`WorkunitState.undecided`:
+        a quorum back, all inconclusive, the extra replica unsent); how many were asked.
+
+        A validator that could not judge a result (boinc-dl's validator killed: its shim
+        answers "transient") leaves the set waiting for a replica that a fleet of as many
+        hosts as the quorum never takes; judged again, the results it could not read
+        become valid and canonical, the unsent replica is not needed, and the unit merges
+        with the work its hosts did (cancelling it, :meth:`cancel_stuck`, or regenerating
+        it throws that work away and waits ``delay_bound`` first). Results that really
+        disagree stay undecided, and the stuck path takes them as before. The write is
+        ``need_validate = 1``, what BOINC's ``html/ops/revalidate.php`` does; it is made
+        before the mark, so a daemon killed between the two asks once more at most."""
+        reg = self._registry(job)
+        live = reg.live()
+        wus = self.boinc_workunits(sorted(live)) if live else None
+        if not wus:
+            return 0
+        now = time.time()
+        todo = [w for _, w in sorted(wus.items()) if w.undecided(now) and not reg.revalidated(w.name)]
+        if not todo:
+            return 0
+        asked = 0
+        try:
+            with BoincDB.connect(self.project, writable=True) as db:
+                for w in todo:
+                    changed = db.ask_revalidation(w.id)  # False: decided or ended meanwhile
+                    if changed:
+                        asked += 1
+                        log.warning("job %s: BOINC's validator left workunit %s undecided (%d results back, none "
+                                    "judged): asked it to judge them again", job, w.name,
+                                    sum(r.validate_state == VALIDATE_STATE_INCONCLUSIVE for r in w.results))
+                    reg.mark_revalidated(w.name, asked=changed)
+        except BoincDBError as e:
+            # No write access (or the database went away): the stuck path still ends these
+            # workunits once their replica has waited delay_bound; say so once per workunit.
+            log.error("job %s: %s; %d undecided workunit(s) wait for the stuck path instead", job, e, len(todo))
+            for w in todo:
+                if not reg.revalidated(w.name):
+                    reg.mark_revalidated(w.name, asked=False)
+        return asked
 
     def cancel_stuck(self, job: str) -> int:
         """Cancel the live workunits of a MOP job that are stuck (:meth:`WorkunitState.stuck`:

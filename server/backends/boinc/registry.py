@@ -81,6 +81,7 @@ class BoincRegistry:
         self.late_key = store.k("boinc", "late_results")
         self.comparisons_key = store.k("boinc", "comparisons")
         self.quorum_key = store.k("boinc", "quorum")
+        self.revalidated_key = store.k("boinc", "revalidated")
 
     @property
     def _r(self):  # type: ignore[no-untyped-def]
@@ -178,6 +179,17 @@ class BoincRegistry:
         """``bin/cancel_jobs`` took ``wu`` (or BOINC no longer had it)."""
         self.forget(wu)
         self.store.incr_counter("boinc_cancelled")
+
+    # ---- workunits the validator left undecided -------------------------------------------------
+    def revalidated(self, wu: str) -> bool:
+        """Whether BOINC's validator was already asked to judge ``wu`` again."""
+        return bool(self.store.call(lambda: self._r.sismember(self.revalidated_key, wu)))
+
+    def mark_revalidated(self, wu: str, asked: bool) -> None:
+        """The validator was asked to judge ``wu`` again (``asked``; counted), or it could not
+        be (no write access): either way not again for this workunit."""
+        if self.store.call(lambda: self._r.sadd(self.revalidated_key, wu)) and asked:
+            self.store.incr_counter("boinc_revalidated")
 
     # ---- early re-issue (reclaimed hosts) ---------------------------------------------------------
     def request_reissue(self, names: Iterable[str]) -> int:

@@ -25,6 +25,7 @@ SCHEMA = (
         file_delete_state INTEGER NOT NULL DEFAULT 0,
         assimilate_state INTEGER NOT NULL DEFAULT 0,
         canonical_resultid INTEGER NOT NULL DEFAULT 0,
+        need_validate SMALLINT NOT NULL DEFAULT 0,
         min_quorum INTEGER NOT NULL DEFAULT 1,
         target_nresults INTEGER NOT NULL DEFAULT 1,
         max_error_results INTEGER NOT NULL DEFAULT 1,
