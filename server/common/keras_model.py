@@ -7,11 +7,13 @@ non-trainable, e.g. batch-norm statistics), named by their Keras paths.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +71,9 @@ def _import_tf_quietly() -> Any:
         import tensorflow as tf
 
         return tf
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
+    with _startup_lines_dropped():
         import keras  # noqa: F401
         import tensorflow as tf
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
     return tf
 
 
@@ -89,20 +84,20 @@ _TF_STARTUP = re.compile(r"^(WARNING: All log messages before absl::InitializeLo
                          r"To enable the following instructions:.*rebuild TensorFlow)")
 
 
-def _import_user_module(mod_name: str) -> Any:
-    """Import the user's model module. When it imports TensorFlow (``import keras`` at its
-    top) and the process asked TensorFlow for quiet (``TF_CPP_MIN_LOG_LEVEL=3``, as the
-    CLI does), TensorFlow's start-up lines are dropped from stderr; anything else the
-    module writes there (its own warnings, prints) is passed on."""
-    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") < "3":
-        return importlib.import_module(mod_name)
+@contextlib.contextmanager
+def _startup_lines_dropped() -> Iterator[None]:
+    """Send file descriptor 2 to a temporary file for the block (TensorFlow's C++ code
+    writes there directly, past ``sys.stderr``), then pass on every line but TensorFlow's
+    start-up lines. The descriptor is the process's: what other threads write meanwhile
+    (the work generator's main thread logging while its checker thread imports
+    TensorFlow) comes out when the block ends, late but never lost."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as err:
         try:
             os.dup2(err.fileno(), 2)
             try:
-                return importlib.import_module(mod_name)
+                yield
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)
@@ -114,6 +109,17 @@ def _import_user_module(mod_name: str) -> Any:
             if kept:
                 sys.stderr.write("".join(kept))
                 sys.stderr.flush()
+
+
+def _import_user_module(mod_name: str) -> Any:
+    """Import the user's model module. When it imports TensorFlow (``import keras`` at its
+    top) and the process asked TensorFlow for quiet (``TF_CPP_MIN_LOG_LEVEL=3``, as the
+    CLI does), TensorFlow's start-up lines are dropped from stderr; anything else the
+    module writes there (its own warnings, prints) is passed on."""
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") < "3":
+        return importlib.import_module(mod_name)
+    with _startup_lines_dropped():
+        return importlib.import_module(mod_name)
 
 
 def resolve_builder(ref: str, search_path: str | Path | None = None) -> Any:

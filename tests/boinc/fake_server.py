@@ -8,7 +8,7 @@ boinc-dl reads (``db/boinc_db_types.h`` for the values):
   never a second result of a workunit to the same user or host when config.xml's
   ``<one_result_per_user_per_wu>`` / ``<one_result_per_host_per_wu>`` say so
   (``slow_check``, ``sched/sched_check.cpp``: the user rule first, then the host rule).
-* :func:`request_work`: a host's work request: UNSENT results in the job cache's order,
+* :func:`request_work`: a host's work request (recorded in its ``host`` row: ``rpc_time``): UNSENT results in the job cache's order,
   at most ``max_wus_to_send`` x CPUs per reply (``WORK_REQ::get_job_limits``), and at
   most the per-app cap of ``config_aux.xml``'s ``<max_jobs_in_progress>`` (``jobs`` x
   CPUs with ``<per_proc/>``), counting the host's tasks in progress
@@ -235,6 +235,12 @@ def request_work(project: BoincProject, hostid: int, ncpus: int, n_wanted: int, 
     results won most ties (the feeder refills the slots freed by sent ones), so the fake
     takes the newest first among equals: the worst case for a unit left waiting, never
     the creation order that would hide it."""
+    # every scheduler RPC updates the host's row (``rpc_time``; the scheduler creates the
+    # row on a host's first RPC, ``sched/handle_request.cpp``)
+    t = int(now if now is not None else time.time())
+    _exec(project, "INSERT INTO host (id, create_time, rpc_time, userid, p_ncpus) VALUES (%s, %s, %s, %s, %s) "
+                   "ON DUPLICATE KEY UPDATE rpc_time = VALUES(rpc_time)",
+          (hostid, t, t, hostid if userid is None else userid, ncpus))
     per_rpc = int(_config_number(project, "max_wus_to_send", 10)) * ncpus
     cap = jobs_cap(project, ncpus)
     room = min(n_wanted, per_rpc, (cap - in_progress) if cap is not None else n_wanted)

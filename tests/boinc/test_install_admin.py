@@ -158,10 +158,29 @@ def test_a_quorum_no_host_left_can_complete_is_regenerated(quorum_job) -> None:
     for host in (1, 2):  # neither host may take it
         assert fake_server.request_work(project, hostid=host, ncpus=1, n_wanted=1) == []
     assert be.regeneration_requests(spec.name) == []  # a replica waiting a while is normal
-    delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit")[0]["delay_bound"])
-    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE server_state = 2",
-                      (int(time.time()) - delay_bound - 5,))
+    _age_unsent(project)
     assert be.regeneration_requests(spec.name) == [(u, 0)]
+
+
+def test_a_replica_a_busy_host_may_still_take_is_not_stuck(quorum_job) -> None:
+    """Seen on a real server with two jobs on two hosts: a unit's second replica waited
+    unsent while the other host ran another job's work, and boinc-dl took it for stuck
+    (by the replica's age alone) and threw the first, returned result away. A host that
+    contacted the scheduler within delay_bound and holds no result of the workunit may
+    still take it: not stuck, until no such host is left."""
+    project, store, spec, r = quorum_job
+    _restore_spec(r, store, spec.model_copy(update={"vcasgd": spec.vcasgd.model_copy(update={"reissue": "same"})}))
+    be, (u,) = create_units(project, r, spec, 1)
+    assert fake_server.request_work(project, hostid=2, ncpus=1, n_wanted=0) == []  # busy: asks for nothing
+    (a,) = fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=1)
+    fake_server.report(project, a)
+    assert fake_server.judge(project, a, 0)[1] == 1  # valid, waiting for its quorum
+    _age_unsent(project)
+    assert be.regeneration_requests(spec.name) == []  # host 2 may take the replica
+    assert be.cancel_stuck(spec.name) == 0
+    delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit")[0]["delay_bound"])
+    fake_server._exec(project, "UPDATE host SET rpc_time = %s WHERE id = 2", (int(time.time()) - delay_bound - 5,))
+    assert be.regeneration_requests(spec.name) == [(u, 0)]  # host 2 gone: only host 1, which has one
 
 
 def _stuck(project, be, u: str) -> None:
@@ -177,10 +196,12 @@ def _stuck(project, be, u: str) -> None:
 
 
 def _age_unsent(project) -> None:
-    """The replacement replica has waited unsent for longer than the workunit's delay_bound."""
+    """The replacement replica has waited unsent for longer than the workunit's delay_bound,
+    and so has everything else: the results came back that long ago."""
     delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit")[0]["delay_bound"])
-    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE server_state = 2",
-                      (int(time.time()) - delay_bound - 5,))
+    then = int(time.time()) - delay_bound - 5
+    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE server_state = 2", (then,))
+    fake_server._exec(project, "UPDATE result SET received_time = %s WHERE server_state = 5", (then,))
 
 
 def _restore_spec(r, store, spec) -> None:

@@ -438,3 +438,28 @@ def test_stuck_only_with_a_result_back_and_a_replica_unsent_past_the_deadline() 
     assert not wu(old_unsent).overdue(now)
     assert not wu(back, old_unsent, running).stuck(now)  # a replica is being computed
     assert not wu(back, old_unsent, canonical=1).stuck(now)  # validated
+
+
+def test_not_stuck_while_a_host_seen_lately_may_take_the_replica() -> None:
+    """Seen on a real server: two jobs on two hosts, a replica created with its workunit
+    waited unsent while both hosts ran other work, and by its creation time alone it
+    looked stuck 47 s after its sibling came back; the returned result was thrown away."""
+    from boinc_dl.server.backends.boinc.boincdb import ResultRow, Takers, WorkunitState
+
+    now = 10_000.0
+    back = ResultRow(1, "w_0", 5, 1, 0, 1000, 1100, 1050, 1, create_time=900, userid=11)
+    unsent = ResultRow(2, "w_1", 2, 0, 0, 0, 0, 0, 0, create_time=900)
+    wu = WorkunitState(1, "w", 0, 0, 0, 100, [back, unsent])
+    assert wu.stuck(now)  # by the waits alone (hosts unknown)
+    other_user = Takers(((1, 11, int(now) - 5), (2, 22, int(now) - 5)), "users")
+    same_user = Takers(((1, 11, int(now) - 5), (2, 11, int(now) - 5)), "users")
+    assert not wu.stuck(now, other_user) and not wu.overdue(now, other_user)
+    assert wu.stuck(now, same_user) and wu.overdue(now, same_user)  # the account rule: no host may
+    assert not wu.stuck(now, Takers(same_user.hosts, "hosts"))  # the host rule: host 2 may
+    assert not wu.stuck(now, Takers(((1, 11, int(now) - 5),), None))  # no rule: host 1 may again
+    assert wu.stuck(now, Takers(((1, 11, int(now) - 5),), "hosts"))
+    gone = Takers(((2, 22, int(now) - 101),), "users")  # last seen before delay_bound
+    assert wu.stuck(now, gone)
+    # the wait counts from the last result back too, not only from the replica's creation
+    late = ResultRow(1, "w_0", 5, 1, 0, 1000, 1100, int(now) - 50, 1, create_time=900, userid=11)
+    assert not WorkunitState(1, "w", 0, 0, 0, 100, [late, unsent]).stuck(now)

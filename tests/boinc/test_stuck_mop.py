@@ -60,8 +60,9 @@ def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_s
     assert calls(project.root, "cancel_jobs") == []  # a replica waiting a while is normal
     delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit WHERE name = %s",
                                        (wu,))[0]["delay_bound"])
-    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE name = %s",
-                      (int(time.time()) - delay_bound - 5, f"{wu}_2"))
+    then = int(time.time()) - delay_bound - 5  # the replica and the results back waited that long
+    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE name = %s", (then, f"{wu}_2"))
+    fake_server._exec(project, "UPDATE result SET received_time = %s WHERE name IN (%s, %s)", (then, a, b))
 
     if restart == "before-cancel":
         daemon = WorkGeneratorDaemon(project, poll_s=0.1)

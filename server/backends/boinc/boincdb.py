@@ -83,6 +83,35 @@ class ResultRow:
     received_time: int
     hostid: int
     create_time: int = 0
+    userid: int = 0
+
+
+@dataclass(frozen=True)
+class Takers:
+    """Who could take a workunit's unsent replica: the hosts that contacted the scheduler
+    lately, ``(hostid, userid, rpc_time)``, and config.xml's rule for replicas
+    (:func:`~boinc_dl.server.backends.boinc.quorum.replica_rule`: ``"users"``, no two
+    results of a workunit to one account; ``"hosts"``, none to one host; None, any)."""
+
+    hosts: tuple[tuple[int, int, int], ...]
+    rule: str | None
+
+    def may_take(self, wu: WorkunitState, now: float) -> bool:
+        """Some host seen within the workunit's ``delay_bound`` may be sent its replica
+        (``slow_check``, ``sched/sched_check.cpp``: the user rule first, then the host
+        rule, over the results already sent)."""
+        sent = [r for r in wu.results if r.server_state >= RESULT_SERVER_STATE_IN_PROGRESS]
+        users = {r.userid for r in sent}
+        hosts = {r.hostid for r in sent}
+        for hostid, userid, rpc_time in self.hosts:
+            if rpc_time <= now - wu.delay_bound:
+                continue
+            if self.rule == "users" and userid in users:
+                continue
+            if self.rule == "hosts" and hostid in hosts:
+                continue
+            return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -187,12 +216,12 @@ class WorkunitState:
         return any(r.server_state == RESULT_SERVER_STATE_IN_PROGRESS and r.report_deadline > now
                    for r in self.results)
 
-    def overdue(self, now: float) -> bool:
+    def overdue(self, now: float, takers: Takers | None = None) -> bool:
         """The unit is lost: no result back, and a sent result passed its report deadline
         or BOINC timed one out or saw it fail; or it is :meth:`stuck`. A workunit whose
         results were never sent (still queued in BOINC) is never overdue, nor one BOINC
         finished (error mask)."""
-        if self.stuck(now):
+        if self.stuck(now, takers):
             return True
         if self.error_mask or self.result_back():
             return False
@@ -201,9 +230,17 @@ class WorkunitState:
                    for r in self.results)
         return lost and not self.in_flight(now)
 
-    def stuck(self, now: float) -> bool:
-        """Results came back but the workunit cannot finish: none is in progress, and the
-        replica BOINC created last has waited unsent for longer than ``delay_bound``.
+    def stuck(self, now: float, takers: Takers | None = None) -> bool:
+        """Results came back but the workunit cannot finish: none is in progress, the
+        replica BOINC created last has waited unsent for longer than ``delay_bound`` (since
+        it was created, and since the last result came back), and, where ``takers`` tells,
+        no host seen within ``delay_bound`` may be sent it. Without ``takers`` (the hosts
+        could not be read) the waits alone decide.
+
+        Seen on a real server with two jobs sharing two hosts: a replica created with the
+        workunit waited unsent while both hosts ran other jobs' work, and by its creation
+        time alone it looked stuck 47 s after its sibling came back, although either host
+        could still take it: the returned result was thrown away. Hence the host test.
 
         Seen on a real server with two hosts and ``min_quorum 2``: one replica judged
         invalid (or, once :meth:`undecided`, the set judged again and still undecided),
@@ -220,7 +257,12 @@ class WorkunitState:
         if self.in_flight(now) or not any(r.server_state == RESULT_SERVER_STATE_OVER for r in self.results):
             return False
         unsent = [r.create_time for r in self.results if r.server_state == RESULT_SERVER_STATE_UNSENT]
-        return bool(unsent) and now - max(unsent) > self.delay_bound
+        if not unsent:
+            return False
+        back = [r.received_time for r in self.results if r.server_state == RESULT_SERVER_STATE_OVER]
+        if now - max(unsent + back) <= self.delay_bound:
+            return False
+        return takers is None or not takers.may_take(self, now)
 
     def undecided(self, now: float) -> bool:
         """The validator looked at a quorum of returned results and judged none of them:
@@ -417,12 +459,12 @@ class BoincDB:
             marks = ",".join(["%s"] * len(chunk))
             # Only "%s" placeholders are formatted in; the values go as query parameters.
             for row in self.query("SELECT id, workunitid, name, server_state, outcome, validate_state, sent_time, "  # nosec B608
-                                  "report_deadline, received_time, hostid, create_time FROM result "
+                                  "report_deadline, received_time, hostid, create_time, userid FROM result "
                                   f"WHERE workunitid IN ({marks}) ORDER BY id", chunk):
                 by_id[int(row["workunitid"])].results.append(ResultRow(
                     int(row["id"]), str(row["name"]), int(row["server_state"]), int(row["outcome"]),
                     int(row["validate_state"]), int(row["sent_time"]), int(row["report_deadline"]),
-                    int(row["received_time"]), int(row["hostid"]), int(row["create_time"])))
+                    int(row["received_time"]), int(row["hostid"]), int(row["create_time"]), int(row["userid"])))
         return out
 
     def result_hosts(self, names: Iterable[str]) -> dict[str, ResultHost]:
@@ -493,6 +535,13 @@ class BoincDB:
         rows = self.query("SELECT id, rpc_time, p_ncpus, p_fpops FROM host WHERE rpc_time > UNIX_TIMESTAMP() - %s "
                           "ORDER BY id", (float(active_within_s),), limit=100_000)
         return [HostRow(int(r["id"]), int(r["rpc_time"]), int(r["p_ncpus"]), float(r["p_fpops"])) for r in rows]
+
+    def recent_hosts(self, active_within_s: float) -> list[tuple[int, int, int]]:
+        """``(hostid, userid, rpc_time)`` of the hosts that contacted the scheduler within
+        ``active_within_s`` (who could take a replica: :class:`Takers`)."""
+        rows = self.query("SELECT id, userid, rpc_time FROM host WHERE rpc_time > UNIX_TIMESTAMP() - %s ORDER BY id",
+                          (float(active_within_s),), limit=100_000)
+        return [(int(r["id"]), int(r["userid"]), int(r["rpc_time"])) for r in rows]
 
     def host_fpops(self, active_within_s: float = 86400.0) -> list[float]:
         """Benchmarked floating-point speed (``host.p_fpops``) of the hosts that contacted

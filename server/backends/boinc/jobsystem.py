@@ -80,11 +80,13 @@ from boinc_dl.server.backends.boinc.boincdb import (
     VALIDATE_STATE_INCONCLUSIVE,
     BoincDB,
     BoincDBError,
+    Takers,
     WorkunitState,
 )
 from boinc_dl.server.backends.boinc.host_contact import host_wait_s
 from boinc_dl.server.backends.boinc.hosts import HostCensus
 from boinc_dl.server.backends.boinc.project import APP_NAME, BoincProject, BoincSettings
+from boinc_dl.server.backends.boinc.quorum import replica_rule
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.backends.boinc.spotcheck import SpotChecks
 from boinc_dl.server.common.errors import BoincDLError
@@ -369,15 +371,34 @@ class BoincJobSystem(JobSystem):
         rest = [name for _, _, name in cand if name not in asked]
         wus = self.boinc_workunits(rest) if rest else {}
         now = time.time()
-        lost = WorkunitState.stuck if stuck_only else WorkunitState.overdue
+        takers = self._takers(wus or {}, now)
+
+        def lost(w: WorkunitState) -> bool:
+            return w.stuck(now, takers) if stuck_only else w.overdue(now, takers)
+
         out = sorted((u, a) for u, a, name in cand
-                     if name in now_asked or (wus is not None and name in wus and lost(wus[name], now)))
-        for name in sorted(n for n, w in (wus or {}).items() if w.stuck(now)):
+                     if name in now_asked or (wus is not None and name in wus and lost(wus[name])))
+        for name in sorted(n for n, w in (wus or {}).items() if w.stuck(now, takers)):
             # the same words as a MOP job's (cancel_stuck): an operator can tell these apart
             # from units BOINC lost to a host
             log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
                         "it is regenerated as a new workunit", store.job, name)
         return out
+
+    def _takers(self, wus: dict[str, WorkunitState], now: float) -> Takers | None:
+        """Who could take the unsent replicas of these workunits (:class:`Takers`), read only
+        when one of them has waited long enough to be stuck; None when none has, or when
+        BOINC's host table cannot be read (then the waits alone decide, logged)."""
+        waited = [w for w in wus.values() if w.stuck(now)]
+        if not waited:
+            return None
+        try:
+            hosts = self._database().recent_hosts(max(w.delay_bound for w in waited))
+        except BoincDBError as e:
+            log.error("%s (stuck workunits judged by their waits alone this pass)", e)
+            self._drop_db()
+            return None
+        return Takers(tuple(hosts), replica_rule(self.project.config_xml))
 
     def boinc_workunits(self, names: list[str]) -> dict[str, WorkunitState] | None:
         """BOINC's view of these workunits (None, logged, when its database is unreadable)."""
@@ -532,7 +553,8 @@ class BoincJobSystem(JobSystem):
         if not wus:
             return 0
         now = time.time()
-        stuck = sorted(name for name, w in wus.items() if w.stuck(now))
+        takers = self._takers(wus, now)
+        stuck = sorted(name for name, w in wus.items() if w.stuck(now, takers))
         for name in stuck:
             log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
                         "cancelled, its sub-epoch runs again as a new workunit", job, name)

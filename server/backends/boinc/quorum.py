@@ -45,6 +45,22 @@ def boinc_bool(el: ET.Element | None) -> bool:
         return False
 
 
+def replica_rule(config_xml: Path) -> Across | None:
+    """How BOINC's scheduler keeps a workunit's replicas apart in this project: ``"users"``
+    (the user rule, which it checks first), ``"hosts"``, or None (a host may get two);
+    None too when config.xml cannot be read."""
+    try:
+        # Not host data: the project's own config.xml (admin-written)
+        cfg = ET.parse(config_xml).getroot().find("config")  # nosec B314
+    except (OSError, ET.ParseError):
+        return None
+    if cfg is None:
+        return None
+    if boinc_bool(cfg.find(PER_USER)):
+        return "users"
+    return "hosts" if boinc_bool(cfg.find(PER_HOST)) else None
+
+
 def wanted_flags(min_quorum: int, across: Across) -> dict[str, bool]:
     """The flags quorum needs. With ``min_quorum`` 1 a workunit is still replicated now
     and then (the work generator's spot checks for the loss check, :mod:`.spotcheck`;
