@@ -208,6 +208,12 @@ def _restore_spec(r, store, spec) -> None:
     r.set(store.k("spec"), spec.model_dump_json())
 
 
+def as_mop(r, store, spec) -> None:
+    """The tiny job's stored spec made a MOP job of two configurations."""
+    _restore_spec(r, store, parse_spec({"name": spec.name, "mode": "mop", "model": "models:mlp",
+                                        "dataset": {"name": "digits"}, "mop": {"param_grid": {"lr": [0.01, 0.001]}}}))
+
+
 def test_same_inputs_regenerate_only_a_stuck_workunit(quorum_job) -> None:
     """``reissue: same``: BOINC's own re-issue recovers a lost result, so a unit past its
     deadline is not regenerated; a stuck one, which BOINC's re-issue cannot finish, is."""
@@ -231,9 +237,7 @@ def test_a_stuck_mop_workunit_is_cancelled_and_given_up_once(quorum_job) -> None
     assimilator as failed (``--error``), and the unit is given up, so the MOP scheduler
     queues the sub-epoch again as a new workunit. Not before delay_bound, and only once."""
     project, store, spec, r = quorum_job
-    mop = parse_spec({"name": spec.name, "mode": "mop", "model": "models:mlp", "dataset": {"name": "digits"},
-                      "mop": {"param_grid": {"lr": [0.01, 0.001]}}})
-    _restore_spec(r, store, mop)
+    as_mop(r, store, spec)
     be, (u,) = create_units(project, r, spec, 1)
     _stuck(project, be, u)
     assert be.cancel_stuck(spec.name) == 0  # a replica waiting a while is normal

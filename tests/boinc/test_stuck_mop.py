@@ -29,6 +29,16 @@ from tests.boinc.test_end_to_end import digits_mop_spec, install_with_wrapper
 pytestmark = pytest.mark.slow
 
 
+def _submitted(project, redis_server, tmp_path, name: str) -> tuple[JobStore, WorkGeneratorDaemon]:
+    """boinc-dl installed with ``min_quorum 2`` and a one-epoch MOP job submitted: its
+    store and a work generator daemon."""
+    install_with_wrapper(project, redis_server.url, tmp_path, min_quorum=2)
+    project.__dict__.pop("settings", None)
+    spec = digits_mop_spec(name, epochs=1, limit=300, timeout_s=600)
+    submit_job(spec, project.root, search_path=REPO / "examples")
+    return JobStore(connect(redis_server.url), spec.name), WorkGeneratorDaemon(project, poll_s=0.1)
+
+
 def _workunits(project) -> dict[str, dict]:
     return {w["name"]: w for w in fake_server.rows(project, "SELECT id, name, error_mask FROM workunit")}
 
@@ -37,13 +47,8 @@ def _workunits(project) -> dict[str, dict]:
 def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_server, tmp_path,
                                                             restart: str) -> None:
     project = db_project
-    install_with_wrapper(project, redis_server.url, tmp_path, min_quorum=2)
-    project.__dict__.pop("settings", None)
-    spec = digits_mop_spec("stuck-mop", epochs=1, limit=300, timeout_s=600)
-    submit_job(spec, project.root, search_path=REPO / "examples")
-    store = JobStore(connect(redis_server.url), spec.name)
+    store, daemon = _submitted(project, redis_server, tmp_path, "stuck-mop")
     env = script_env()
-    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
     daemon.one_pass()
     first = _workunits(project)
     assert len(first) == 2  # one unit per model in flight
@@ -96,12 +101,7 @@ def test_an_undecided_mop_workunit_is_judged_again_across_a_daemon_restart(db_pr
     set is INCONCLUSIVE and the replica BOINC adds can go to neither host. The daemon asks
     BOINC's validator to judge it again (once, whatever restarts), and nothing is cancelled."""
     project = db_project
-    install_with_wrapper(project, redis_server.url, tmp_path, min_quorum=2)
-    project.__dict__.pop("settings", None)
-    spec = digits_mop_spec("undecided-mop", epochs=1, limit=300, timeout_s=600)
-    submit_job(spec, project.root, search_path=REPO / "examples")
-    store = JobStore(connect(redis_server.url), spec.name)
-    daemon = WorkGeneratorDaemon(project, poll_s=0.1)
+    store, daemon = _submitted(project, redis_server, tmp_path, "undecided-mop")
     daemon.one_pass()
     wu = sorted(_workunits(project))[0]
     (a,) = fake_server.send(project, [wu], hostid=1)

@@ -21,10 +21,9 @@ import numpy as np
 from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
 from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
-from boinc_dl.server.common.spec import parse_spec
 from tests.boinc import fake_server
 from tests.boinc.conftest import calls, make_result, run_script, script_env
-from tests.boinc.test_install_admin import _age_unsent, _restore_spec, quorum_job  # noqa: F401 - fixture
+from tests.boinc.test_install_admin import _age_unsent, _restore_spec, as_mop, quorum_job  # noqa: F401 - fixture
 from tests.boinc.test_semantics import create_units
 
 
@@ -96,9 +95,7 @@ def test_results_that_disagree_again_go_to_the_stuck_path(quorum_job) -> None:  
 
 def test_a_mop_workunit_is_judged_again_instead_of_cancelled(quorum_job) -> None:  # noqa: F811
     project, store, spec, r = quorum_job
-    mop = parse_spec({"name": spec.name, "mode": "mop", "model": "models:mlp", "dataset": {"name": "digits"},
-                      "mop": {"param_grid": {"lr": [0.01, 0.001]}}})
-    _restore_spec(r, store, mop)
+    as_mop(r, store, spec)
     be, (u,) = create_units(project, r, spec, 1)
     _undecided(project, spec, u)
     assert be.revalidate_undecided(spec.name) == 1
