@@ -90,6 +90,28 @@ def test_results_that_disagree_again_go_to_the_stuck_path(quorum_job) -> None:  
     assert be.revalidate_undecided(spec.name) == 0  # not asked twice
     assert be.regeneration_requests(spec.name) == []  # the replica has not waited delay_bound yet
     _age_unsent(project)
+    _age_ask(r, store, u)
+    assert be.regeneration_requests(spec.name) == [(u, 0)]
+
+
+def _age_ask(r, store, wu: str) -> None:
+    """The validator was asked to judge ``wu`` again longer than delay_bound ago."""
+    r.hset(BoincRegistry(store).revalidated_key, wu, 1)
+
+
+def test_a_set_first_seen_undecided_after_a_long_wait_is_judged_again_not_thrown_away(quorum_job) -> None:  # noqa: F811
+    """A work generator down for longer than delay_bound finds the set undecided and its
+    replica old: it asks for the judgement, and neither the stuck path of this pass nor
+    of the next ones throws the results away until that judgement has had delay_bound."""
+    project, store, spec, r = quorum_job
+    _restore_spec(r, store, spec.model_copy(update={"vcasgd": spec.vcasgd.model_copy(update={"reissue": "same"})}))
+    be, (u,) = create_units(project, r, spec, 1)
+    _undecided(project, spec, u)
+    _age_unsent(project)
+    assert be.regeneration_requests(spec.name) == []  # not before the set was judged again
+    assert be.revalidate_undecided(spec.name) == 1
+    assert be.regeneration_requests(spec.name) == [] and be.cancel_stuck(spec.name) == 0
+    _age_ask(r, store, u)  # judged again and still undecided, delay_bound ago
     assert be.regeneration_requests(spec.name) == [(u, 0)]
 
 
@@ -119,7 +141,7 @@ def test_without_write_access_the_stuck_path_still_ends_it(quorum_job, monkeypat
         assert be.revalidate_undecided(spec.name) == 0
     said = [m for m in caplog.messages if "UPDATE command denied" in m]
     assert len(said) == 1 and "wait for the stuck path" in said[0]  # once, not every pass
-    assert _need_validate(project) == [0] and BoincRegistry(store).revalidated(f"{u}")
+    assert _need_validate(project) == [0] and BoincRegistry(store).revalidated(f"{u}") is not None
     assert "boinc_revalidated" not in store.counters()
     _age_unsent(project)
     assert be.regeneration_requests(spec.name) == [(u, 0)]

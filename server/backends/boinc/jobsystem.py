@@ -373,17 +373,32 @@ class BoincJobSystem(JobSystem):
         now = time.time()
         takers = self._takers(wus or {}, now)
 
+        stuck = {n for n, w in (wus or {}).items() if self._stuck(reg, w, now, takers)}
+
         def lost(w: WorkunitState) -> bool:
-            return w.stuck(now, takers) if stuck_only else w.overdue(now, takers)
+            return w.name in stuck or (not stuck_only and not w.stuck(now, takers) and w.overdue(now, takers))
 
         out = sorted((u, a) for u, a, name in cand
                      if name in now_asked or (wus is not None and name in wus and lost(wus[name])))
-        for name in sorted(n for n, w in (wus or {}).items() if w.stuck(now, takers)):
+        for name in sorted(stuck):
             # the same words as a MOP job's (cancel_stuck): an operator can tell these apart
             # from units BOINC lost to a host
             log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
                         "it is regenerated as a new workunit", store.job, name)
         return out
+
+    @staticmethod
+    def _stuck(reg: BoincRegistry, w: WorkunitState, now: float, takers: Takers | None) -> bool:
+        """:meth:`WorkunitState.stuck`, except while BOINC's validator may still decide an
+        undecided set (:meth:`revalidate_undecided`): not yet asked, or asked less than
+        ``delay_bound`` ago. Otherwise a set first seen undecided after a long wait (a work
+        generator down for a while) would be asked again and thrown away in one pass."""
+        if not w.stuck(now, takers):
+            return False
+        if not w.undecided(now):
+            return True
+        asked = reg.revalidated(w.name)
+        return asked is not None and now - asked > w.delay_bound
 
     def _takers(self, wus: dict[str, WorkunitState], now: float) -> Takers | None:
         """Who could take the unsent replicas of these workunits (:class:`Takers`), read only
@@ -516,7 +531,7 @@ class BoincJobSystem(JobSystem):
         if not wus:
             return 0
         now = time.time()
-        todo = [w for _, w in sorted(wus.items()) if w.undecided(now) and not reg.revalidated(w.name)]
+        todo = [w for _, w in sorted(wus.items()) if w.undecided(now) and reg.revalidated(w.name) is None]
         if not todo:
             return 0
         asked = 0
@@ -535,8 +550,7 @@ class BoincJobSystem(JobSystem):
             # workunits once their replica has waited delay_bound; say so once per workunit.
             log.error("job %s: %s; %d undecided workunit(s) wait for the stuck path instead", job, e, len(todo))
             for w in todo:
-                if not reg.revalidated(w.name):
-                    reg.mark_revalidated(w.name, asked=False)
+                reg.mark_revalidated(w.name, asked=False)  # a no-op for those asked before the error
         return asked
 
     def cancel_stuck(self, job: str) -> int:
@@ -554,7 +568,8 @@ class BoincJobSystem(JobSystem):
             return 0
         now = time.time()
         takers = self._takers(wus, now)
-        stuck = sorted(name for name, w in wus.items() if w.stuck(now, takers))
+        reg = self._registry(job)
+        stuck = sorted(name for name, w in wus.items() if self._stuck(reg, w, now, takers))
         for name in stuck:
             log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
                         "cancelled, its sub-epoch runs again as a new workunit", job, name)

@@ -181,14 +181,17 @@ class BoincRegistry:
         self.store.incr_counter("boinc_cancelled")
 
     # ---- workunits the validator left undecided -------------------------------------------------
-    def revalidated(self, wu: str) -> bool:
-        """Whether BOINC's validator was already asked to judge ``wu`` again."""
-        return bool(self.store.call(lambda: self._r.sismember(self.revalidated_key, wu)))
+    def revalidated(self, wu: str) -> float | None:
+        """When BOINC's validator was asked to judge ``wu`` again (None: never)."""
+        raw = self.store.call(lambda: self._r.hget(self.revalidated_key, wu))
+        return float(raw) if raw is not None else None
 
     def mark_revalidated(self, wu: str, asked: bool) -> None:
-        """The validator was asked to judge ``wu`` again (``asked``; counted), or it could not
-        be (no write access): either way not again for this workunit."""
-        if self.store.call(lambda: self._r.sadd(self.revalidated_key, wu)) and asked:
+        """The validator was asked to judge ``wu`` again (``asked``: counted, and recorded with
+        the time, which holds the stuck path off for a ``delay_bound``), or it could not be
+        (no write access, or decided meanwhile: recorded as time 0, nothing held off);
+        either way not again for this workunit."""
+        if self.store.call(lambda: self._r.hsetnx(self.revalidated_key, wu, time.time() if asked else 0)) and asked:
             self.store.incr_counter("boinc_revalidated")
 
     # ---- early re-issue (reclaimed hosts) ---------------------------------------------------------
