@@ -503,3 +503,6 @@ def test_run_check_compares_the_pipeline_not_the_start_up():
     bare = predict_epoch(spec, [{"wall_s": 1.0}], params=1000, elapsed_s=30.0, epochs_done=2)
     assert bare["actual_epoch_s"] == pytest.approx(15.0) and bare["startup_s"] == 0
     assert predict_epoch(spec, [], params=1000, elapsed_s=30.0, epochs_done=2) is None
+    # A run resumed after the job finished (0.02 s of its own) or part-way: the units are
+    # older than the process, and its time says nothing of an epoch's (it read +63069%).
+    assert predict_epoch(spec, units, params=1000, elapsed_s=0.02, epochs_done=2) is None

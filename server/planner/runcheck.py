@@ -29,7 +29,8 @@ from boinc_dl.server.planner.sim import simulate
 
 def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elapsed_s: float,
                   epochs_done: int) -> dict[str, Any] | None:
-    """{predicted_epoch_s, actual_epoch_s, error} for a finished run, or None without data."""
+    """{predicted_epoch_s, actual_epoch_s, error} for a finished run, or None without data
+    (no unit timings, no epoch, or units older than this process's ``elapsed_s``)."""
     walls = [float(u["wall_s"]) for u in units if u.get("wall_s") not in (None, "")]
     if not walls or epochs_done <= 0:
         return None
@@ -56,7 +57,12 @@ def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elaps
     # first evaluation), which no fleet configuration changes. Compare like with like,
     # and report the start-up beside it.
     span = _pipeline_span_s(units)
-    work_s = span if span is not None and 0 < span <= elapsed_s else elapsed_s
+    if span is not None and span > elapsed_s:
+        # units from before this process started (a resumed run, or one resumed after the
+        # job had finished): this process's time is not the epochs' time, and the units'
+        # span holds the pause between the runs; no like-for-like comparison is left
+        return None
+    work_s = span if span is not None and span > 0 else elapsed_s
     actual = work_s / epochs_done
     return {"predicted_epoch_s": round(pred, 3), "actual_epoch_s": round(actual, 3),
             "error": round(pred / actual - 1, 4), "startup_s": round(elapsed_s - work_s, 3),
