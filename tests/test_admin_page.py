@@ -274,6 +274,14 @@ def test_page_shows_late_results_and_replication(page: PhpServer, redis_tcp) -> 
     head, row = parse(html).tables["bdl-units"]
     assert dict(zip(head, row, strict=True))["rejected results"] == "2 (2 run again)"
     assert "reissued_refused" not in html  # not repeated among the other counters
+    # workunits cancelled, and how many of them the work generator found stuck
+    store = JobStore(r, "digits-vcasgd")
+    store.r.hincrby(store.k("counters"), "boinc_cancelled", 3)
+    BoincRegistry(store).mark_stuck("digits-vcasgd__m0_e0001_s0001")
+    html = page.get("/boincdl.php?job=digits-vcasgd")[1]
+    head, row = parse(html).tables["bdl-units"]
+    assert dict(zip(head, row, strict=True))["workunits cancelled"] == "3 (1 stuck)"
+    assert "boinc_stuck" not in html
     head, row = t.tables["bdl-quorum"]
     q = dict(zip(head, row, strict=True))
     assert q["replica comparisons"] == "9" and q["across hosts"] == "7 (77.8%)"

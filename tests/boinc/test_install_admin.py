@@ -229,6 +229,8 @@ def test_same_inputs_regenerate_only_a_stuck_workunit(quorum_job) -> None:
     assert be.regeneration_requests(spec.name) == []
     _age_unsent(project)
     assert be.regeneration_requests(spec.name) == [(u, 0)]
+    assert be.regeneration_requests(spec.name) == [(u, 0)]  # asked again before it is regenerated
+    assert store.counters()["boinc_stuck"] == 1  # counted once
     assert be.cancel_stuck(spec.name) == 0  # VC-ASGD regenerates; only MOP cancels
 
 
@@ -252,6 +254,7 @@ def test_a_stuck_mop_workunit_is_cancelled_and_given_up_once(quorum_job) -> None
     p = run_script(project.root, f"../bin/bdl_assimilate --error 16 {u} {wu['id']} 0", script_env())
     assert p.returncode == 0, p.stderr
     assert u in store.failed() and u not in store.assimilated()
+    assert "cancelled as stuck" in store.failed()[u] and store.counters()["boinc_stuck"] == 1
 
 
 def test_compare_counts_comparisons_across_hosts(quorum_job) -> None:

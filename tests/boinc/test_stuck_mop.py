@@ -80,7 +80,7 @@ def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_s
     # BOINC's assimilator hands the cancelled workunit over as failed
     p = run_script(project.root, f"../bin/bdl_assimilate --error 16 {wu} {first[wu]['id']} 0", env)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert wu in store.failed()
+    assert "cancelled as stuck" in store.failed()[wu]  # boinc-dl status says why, not just "cancelled"
     if restart == "after-error":
         daemon = WorkGeneratorDaemon(project, poll_s=0.1)
     for _ in range(3):
@@ -91,6 +91,7 @@ def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_s
     assert (again["model"], again["epoch"], again["shard"]) == (old["model"], old["epoch"], old["shard"])
     assert again["attempt"] > old["attempt"]
     assert [c["argv"][-1] for c in calls(project.root, "cancel_jobs")] == [wu]  # cancelled once, whatever restarted
+    assert store.counters()["boinc_stuck"] == 1  # and counted once
     # the new workunit is one the same hosts may take
     assert any(r.startswith(new[0]) for r in fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=4))
 

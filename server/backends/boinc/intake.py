@@ -231,8 +231,15 @@ def result_standing(project: BoincProject, wu: str, result: str) -> tuple[bool, 
 
 
 def assimilate_give_up(store: JobStore, wu: str, mask: int) -> AssimilationOutcome:
-    """BOINC gave up on workunit ``wu`` (``--error`` with ``mask``)."""
-    return assimilate(store, Delivery(wu, error=describe_mask(mask), final=True), BoincRegistry(store))
+    """BOINC gave up on workunit ``wu`` (``--error`` with ``mask``). A workunit the work
+    generator cancelled as stuck says so: the unit is given up as any failed one (a MOP
+    sub-epoch runs again as a new workunit), and ``boinc-dl status`` shows why."""
+    reg = BoincRegistry(store)
+    error = describe_mask(mask)
+    if mask & WU_ERROR_CANCELLED and reg.was_stuck(wu):
+        error = ("cancelled as stuck: results came back, and no host that had not had one could take "
+                 "the replica BOINC needed; the sub-epoch runs again as a new workunit")
+    return assimilate(store, Delivery(wu, error=error, final=True), reg)
 
 
 def keep_result(project: BoincProject, store: JobStore, unit: str, copies: Sequence[Path],

@@ -385,6 +385,7 @@ class BoincJobSystem(JobSystem):
             # from units BOINC lost to a host
             log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
                         "it is regenerated as a new workunit", store.job, name)
+            reg.mark_stuck(name)
         return out
 
     @staticmethod
@@ -573,6 +574,7 @@ class BoincJobSystem(JobSystem):
         for name in stuck:
             log.warning("job %s: workunit %s is stuck (no host may take the replica it needs): "
                         "cancelled, its sub-epoch runs again as a new workunit", job, name)
+            reg.mark_stuck(name)  # before the cancel: BOINC's --error call for it reads the mark
             self._cancel_workunit(name, job)
         return len(stuck)
 

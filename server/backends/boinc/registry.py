@@ -25,6 +25,10 @@ in the job's slot), plus one project-wide key:
 ``bdl:J:boinc:quorum``           hash of counts over ``comparisons`` (each pair once):
                                  ``comparisons``, ``across_hosts``, ``across_users``,
                                  ``same_host``, ``hosts_unknown``, ``matched``
+``bdl:J:boinc:revalidated``      hash workunit name -> when BOINC's validator was asked to judge
+                                 its undecided results again (0: it could not be asked)
+``bdl:J:boinc:stuck``            hash workunit name -> when the work generator found it stuck
+                                 (cancelled, MOP; regenerated, VC-ASGD): each counted once
 ``bdl:boinc:unresolved_errors``  hash workunit id -> ``{"mask", "t"}``: give-ups whose
                                  workunit name could not be looked up (release 1.2)
 ===============================  ======================================================
@@ -82,6 +86,7 @@ class BoincRegistry:
         self.comparisons_key = store.k("boinc", "comparisons")
         self.quorum_key = store.k("boinc", "quorum")
         self.revalidated_key = store.k("boinc", "revalidated")
+        self.stuck_key = store.k("boinc", "stuck")
 
     @property
     def _r(self):  # type: ignore[no-untyped-def]
@@ -179,6 +184,20 @@ class BoincRegistry:
         """``bin/cancel_jobs`` took ``wu`` (or BOINC no longer had it)."""
         self.forget(wu)
         self.store.incr_counter("boinc_cancelled")
+
+    # ---- stuck workunits -------------------------------------------------------------------
+    def mark_stuck(self, wu: str) -> bool:
+        """The work generator found ``wu`` stuck and ends it (before it cancels the workunit,
+        so BOINC's ``--error`` call for it finds the mark); counted once per workunit
+        (``boinc_stuck``), whichever pass or restarted daemon marks it again. Whether it was new."""
+        new = bool(self.store.call(lambda: self._r.hsetnx(self.stuck_key, wu, time.time())))
+        if new:
+            self.store.incr_counter("boinc_stuck")
+        return new
+
+    def was_stuck(self, wu: str) -> bool:
+        """Whether the work generator ended ``wu`` as stuck."""
+        return bool(self.store.call(lambda: self._r.hexists(self.stuck_key, wu)))
 
     # ---- workunits the validator left undecided -------------------------------------------------
     def revalidated(self, wu: str) -> float | None:

@@ -910,7 +910,9 @@ function bdl_job_detail($j) {
         . '<td class="' . ($st['failed'] ? 'bad' : '') . '">' . $st['failed'] . '</td>'
         . '<td>' . bdl_counter($c, 'reissued') . '</td>'
         . '<td>' . bdl_counter($c, 'regenerated') . '</td>'
-        . '<td>' . bdl_counter($c, 'boinc_cancelled') . '</td>'
+        . '<td>' . bdl_counter($c, 'boinc_cancelled')
+        // workunits the work generator found stuck (no host could take the replica BOINC needed)
+        . (!empty($c['boinc_stuck']) ? ' (' . (int)$c['boinc_stuck'] . ' stuck)' : '') . '</td>'
         . '<td>' . bdl_counter($c, 'superseded_calls') . '</td>'
         . '<td>' . (int)$j['late'] . '</td>'
         . '<td class="' . (!empty($c['rejected']) ? 'warn' : '') . '">' . bdl_counter($c, 'rejected')
@@ -918,7 +920,7 @@ function bdl_job_detail($j) {
         . (!empty($c['reissued_refused']) ? ' (' . (int)$c['reissued_refused'] . ' run again)' : '') . '</td>'
         . '<td>' . $st['cancelled'] . "</td></tr></table>\n";
     $extra = array_diff_key($c, array('reissued' => 1, 'regenerated' => 1, 'rejected' => 1, 'reissued_refused' => 1,
-                                      'boinc_cancelled' => 1, 'superseded_calls' => 1));
+                                      'boinc_cancelled' => 1, 'boinc_stuck' => 1, 'superseded_calls' => 1));
     if ($extra) {
         ksort($extra);
         $o .= '<p class=muted>Other counters: ';
