@@ -186,14 +186,11 @@ class BoincRegistry:
         self.store.incr_counter("boinc_cancelled")
 
     # ---- stuck workunits -------------------------------------------------------------------
-    def mark_stuck(self, wu: str) -> bool:
+    def mark_stuck(self, wu: str) -> None:
         """The work generator found ``wu`` stuck and ends it (before it cancels the workunit,
         so BOINC's ``--error`` call for it finds the mark); counted once per workunit
-        (``boinc_stuck``), whichever pass or restarted daemon marks it again. Whether it was new."""
-        new = bool(self.store.call(lambda: self._r.hsetnx(self.stuck_key, wu, time.time())))
-        if new:
-            self.store.incr_counter("boinc_stuck")
-        return new
+        (``boinc_stuck``), whichever pass or restarted daemon marks it again."""
+        self._record_once(self.stuck_key, wu, time.time(), ["boinc_stuck"])
 
     def was_stuck(self, wu: str) -> bool:
         """Whether the work generator ended ``wu`` as stuck."""
@@ -210,8 +207,17 @@ class BoincRegistry:
         the time, which holds the stuck path off for a ``delay_bound``), or it could not be
         (no write access, or decided meanwhile: recorded as time 0, nothing held off);
         either way not again for this workunit."""
-        if self.store.call(lambda: self._r.hsetnx(self.revalidated_key, wu, time.time() if asked else 0)) and asked:
-            self.store.incr_counter("boinc_revalidated")
+        self._record_once(self.revalidated_key, wu, time.time() if asked else 0,
+                          ["boinc_revalidated"] if asked else [])
+
+    def _record_once(self, key: str, field: str, value: object, counts: list[str],
+                     counts_key: str | None = None) -> bool:
+        """HSETNX ``field`` of ``key`` and, if it was new, add 1 to each of ``counts`` in
+        ``counts_key`` (the job's counters), in one script: a daemon killed in between
+        counts nothing short. True if new."""
+        script = self._r.register_script(_RECORD_ONCE)
+        keys = [key, counts_key or self.store.k("counters")]
+        return bool(self.store.call(lambda: script(keys=keys, args=[field, value, *counts])))
 
     # ---- early re-issue (reclaimed hosts) ---------------------------------------------------------
     def request_reissue(self, names: Iterable[str]) -> int:
@@ -307,9 +313,7 @@ class BoincRegistry:
             fields.append("across_hosts")
         if same_user is False:
             fields.append("across_users")
-        script = self._r.register_script(_RECORD_ONCE)
-        keys = [self.comparisons_key, self.quorum_key]
-        return bool(self.store.call(lambda: script(keys=keys, args=[pair, entry, *fields])))
+        return self._record_once(self.comparisons_key, pair, entry, fields, self.quorum_key)
 
     def quorum_counts(self) -> dict[str, int]:
         """How many replica pairs were compared, and how many across hosts and users."""
