@@ -20,6 +20,7 @@ import pytest
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.daemon import WorkGeneratorDaemon
+from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 from boinc_dl.server.backends.boinc.submit import submit_job
 from boinc_dl.server.common.workunit import parse_unit_name
 from tests.boinc import fake_server
@@ -94,6 +95,70 @@ def test_a_stuck_mop_workunit_runs_again_as_one_new_workunit(db_project, redis_s
     assert store.counters()["boinc_stuck"] == 1  # and counted once
     # the new workunit is one the same hosts may take
     assert any(r.startswith(new[0]) for r in fake_server.request_work(project, hostid=1, ncpus=1, n_wanted=4))
+
+
+class _Killed(BaseException):
+    """The daemon's process ends here (as under SIGKILL): nothing after it runs."""
+
+
+@pytest.mark.parametrize("then", ["error-first", "daemon-first"])
+def test_a_cancel_the_daemon_did_not_record_is_counted_once(db_project, redis_server, tmp_path,
+                                                            monkeypatch, then: str) -> None:
+    """The work generator is killed after ``bin/cancel_jobs`` took a stuck workunit and
+    before it recorded that: the workunit stays in the live records. BOINC's ``--error``
+    call for it (cancelled bit), or the restarted daemon's sweep of the live records once
+    the job has ended, counts it, once, whichever comes first."""
+    from boinc_dl.server.backends.boinc.registry import BoincRegistry
+
+    project = db_project
+    store, daemon = _submitted(project, redis_server, tmp_path, "cancel-count")
+    env = script_env()
+    daemon.one_pass()
+    first = _workunits(project)
+    wu = sorted(first)[0]
+    (a,) = fake_server.send(project, [wu], hostid=1)
+    (b,) = fake_server.send(project, [wu], hostid=2)
+    for res in (a, b):
+        fake_server.report(project, res)
+    fake_server.judge(project, a, 0)
+    fake_server.judge(project, b, 1)
+    delay_bound = int(fake_server.rows(project, "SELECT delay_bound FROM workunit WHERE name = %s",
+                                       (wu,))[0]["delay_bound"])
+    then_t = int(time.time()) - delay_bound - 5
+    fake_server._exec(project, "UPDATE result SET create_time = %s WHERE name = %s", (then_t, f"{wu}_2"))
+    fake_server._exec(project, "UPDATE result SET received_time = %s WHERE name IN (%s, %s)", (then_t, a, b))
+
+    def killed(self, name):
+        raise _Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(BoincRegistry, "cancelled", killed)
+        with pytest.raises(_Killed):
+            daemon.one_pass()
+    assert _workunits(project)[wu]["error_mask"] & 16  # BOINC has the cancel
+    assert wu in BoincRegistry(store).live()  # the daemon did not record it
+    assert store.counters().get("boinc_cancelled", 0) == 0
+
+    daemon = WorkGeneratorDaemon(project, poll_s=0.1)  # restarted: its memory lost
+
+    def error_call() -> None:
+        p = run_script(project.root, f"../bin/bdl_assimilate --error 16 {wu} {first[wu]['id']} 0", env)
+        assert p.returncode == 0, p.stderr[-2000:]
+
+    if then == "error-first":
+        error_call()
+        daemon.one_pass()
+        BoincJobSystem(project, store.r).cancel_all(store.job)
+    else:
+        BoincJobSystem(project, store.r).cancel_all(store.job)  # the sweep of a job that ended
+        error_call()
+        error_call()  # BOINC re-runs an assimilator it saw die
+    cancelled = [c["argv"][-1] for c in calls(project.root, "cancel_jobs")]
+    assert cancelled.count(wu) == 1  # the restarted daemon did not cancel it again
+    # each cancelled workunit counted once: the stuck one, and those the sweep cancelled
+    assert store.counters()["boinc_cancelled"] == len(set(cancelled))
+    assert store.counters()["boinc_stuck"] == 1
+    assert BoincRegistry(store).live() == {}
 
 
 def test_an_undecided_mop_workunit_is_judged_again_across_a_daemon_restart(db_project, redis_server,

@@ -52,6 +52,17 @@ VALIDATE_STATE_VALID = 1
 VALIDATE_STATE_INVALID = 2
 VALIDATE_STATE_INCONCLUSIVE = 4
 # workunit.assimilate_state
+# workunit.error_mask bits, WU_ERROR_* (db/boinc_db_types.h)
+WU_ERRORS = {
+    1: "couldn't send a result",
+    2: "too many error results",
+    4: "too many success results without consensus",
+    8: "too many total results",
+    16: "cancelled",
+    32: "no canonical result",
+}
+WU_ERROR_CANCELLED = 16
+
 ASSIMILATE_INIT = 0
 ASSIMILATE_READY = 1
 ASSIMILATE_DONE = 2

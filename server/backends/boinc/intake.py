@@ -25,6 +25,12 @@ from boinc_dl.server.assimilator.core import AssimilationOutcome
 from boinc_dl.server.assimilator.framework import Delivery, assimilate
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.boinc.artifacts import job_upload_bound
+from boinc_dl.server.backends.boinc.boincdb import (
+    WU_ERROR_CANCELLED,
+    WU_ERRORS,
+    BoincDB,
+    BoincDBError,
+)
 from boinc_dl.server.backends.boinc.hosttrust import cap_host_trust, demote_host
 from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.backends.boinc.registry import BoincRegistry
@@ -37,17 +43,6 @@ from boinc_dl.server.common.workunit import parse_unit_name
 from boinc_dl.server.validator.checks import identify_files
 
 log = logging.getLogger("boinc-dl.intake")
-
-# WU_ERROR_* (db/boinc_db_types.h)
-WU_ERRORS = {
-    1: "couldn't send a result",
-    2: "too many error results",
-    4: "too many success results without consensus",
-    8: "too many total results",
-    16: "cancelled",
-    32: "no canonical result",
-}
-WU_ERROR_CANCELLED = 16
 
 OUT_FILE = re.compile(r"^(?P<result>.+)_r\d+_(?P<index>\d+)$")
 GZIP_MAGIC = b"\x1f\x8b"
@@ -216,8 +211,6 @@ def result_standing(project: BoincProject, wu: str, result: str) -> tuple[bool, 
     id of the host that computed it (``result.hostid``: its loss ledger), both from
     BOINC's records, never from the result's files. (False, None) when BOINC's database
     cannot be read or does not know the workunit."""
-    from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError
-
     try:
         with BoincDB.connect(project) as db:
             state = db.workunits([wu]).get(wu)
@@ -233,9 +226,14 @@ def result_standing(project: BoincProject, wu: str, result: str) -> tuple[bool, 
 def assimilate_give_up(store: JobStore, wu: str, mask: int) -> AssimilationOutcome:
     """BOINC gave up on workunit ``wu`` (``--error`` with ``mask``). A workunit the work
     generator cancelled as stuck says so: the unit is given up as any failed one (a MOP
-    sub-epoch runs again as a new workunit), and ``boinc-dl status`` shows why."""
+    sub-epoch runs again as a new workunit), and ``boinc-dl status`` shows why. A
+    cancelled workunit still in the live records is counted as cancelled here (once:
+    :meth:`BoincRegistry.cancelled`)."""
     reg = BoincRegistry(store)
     error = describe_mask(mask)
+    if mask & WU_ERROR_CANCELLED:
+        # counted here if the work generator was killed before it recorded its cancel
+        reg.cancelled(wu)
     if mask & WU_ERROR_CANCELLED and reg.was_stuck(wu):
         error = ("cancelled as stuck: results came back, and no host that had not had one could take "
                  "the replica BOINC needed; the sub-epoch runs again as a new workunit")

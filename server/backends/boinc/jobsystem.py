@@ -78,6 +78,7 @@ from boinc_dl.server.backends.base import JobSystem, RetryLimits
 from boinc_dl.server.backends.boinc import artifacts
 from boinc_dl.server.backends.boinc.boincdb import (
     VALIDATE_STATE_INCONCLUSIVE,
+    WU_ERROR_CANCELLED,
     BoincDB,
     BoincDBError,
     Takers,
@@ -589,8 +590,13 @@ class BoincJobSystem(JobSystem):
         n = 0
         for name in sorted(names):
             if wus is not None and name in wus and not wus[name].live():
-                # BOINC finished it already (assimilated, failed or cancelled): nothing to do
-                self._registry(job).forget(name)
+                # BOINC finished it already (assimilated, failed or cancelled): nothing to
+                # do but the record; a cancel this daemon made before it was killed, and
+                # did not record, counts now (once, whoever records it first)
+                if wus[name].error_mask & WU_ERROR_CANCELLED:
+                    self._registry(job).cancelled(name)
+                else:
+                    self._registry(job).forget(name)
                 continue
             self._cancel_workunit(name, job)
             n += 1

@@ -53,6 +53,17 @@ for i = 3, #ARGV do redis.call('HINCRBY', KEYS[2], ARGV[i], 1) end
 return 1
 """
 
+# A live workunit leaves the live records and is counted as cancelled in one step: the work
+# generator (after ``bin/cancel_jobs``) and BOINC's ``--error`` call for a cancelled workunit
+# both do it, and whichever comes first counts it, once (a generator killed between
+# ``cancel_jobs`` and its record leaves the count to the ``--error`` call).
+# KEYS: live, the job's counters. ARGV: workunit, counter.
+_FORGET_COUNTED = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+return 1
+"""
+
 # A refused result's unit is issued again once per workunit, at most ARGV[3] times per unit:
 # a re-run of the same call (BOINC re-runs a killed assimilator, also after the work
 # generator answered the first) answers the same and counts nothing twice.
@@ -180,10 +191,14 @@ class BoincRegistry:
         cancelling any more."""
         self.store.call(lambda: self._r.hdel(self.live_key, wu))
 
-    def cancelled(self, wu: str) -> None:
-        """``bin/cancel_jobs`` took ``wu`` (or BOINC no longer had it)."""
-        self.forget(wu)
-        self.store.incr_counter("boinc_cancelled")
+    def cancelled(self, wu: str) -> bool:
+        """``wu`` was cancelled: ``bin/cancel_jobs`` took it (or BOINC no longer had it), or
+        BOINC hands it over with the cancelled bit of its error mask. It leaves the live
+        records and counts in ``boinc_cancelled`` in one script, once, whichever of the two
+        records it first (True if this call did)."""
+        script = self._r.register_script(_FORGET_COUNTED)
+        keys = [self.live_key, self.store.k("counters")]
+        return bool(self.store.call(lambda: script(keys=keys, args=[wu, "boinc_cancelled"])))
 
     # ---- stuck workunits -------------------------------------------------------------------
     def mark_stuck(self, wu: str) -> None:
