@@ -23,6 +23,7 @@ import pytest
 from boinc_dl.client_app import checkpoint
 from boinc_dl.client_app.train import PROGRESS_JSON, ModelCache, run_unit
 from boinc_dl.server.common.weights import Fingerprint
+from tests.support.once import build_once
 from tests.test_client_app import THREADS, copy_inputs, make_unit, weights_out
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,25 +83,32 @@ def checkpointed_done(slot: Path) -> int:
     return int(json.loads(pos.decode() if isinstance(pos, bytes) else pos)["done"])
 
 
-def _unit_with_reference(tmp_path_factory: pytest.TempPathFactory, name: str,
+def _unit_with_reference(tmp_path_factory: pytest.TempPathFactory, worker_id: str, name: str,
                          spec: dict) -> tuple[Path, Fingerprint, np.ndarray, dict]:
-    src = tmp_path_factory.mktemp(f"cli_{name}")
-    fp = make_unit(src, **spec)
-    ref = copy_inputs(src, tmp_path_factory.mktemp(f"cli_{name}_ref"))
-    res = run_unit(ref, cache=ModelCache(), threads=THREADS)
-    return src, fp, weights_out(ref, fp), res.metrics
+    """The unit's inputs, plus the weights and metrics of an uninterrupted in-process run:
+    built once per session under ``name`` (tests copy the inputs before they run them)."""
+    def build(where: Path) -> tuple[Path, Fingerprint, np.ndarray, dict]:
+        src = where / "src"
+        src.mkdir()
+        fp = make_unit(src, **spec)
+        ref = copy_inputs(src, where / "ref")
+        res = run_unit(ref, cache=ModelCache(), threads=THREADS)
+        return src, fp, weights_out(ref, fp), res.metrics
+
+    return build_once(tmp_path_factory, worker_id, f"cli_{name}", build)
 
 
 @pytest.fixture(scope="module")
-def unit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Fingerprint, np.ndarray, dict]:
+def unit(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> tuple[Path, Fingerprint, np.ndarray, dict]:
     """The unit's inputs, plus the weights and metrics of an uninterrupted in-process run."""
-    return _unit_with_reference(tmp_path_factory, "unit", UNIT)
+    return _unit_with_reference(tmp_path_factory, worker_id, "unit", UNIT)
 
 
 @pytest.fixture(scope="module")
-def long_unit(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Fingerprint, np.ndarray, dict]:
+def long_unit(tmp_path_factory: pytest.TempPathFactory,
+              worker_id: str) -> tuple[Path, Fingerprint, np.ndarray, dict]:
     """As ``unit``, training five times longer (see LONG_UNIT)."""
-    return _unit_with_reference(tmp_path_factory, "long_unit", LONG_UNIT)
+    return _unit_with_reference(tmp_path_factory, worker_id, "long_unit", LONG_UNIT)
 
 
 def test_sigkill_mid_unit_then_restart_resumes_bitwise(long_unit: tuple[Path, Fingerprint, np.ndarray, dict],

@@ -37,8 +37,9 @@ PROJECT = "127.0.0.1_8088_bdl"
 
 
 @pytest.fixture(scope="module")
-def unit(tmp_path_factory: pytest.TempPathFactory):
-    return _unit_with_reference(tmp_path_factory, "docker", LONG_UNIT)
+def unit(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    # the same unit as test_client_app_cli's long_unit: built once for both
+    return _unit_with_reference(tmp_path_factory, worker_id, "long_unit", LONG_UNIT)
 
 
 def container_layout(src: Path, root: Path, linked: tuple[str, ...] = ("data.npz", "weights_out.h5")) -> tuple[Path, Path]:

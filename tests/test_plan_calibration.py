@@ -22,6 +22,7 @@ import pytest
 from boinc_dl.server.planner.calibrate import CalibrationError, read_calibration
 from boinc_dl.server.run.outputs import STEP_COLUMNS, UNIT_TIMINGS
 from tests.support.cli import ENV, boinc_dl, boinc_dl_command, small_digits_spec
+from tests.support.once import build_once
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,14 +34,18 @@ ORIGINAL = ["unit", "epoch", "shard", "version", "base_version", "staleness", "m
 
 
 @pytest.fixture(scope="module")
-def past_run(tmp_path_factory) -> tuple[Path, Path]:
-    """(work dir with the spec, run dir) of one real 1-slot run by the installed CLI."""
-    work = tmp_path_factory.mktemp("plancal")
-    shutil.copy(ROOT / "examples" / "models.py", work / "models.py")
-    (work / "spec.yaml").write_text(SPEC)
-    out = boinc_dl("run", "spec.yaml", "--run-dir", "run", "-q", cwd=work, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return work, work / "run"
+def past_run(tmp_path_factory, worker_id: str) -> tuple[Path, Path]:
+    """(work dir with the spec, run dir) of one real 1-slot run by the installed CLI, run
+    once per session: the tests only read it (``plan`` calibrates in a temporary
+    directory of its own) or copy it."""
+    def build(work: Path) -> tuple[Path, Path]:
+        shutil.copy(ROOT / "examples" / "models.py", work / "models.py")
+        (work / "spec.yaml").write_text(SPEC)
+        out = boinc_dl("run", "spec.yaml", "--run-dir", "run", "-q", cwd=work, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return work, work / "run"
+
+    return build_once(tmp_path_factory, worker_id, "plancal", build)
 
 
 def test_units_csv_keeps_its_columns_and_appends_the_timings(past_run):

@@ -30,6 +30,7 @@ from boinc_dl.server.backends.boinc.docker_app import (
 from boinc_dl.server.backends.boinc.install import InstallOptions, install
 from boinc_dl.server.backends.boinc.project import BoincProjectError
 from tests.boinc.conftest import REPO, calls, fake_db, script_env
+from tests.support.once import build_once
 
 try:
     import tomllib
@@ -43,9 +44,10 @@ DOCKER_REPO = re.compile(r"[a-z0-9]+(?:(?:[._]|__|[-]+)[a-z0-9]+)*(?:/[a-z0-9]+(
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """boinc-dl's wheel, built as install builds it (pip wheel --no-deps of the source tree)."""
-    return docker_app.build_wheel(tmp_path_factory.mktemp("wheel"))
+def wheel(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """boinc-dl's wheel, built as install builds it (pip wheel --no-deps of the source
+    tree), once per session: the tests only read it."""
+    return build_once(tmp_path_factory, worker_id, "wheel", docker_app.build_wheel)
 
 
 @pytest.fixture
