@@ -19,7 +19,7 @@ from boinc_dl.server.backends.boinc.hosts import (
 from boinc_dl.server.backends.boinc.project import BoincProject
 
 pymysql = pytest.importorskip("pymysql")
-DB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": ""}
+DB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": "", "ssl_disabled": True}
 
 
 @pytest.fixture

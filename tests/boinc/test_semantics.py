@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -392,6 +393,24 @@ def test_restart_command_waits_and_checks(db_project, redis_server) -> None:
 
 
 # ---- the read-only database module ---------------------------------------------------------
+
+@pytest.mark.parametrize("host, tls", [("localhost", False), ("127.0.0.1:3307", False),
+                                       ("db.example.org", True), ("10.0.0.5:3306", True)])
+def test_boincdb_skips_tls_only_on_this_machine(project, host: str, tls: bool) -> None:
+    """No TLS context per connection on loopback (PyMySQL would build one each time, with
+    the system's CA store); a database across the network keeps PyMySQL's TLS default."""
+    from boinc_dl.server.backends.boinc.boincdb import credentials
+
+    text = re.sub(r"<db_host>.*?</db_host>", f"<db_host>{host}</db_host>", project.config_xml.read_text())
+    if "<db_host>" not in text:
+        text = text.replace("<db_name>", f"<db_host>{host}</db_host>\n    <db_name>", 1)
+    project.config_xml.write_text(text)
+    project.__dict__.pop("config", None)
+    assert ("ssl_disabled" not in credentials(project)) is tls
+    project.config_xml.write_text(text.replace("</db_name>", "</db_name>\n    <db_socket>/run/mysqld.sock</db_socket>", 1))
+    project.__dict__.pop("config", None)
+    assert credentials(project)["ssl_disabled"] is True  # a Unix socket: never TLS
+
 
 def test_boincdb_is_read_only_and_bounded(db_project) -> None:
     from boinc_dl.server.backends.boinc.boincdb import BoincDB, BoincDBError, credentials

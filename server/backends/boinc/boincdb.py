@@ -313,6 +313,10 @@ def _opt_float(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
+#: Database hosts that are this machine: no TLS for them (:func:`credentials`).
+LOOPBACK = frozenset({"localhost", "127.0.0.1"})
+
+
 def credentials(project: BoincProject) -> dict[str, Any]:
     """PyMySQL connection arguments from ``config.xml`` (without timeouts)."""
     cfg = project.config
@@ -333,6 +337,13 @@ def credentials(project: BoincProject) -> dict[str, Any]:
             args["port"] = int(port)
         except ValueError:
             raise BoincDBError(f"{project.config_xml}: db_port {port!r} is not a number") from None
+    if socket or host in LOOPBACK:
+        # PyMySQL (>= 1.1) tries TLS on every connection unless told not to, and builds a
+        # fresh SSL context with the system's CA store for each (tens of ms of CPU per
+        # connection with a large store; the daemons connect every pass, each script call
+        # once). On a Unix socket or loopback there is no network for TLS to protect.
+        # Remote hosts keep PyMySQL's default.
+        args["ssl_disabled"] = True
     return args
 
 

@@ -129,5 +129,5 @@ def connect(project: Path):  # noqa: ANN201 - a pymysql connection
 
     return pymysql.connect(host=val("db_host"), port=int(val("db_port") or 3306), user=val("db_user"),
                            password=val("db_passwd"), database=val("db_name"), autocommit=True,
-                           connect_timeout=5, read_timeout=10, write_timeout=10,
+                           connect_timeout=5, read_timeout=10, write_timeout=10, ssl_disabled=True,
                            cursorclass=pymysql.cursors.DictCursor)
