@@ -946,6 +946,56 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
     return out
 
 
+def fedavg(task: Task, tr: VecTrainer, n_subsets: int, epochs: int, server_lr: float = 1.0) -> RunResult:
+    """Synchronous FedAvg on the same subsets, unit length and client seeds: each epoch one
+    round, every subset trained from the same server weights (no staleness at all), then
+    ``W_s <- W_s + server_lr * mean(W_c - W_s)``. Not a rule a BOINC project can run
+    (a round waits for its slowest host); the reference for what D parallel units per
+    generation can reach, staleness aside."""
+    t0 = time.perf_counter()
+    subsets = split_shards(len(task.x), n_subsets, task.seed)
+    ws = task.init().astype(np.float32).copy()
+    res = RunResult(accs=[])
+    for e in range(1, epochs + 1):
+        total = np.zeros_like(ws, dtype=np.float64)
+        for i in range(0, n_subsets, 256):
+            shards = list(range(i, min(n_subsets, i + 256)))
+            out = tr.train([ws] * len(shards), [subsets[sh] for sh in shards],
+                           [unit_seed(task.seed, e, sh) for sh in shards])
+            total += out.astype(np.float64).sum(0)
+        ws = (ws + server_lr * (total / n_subsets - ws)).astype(np.float32)
+        res.accs.append(task.accuracy(ws))
+        res.merges += n_subsets
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def sync_section(b: Bench, task: Task, tr: VecTrainer, server_lrs: list[float]) -> dict[str, Any]:
+    """With subsets = D: one unit in flight, each rule at D in flight, and synchronous
+    FedAvg (no staleness) at each server learning rate, in one run."""
+    names = list(b.rules)
+    print(f"\n{task.name}, subsets = D: final accuracy (first epoch), {b.epochs} epochs; D=1 is the same "
+          f"subsets with one unit in flight ({REC}); sync is synchronous FedAvg, one round per epoch")
+    print(f"{'D':>5s} | {'D=1':>13s} | " + " ".join(f"{n:>13s}" for n in names) + " | " +
+          " ".join(f"{'sync lr ' + format(lr, 'g'):>13s}" for lr in server_lrs))
+    out: dict[str, Any] = {}
+    for d in b.d_list:
+        if b.local_epochs == "derived":
+            tr.task = replace(task, local_epochs=local_epochs_for(d)[0])
+        elif b.local_epochs != "task":
+            tr.task = replace(task, local_epochs=int(b.local_epochs))
+        one = simulate(tr.task, tr, b.rules[REC] if REC in b.rules else candidate_rules()[REC], 1, d, b.epochs)
+        res = {n: simulate(tr.task, tr, r, d, d, b.epochs) for n, r in b.rules.items()}
+        syn = {lr: fedavg(tr.task, tr, d, b.epochs, lr) for lr in server_lrs}
+        print(f"{d:5d} | {cell(one):>13s} | " + " ".join(f"{cell(res[n]):>13s}" for n in names) + " | " +
+              " ".join(f"{cell(syn[lr]):>13s}" for lr in server_lrs), flush=True)
+        key = f"{task.name}|subsets = D|D={d}|local_epochs={tr.task.local_epochs}"
+        out[key] = {"d1": [one.final, one.first], **{n: [r.final, r.first] for n, r in res.items()},
+                    **{f"sync_lr{lr:g}": [r.final, r.first, r.accs] for lr, r in syn.items()}}
+        tr.task = task
+    return out
+
+
 def trained_start(task: Task, tr: VecTrainer, epochs: int, n_subsets: int = 32) -> RunResult:
     """A trained model to attack, with today's window and warm trusted statistics, from
     units of the attack run's size (the radius is a statistic of one job's units)."""
@@ -1181,7 +1231,10 @@ def main() -> None:
     ap.add_argument("--mnist-train", type=int, default=12000, help="MNIST training images used")
     ap.add_argument("--task-seed", type=int, default=Task.seed,
                     help="the task's seed: its subsets, batch orders and the search's samples")
-    ap.add_argument("--sections", default="staleness,poison,single,cost")
+    ap.add_argument("--sections", default="staleness,poison,single,cost",
+                    help="comma list of staleness, sync (synchronous FedAvg beside the rules, subsets = D), "
+                         "poison, single, cost")
+    ap.add_argument("--sync-lrs", default="1,2", help="sync section: comma list of FedAvg's server learning rates")
     ap.add_argument("--single-cap", type=int, default=None,
                     help="attacker results sent at most, single attacker (default 300; quick: 100)")
     ap.add_argument("--single-only", default="",
@@ -1276,6 +1329,8 @@ def main() -> None:
             result[f"{ds}_trainer_vs_keras_max_abs"] = diff
         if "staleness" in sections:
             result[f"{ds}_staleness"] = staleness_section(b, task, tr)
+        if "sync" in sections:
+            result[f"{ds}_sync"] = sync_section(b, task, tr, [float(x) for x in args.sync_lrs.split(",")])
         if "poison" in sections:
             result[f"{ds}_poison"] = {}
             for d in ([int(x) for x in args.D.split(",")] if args.D else [32]):
