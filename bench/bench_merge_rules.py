@@ -236,9 +236,22 @@ class VecTrainer:
             out += [subset[order[b * bs:(b + 1) * bs]] for b in range(math.ceil(n / bs))]
         return out
 
+    #: Units trained in one vectorised call at most (memory: K x steps x batch indices).
+    CHUNK = 256
+
     def train(self, bases: list[np.ndarray], subsets: list[np.ndarray], seeds: list[int],
               flip: list[bool] | None = None) -> np.ndarray:
-        """Train K units (bases [K][n]) on their subsets; returns the results [K, n]."""
+        """Train K units (bases [K][n]) on their subsets, :data:`CHUNK` at a time; returns
+        the results [K, n]."""
+        c = self.CHUNK
+        if len(bases) <= c:
+            return self._train_chunk(bases, subsets, seeds, flip)
+        return np.concatenate([self._train_chunk(bases[i:i + c], subsets[i:i + c], seeds[i:i + c],
+                                                 None if flip is None else flip[i:i + c])
+                               for i in range(0, len(bases), c)])
+
+    def _train_chunk(self, bases: list[np.ndarray], subsets: list[np.ndarray], seeds: list[int],
+                     flip: list[bool] | None) -> np.ndarray:
         t0 = time.perf_counter()
         k = len(bases)
         scheds = [self.schedule(s, sd) for s, sd in zip(subsets, seeds, strict=True)]
@@ -525,13 +538,13 @@ def simulate(task: Task, trainer: VecTrainer, rule: R.MergeRule, d_inflight: int
     def train_pending() -> None:
         todo = list(pending)
         pending.clear()
-        for i in range(0, len(todo), 256):
-            chunk = todo[i:i + 256]
-            out = trainer.train([bases[info[u][2]][0] for u in chunk], [subsets[info[u][1]] for u in chunk],
-                                [unit_seed(task.seed, info[u][0], info[u][1]) for u in chunk],
-                                [info[u][3] for u in chunk])
-            for u, w in zip(chunk, out, strict=True):
-                results[u] = w
+        if not todo:
+            return
+        out = trainer.train([bases[info[u][2]][0] for u in todo], [subsets[info[u][1]] for u in todo],
+                            [unit_seed(task.seed, info[u][0], info[u][1]) for u in todo],
+                            [info[u][3] for u in todo])
+        for u, w in zip(todo, out, strict=True):
+            results[u] = w
 
     def grad_at(bv: int) -> np.ndarray:
         entry = bases[bv]
@@ -899,6 +912,15 @@ class Bench:
         self.rows.append(row)
 
 
+def task_at(b: Bench, task: Task, d: int) -> Task:
+    """``task`` with the unit length ``b.local_epochs`` gives it at ``d`` units in flight."""
+    if b.local_epochs == "derived":  # the unit length a job with D in flight gets by default
+        return replace(task, local_epochs=local_epochs_for(d)[0])
+    if b.local_epochs != "task":
+        return replace(task, local_epochs=int(b.local_epochs))
+    return task
+
+
 def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
     """Rule x D, for subsets = D, D = 4x subsets, and the issue's 32 subsets."""
     regimes = {"subsets = D": [(d, d) for d in b.d_list],
@@ -916,10 +938,7 @@ def staleness_section(b: Bench, task: Task, tr: VecTrainer) -> dict[str, Any]:
             " ".join(f"{n:>13s}" for n in names) + f" | {REC + '+def':>17s} refused clipped"
         print(head)
         for d, ns in pairs:
-            if b.local_epochs == "derived":  # the unit length a job with D in flight gets by default
-                tr.task = replace(task, local_epochs=local_epochs_for(d)[0])
-            elif b.local_epochs != "task":
-                tr.task = replace(task, local_epochs=int(b.local_epochs))
+            tr.task = task_at(b, task, d)
             base = {n: simulate(tr.task, tr, b.rules[n], 1, ns, b.epochs) for n in ("paper", REC)}
             res, zero = {}, {}
             for n, r in b.rules.items():
@@ -957,13 +976,8 @@ def fedavg(task: Task, tr: VecTrainer, n_subsets: int, epochs: int, server_lr: f
     ws = task.init().astype(np.float32).copy()
     res = RunResult(accs=[])
     for e in range(1, epochs + 1):
-        total = np.zeros_like(ws, dtype=np.float64)
-        for i in range(0, n_subsets, 256):
-            shards = list(range(i, min(n_subsets, i + 256)))
-            out = tr.train([ws] * len(shards), [subsets[sh] for sh in shards],
-                           [unit_seed(task.seed, e, sh) for sh in shards])
-            total += out.astype(np.float64).sum(0)
-        ws = (ws + server_lr * (total / n_subsets - ws)).astype(np.float32)
+        out = tr.train([ws] * n_subsets, list(subsets), [unit_seed(task.seed, e, sh) for sh in range(n_subsets)])
+        ws = (ws + server_lr * (out.astype(np.float64).mean(0) - ws)).astype(np.float32)
         res.accs.append(task.accuracy(ws))
         res.merges += n_subsets
     res.seconds = time.perf_counter() - t0
@@ -980,10 +994,7 @@ def sync_section(b: Bench, task: Task, tr: VecTrainer, server_lrs: list[float]) 
           " ".join(f"{'sync lr ' + format(lr, 'g'):>13s}" for lr in server_lrs))
     out: dict[str, Any] = {}
     for d in b.d_list:
-        if b.local_epochs == "derived":
-            tr.task = replace(task, local_epochs=local_epochs_for(d)[0])
-        elif b.local_epochs != "task":
-            tr.task = replace(task, local_epochs=int(b.local_epochs))
+        tr.task = task_at(b, task, d)
         one = simulate(tr.task, tr, b.rules[REC] if REC in b.rules else candidate_rules()[REC], 1, d, b.epochs)
         res = {n: simulate(tr.task, tr, r, d, d, b.epochs) for n, r in b.rules.items()}
         syn = {lr: fedavg(tr.task, tr, d, b.epochs, lr) for lr in server_lrs}
