@@ -17,16 +17,16 @@ from boinc_dl.server.backends.boinc.hosts import (
     db_params,
 )
 from boinc_dl.server.backends.boinc.project import BoincProject
+from tests.support.mariadb import MARIADB
 
 pymysql = pytest.importorskip("pymysql")
-DB = {"host": "127.0.0.1", "port": 3306, "user": "root", "password": "", "ssl_disabled": True}
 
 
 @pytest.fixture
 def boinc_db():
     """A throw-away database with BOINC's ``host`` table (the columns read here)."""
     try:
-        conn = pymysql.connect(**DB, autocommit=True)
+        conn = pymysql.connect(**MARIADB, autocommit=True)
     except pymysql.err.OperationalError as e:
         pytest.skip(f"MariaDB not reachable on 127.0.0.1:3306: {e}")
     name = f"bdl_hosts_{uuid.uuid4().hex[:10]}"
