@@ -338,6 +338,14 @@ def test_mop_run_sigkilled_mid_run_resumes_and_trains_each_sub_epoch_once(tmp_pa
     hist = json.loads((tmp_path / "runs" / "sel" / "history.json").read_text())
     visits = Counter((m, p, e) for m, p, _w, _att, e in hist["schedule"])
     assert len(visits) == 4 * 2 * 2 and set(visits.values()) == {1}, visits  # 4 configs x 2 partitions x 2 epochs
+    # A --resume of the finished job writes its outputs again and keeps the finishing run's
+    # story: its elapsed time and backend counters, not this process's (a MOP resume once
+    # rewrote them as 0.0 s and an empty backend).
+    summary = tmp_path / "runs" / "sel" / "summary.json"
+    before = summary.read_text()
+    again = bdl("run", "job.yaml", "--resume", *SMALL, cwd=tmp_path)
+    assert again.returncode == 0 and "already done" in again.stdout, (again.stdout, again.stderr)
+    assert summary.read_text() == before
 
 
 # ---- pieces too small to need a run ------------------------------------------------------------

@@ -272,6 +272,18 @@ def earlier_summary(run_dir: Path) -> dict[str, Any]:
     return {k: data[k] for k in ("elapsed_s", "backend", "planner") if k in data}
 
 
+def finished_earlier(store: JobStore, name: str, run_dir: Path, resume: bool,
+                     console: Console) -> dict[str, Any] | None:
+    """For a ``--resume`` of a job an earlier run finished: say so and return what that run
+    recorded (:func:`earlier_summary`), which the outputs written again keep; ``None`` when
+    the job still has to run."""
+    status = store.meta().get("status")
+    if not resume or status not in FINISHED:
+        return None
+    console.print(f"job {name} already {status}: writing its outputs")
+    return earlier_summary(run_dir)
+
+
 def summary_table(res: RunResult, spec: JobSpec) -> Table:
     """The one-screen summary printed at the end of a run."""
     t = Table(title=f"{res.job or spec.name}: {res.status}" + (f" ({res.reason})" if res.reason else ""),

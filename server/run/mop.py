@@ -26,6 +26,7 @@ from boinc_dl.server.run.lifecycle import (
     RunWatch,
     drive,
     end_prestart,
+    finished_earlier,
     owner_fields,
     prestart_local_backend,
     print_derived,
@@ -211,6 +212,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     status = "interrupted"
     exit_code = 0
     snap: dict[str, Any] = {}
+    earlier: dict[str, Any] | None = None
     try:
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
         prestart_local_backend(store, run_dir, resume)
@@ -220,7 +222,8 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         spec = effective_spec(spec, store)
         print_derived(console, store)
         avail, host_of = placement(opts["workers"], opts["slots"], spec.mop.partitions, spec.mop.replication)
-        if store.meta().get("status") not in FINISHED:
+        earlier = finished_earlier(store, spec.name, run_dir, resume, console)
+        if earlier is None and store.meta().get("status") not in FINISHED:
             store.set_meta(status="running", reason="", **owner_fields())
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
@@ -240,7 +243,11 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             snap["data_bytes_per_host"] = backend.data_bytes_per_host()
             backend.stop()
         end_prestart(backend)
-    res = RunResult(status=status, run_dir=run_dir, backend=snap, elapsed_s=time.time() - t0,
+    # A --resume of a finished job writes its outputs again; its time and counters stay the
+    # finishing run's (this process trained nothing).
+    earlier = earlier or {}
+    res = RunResult(status=status, run_dir=run_dir, backend=earlier.get("backend", snap),
+                    elapsed_s=earlier.get("elapsed_s", time.time() - t0),
                     reason=store.meta().get("reason", ""), exit_code=exit_code)
     res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
     res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
@@ -254,6 +261,6 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
                   f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-", r["model"])
     console.print(t)
     (run_dir / "summary.json").write_text(json.dumps(
-        {"status": status, "elapsed_s": res.elapsed_s, "backend": snap, "reason": res.reason,
+        {"status": status, "elapsed_s": res.elapsed_s, "backend": res.backend, "reason": res.reason,
          "best": lb[0] if lb else None, "outputs": res.outputs}, indent=1, default=str))
     return res

@@ -33,8 +33,8 @@ from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
     drive,
-    earlier_summary,
     end_prestart,
+    finished_earlier,
     owner_fields,
     prestart_local_backend,
     print_derived,
@@ -160,9 +160,9 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
                             slots=int(opts["workers"]) * int(opts["slots"]), owner=owner_fields())
         spec = effective_spec(spec, store)
         print_derived(console, store)
-        if store.meta().get("status") in FINISHED and resume:
-            console.print(f"job {spec.name} already {store.meta()['status']}: writing its outputs")
-            earlier = earlier_summary(run_dir)
+        finished = finished_earlier(store, spec.name, run_dir, resume, console)
+        if finished is not None:
+            earlier = finished
         else:
             store.set_meta(status="running", reason="", backend="local", **owner_fields())
             checker_stop = start_checker(spec, store, run_dir, redis_url)
