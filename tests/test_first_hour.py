@@ -80,6 +80,9 @@ def test_minimal_spec_says_what_it_chose_and_prints_a_line_per_epoch(finished) -
     assert summary["settings"]["n_subsets"] == 2 and summary["settings"]["local_epochs"] == 4
     assert sorted(summary["settings"]["derived"]) == ["training.local_epochs", "vcasgd.merge_rule", "vcasgd.n_subsets"]
     assert summary["settings"]["merge_rule"] == "delta" and "vcasgd.merge_rule = delta" in out  # 2 in flight
+    # The planner's check simulates the backend that ran (the command line's 1 x 2 slots,
+    # P = 1), not the spec's default 4 x 2 (it predicted 0.06 s for a 0.28 s epoch so).
+    assert summary["planner"]["configuration"] == {"workers": 1, "slots": 2, "assimilators": 1}
     assert set(merges(tmp / "runs" / "mine").values()) == {1} and len(merges(tmp / "runs" / "mine")) == 2 * 2
     # (How well the defaults learn is bench/bench_learning.py's to measure: against Keras.)
 

@@ -499,6 +499,12 @@ def test_run_check_compares_the_pipeline_not_the_start_up():
     assert out["actual_epoch_s"] == pytest.approx(2.0)  # (104 - 100) / 2 epochs
     assert out["startup_s"] == pytest.approx(26.0)
     assert out["predicted_epoch_s"] == pytest.approx(2.0, rel=0.15)  # 2 waves of 1 s + merges
+    assert out["configuration"] == {"workers": 2, "slots": 1, "assimilators": 1}
+    # The run's --workers/--slots/--assimilators are the configuration that ran: one slot
+    # runs the 8 units one after the other (it simulated the spec's 2 slots: half the time).
+    one = predict_epoch(spec, units, params=1000, elapsed_s=30.0, epochs_done=2, backend_opts={"workers": 1})
+    assert one["configuration"] == {"workers": 1, "slots": 1, "assimilators": 1}
+    assert one["predicted_epoch_s"] == pytest.approx(4.0, rel=0.15)
     # Without timestamps the run's elapsed time is all there is.
     bare = predict_epoch(spec, [{"wall_s": 1.0}], params=1000, elapsed_s=30.0, epochs_done=2)
     assert bare["actual_epoch_s"] == pytest.approx(15.0) and bare["startup_s"] == 0

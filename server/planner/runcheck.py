@@ -15,7 +15,7 @@ import os
 import statistics
 from typing import Any
 
-from boinc_dl.server.common.spec import JobSpec
+from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.planner.model import (
     SHARED_MERGE_RATIO,
     Config,
@@ -28,13 +28,15 @@ from boinc_dl.server.planner.sim import simulate
 
 
 def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elapsed_s: float,
-                  epochs_done: int) -> dict[str, Any] | None:
+                  epochs_done: int, backend_opts: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """{predicted_epoch_s, actual_epoch_s, error} for a finished run, or None without data
-    (no unit timings, no epoch, or units older than this process's ``elapsed_s``)."""
+    (no unit timings, no epoch, or units older than this process's ``elapsed_s``).
+    ``backend_opts`` are the run's overrides of the spec's local backend (``--workers``,
+    ``--slots``, ``--assimilators``): the configuration that ran is the one simulated."""
     walls = [float(u["wall_s"]) for u in units if u.get("wall_s") not in (None, "")]
     if not walls or epochs_done <= 0:
         return None
-    loc = spec.backend.local
+    loc = local_options(spec, backend_opts)
     model_bytes = 4 * params
     # The planner's merge estimate for the model size, and the resource-sharing model:
     # the local backend's slots, assimilators and Redis share this host's cores. The
@@ -43,9 +45,9 @@ def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elaps
     m = merge_estimate_s(model_bytes)
     costs = ServerCosts(merge_s=m, dispatch_s=0.05, cpu_cores=os.cpu_count() or 1,
                         merge_shared_s=m * SHARED_MERGE_RATIO)
-    host = HostType("this host", unit_s=statistics.median(walls), cores=loc.slots, bandwidth_mbps=1e9,
-                    preempt_p=loc.preempt_prob)
-    cfg = Config(((host, loc.workers),), loc.slots, loc.assimilators, window=spec.vcasgd.window,
+    host = HostType("this host", unit_s=statistics.median(walls), cores=int(loc["slots"]), bandwidth_mbps=1e9,
+                    preempt_p=float(loc["preempt_prob"]))
+    cfg = Config(((host, int(loc["workers"])),), int(loc["slots"]), int(loc["assimilators"]), window=spec.vcasgd.window,
                  timeout_s=spec.units.timeout_s)
     w = Workload(spec.vcasgd.n_subsets, epochs_done, params)
     # Each slot's first unit also traces the model (TensorFlow's first call): a one-time
@@ -67,7 +69,8 @@ def predict_epoch(spec: JobSpec, units: list[dict[str, Any]], params: int, elaps
     return {"predicted_epoch_s": round(pred, 3), "actual_epoch_s": round(actual, 3),
             "error": round(pred / actual - 1, 4), "startup_s": round(elapsed_s - work_s, 3),
             "unit_wall_median_s": round(host.unit_s, 3), "first_wave_extra_s": round(warmup, 3),
-            "merge_s_estimate": round(costs.merge_s, 4)}
+            "merge_s_estimate": round(costs.merge_s, 4),
+            "configuration": {"workers": cfg.hosts[0][1], "slots": cfg.slots, "assimilators": cfg.assimilators}}
 
 
 def _timed(units: list[dict[str, Any]]) -> list[tuple[float, float]]:

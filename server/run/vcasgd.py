@@ -205,7 +205,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         flat, _ = store.get_weights("0")
         result.outputs["final_model"] = str(save_final_model(run_dir, files.model, flat))
         result.planner = earlier["planner"] if "planner" in earlier else predict_epoch(
-            spec, hist["units"], int(flat.size), result.elapsed_s, len(result.epochs))
+            spec, hist["units"], int(flat.size), result.elapsed_s, len(result.epochs), backend_opts)
     settings = {"n_subsets": spec.vcasgd.n_subsets, "local_epochs": spec.training.local_epochs,
                 "merge_rule": spec.vcasgd.merge_rule, "alpha": spec.vcasgd.alpha,
                 "learning_rate": spec.training.learning_rate,
