@@ -241,3 +241,35 @@ def test_a_job_that_fails_to_prepare_leaves_no_process_behind(tmp_path: Path) ->
             pass
     # multiprocessing's resource tracker ends when it reads the end of its pipe: a moment
     assert not _survivors(tagged, timeout=2.0)
+
+
+def test_a_run_whose_every_slot_dies_at_start_fails_with_the_logs_path(tmp_path: Path) -> None:
+    """A script fed to ``python3 -`` that calls ``run_job``: multiprocessing's fork server
+    cannot import a ``__main__`` read from stdin, so every slot dies before it is ready.
+    No unit runs, so none fails: the run once retried them every 30 s for ever. It now
+    fails once every slot has died at start 3 times in a row, naming the log that has the
+    slots' error, and leaves no process behind."""
+    spec = _spec(tmp_path, epochs=1, lr="0.01")
+    script = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from boinc_dl.server.common.spec import load_spec\n"
+        "from boinc_dl.server.run import run_job\n"
+        f"res = run_job(load_spec(Path({str(spec)!r})), Path({str(tmp_path / 'run')!r}), live=False,\n"
+        f"              search_path=Path({str(REPO / 'examples')!r}), backend_opts={{'workers': 1, 'slots': 2}})\n"
+        "print(json.dumps({'status': res.status, 'reason': res.reason}))\n")
+    t0 = time.time()
+    p = subprocess.Popen([sys.executable, "-"], cwd=tmp_path, env=ENV, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(script, timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["status"] == "failed", res
+    assert "every slot died at start" in res["reason"] and "local-backend.log" in res["reason"], res
+    assert time.time() - t0 < 120
+    # The slots' own error is where the reason says.
+    assert "No such file or directory" in (tmp_path / "run" / "local-backend.log").read_text()
+    # (the fork server exits when it reads its parent's end of the pipe closed: a moment)
+    left = [q for q in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(q.info["cmdline"] or [])]
+    _, alive = psutil.wait_procs(left, timeout=10)
+    assert not alive, [q.cmdline() for q in alive]

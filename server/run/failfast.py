@@ -77,4 +77,8 @@ class FailFastWatch:
         self._seen += len(new)
         for unit, reason in new:
             self.policy.failure(unit, reason)
+        start = None if self.policy.merged else self.backend.start_failure()  # type: ignore[attr-defined]
+        if start is not None:
+            # No unit ever ran, so no unit failed: the slots' own error is in the backend's log.
+            return f"{start}: nothing can train; the slots' error is in {self.backend.log_file}"  # type: ignore[attr-defined]
         return self.policy.verdict()

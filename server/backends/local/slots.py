@@ -222,6 +222,7 @@ class _Slot:
     notice_at: float | None = None  # notice written, client not yet reported
     resume: str | None = None  # instance to re-send after a restart in place
     fast_deaths: int = 0
+    last_exit: int | None = None  # exit code of its last death
     respawn_at: float = 0.0
     started: bool = False  # said "ready" since its last spawn (a death is not a failed start)
     down_since: float | None = None  # host lost (kill or notice) until its replacement is ready
@@ -233,6 +234,18 @@ class SlotPool:
 
     A mixin of :class:`~boinc_dl.server.backends.local.jobsystem.LocalJobSystem`, whose
     ``__init__`` sets the state it uses."""
+
+    def start_failure(self) -> str | None:
+        """Why no slot can start, when every slot has died at start (before saying it was
+        ready) ``_FAST_DEATHS_FREE`` times in a row; None while any slot starts or may.
+        Respawning keeps them coming back from a passing fault (memory, a busy disk);
+        a run whose every slot dies so before anything merged cannot train at all."""
+        slots: list[_Slot] = self.slots  # type: ignore[attr-defined]
+        if not slots or any(s.started or s.fast_deaths < _FAST_DEATHS_FREE for s in slots):
+            return None
+        codes = sorted({str(s.last_exit) for s in slots})
+        return (f"every slot died at start, {min(s.fast_deaths for s in slots)} times in a row or more "
+                f"(exit {', '.join(codes)})")
 
     def _spawn(self, slot: _Slot) -> None:
         _, notice_file = _slot_paths(self.base, slot.host, slot.index)
@@ -351,6 +364,7 @@ class SlotPool:
         slot.proc.join(timeout=1)
         early = not slot.started and now - slot.spawned_at < _FAST_DEATH_S
         slot.fast_deaths = slot.fast_deaths + 1 if early else 0
+        slot.last_exit = slot.proc.exitcode
         if slot.fast_deaths >= _FAST_DEATHS_FREE:
             log.error("slot h%d/s%d keeps dying at start (exit %s, %d times): next start in %.1f s",
                       slot.host, slot.index, slot.proc.exitcode, slot.fast_deaths,
