@@ -36,3 +36,19 @@ def test_one_merge_turns_the_policy_off() -> None:
 def test_error_key_masks_numbers_only() -> None:
     assert error_key("unit 12 at 0x7f3a: shape (3, 4)") == error_key("unit 7 at 0x11: shape (5, 6)")
     assert error_key("ValueError: x") != error_key("TypeError: x")
+
+
+def test_slots_dying_at_start_fail_only_when_every_slot_does() -> None:
+    """``start_failure``: every slot has died before it was ready 3 times in a row; one
+    slot that started (or has died only twice) keeps the run going."""
+    from boinc_dl.server.backends.local.slots import SlotPool, _Slot
+
+    pool = SlotPool.__new__(SlotPool)
+    pool.slots = [_Slot(host=0, index=i, fast_deaths=3, last_exit=1) for i in range(2)]
+    assert pool.start_failure() == "every slot died at start, 3 times in a row or more (exit 1)"
+    pool.slots[1].fast_deaths = 2
+    assert pool.start_failure() is None
+    pool.slots[1].fast_deaths, pool.slots[1].started = 5, True
+    assert pool.start_failure() is None
+    pool.slots = []
+    assert pool.start_failure() is None
