@@ -341,6 +341,15 @@ def test_mop_run_sigkilled_mid_run_resumes_and_trains_each_sub_epoch_once(tmp_pa
     hist = json.loads((tmp_path / "runs" / "sel" / "history.json").read_text())
     visits = Counter((m, p, e) for m, p, _w, _att, e in hist["schedule"])
     assert len(visits) == 4 * 2 * 2 and set(visits.values()) == {1}, visits  # 4 configs x 2 partitions x 2 epochs
+    # units.csv: one row per sub-epoch trained, across the kill, with its configuration and
+    # its durations (what a VC-ASGD run records, and what a calibration reads).
+    import csv
+
+    with (tmp_path / "runs" / "sel" / "units.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert Counter((r["model"], r["shard"], r["epoch"]) for r in rows) == Counter(
+        {(m, str(p), str(e)): 1 for m, p, e in visits}), rows
+    assert all(float(r["wall_s"]) > 0 and float(r["cpu_s"]) > 0 for r in rows)
     # A --resume of the finished job writes its outputs again and keeps the finishing run's
     # story: its elapsed time and backend counters, not this process's (a MOP resume once
     # rewrote them as 0.0 s and an empty backend).

@@ -21,6 +21,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.states import FINISHED
+from boinc_dl.server.common.workunit import parse_unit_name
 from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
@@ -33,6 +34,7 @@ from boinc_dl.server.run.lifecycle import (
     start_local_backend,
     stop_reason,
 )
+from boinc_dl.server.run.outputs import unit_records, write_rows
 from boinc_dl.server.work_generator.mop.assignment import round_robin_availability
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
@@ -115,7 +117,7 @@ def curves_figure(rows: list[dict[str, Any]], title: str) -> Any:
 
 
 def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | None, title: str) -> dict[str, str]:
-    """leaderboard.csv, learning_curves.png, best_model.keras, history.json."""
+    """leaderboard.csv, learning_curves.png, best_model.keras, units.csv, history.json."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,9 +149,13 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
         target = run_dir / "best_model.keras"
         saved.replace(target)
         out["best_model"] = str(target)
+    # One row per sub-epoch trained (a configuration's visit to a partition), with the
+    # configuration's id beside the unit: its durations, as VC-ASGD runs record them.
+    units = [{"model": (parse_unit_name(str(u["unit"])) or {}).get("model"), **u} for u in unit_records(store)]
+    out["units"] = str(write_rows(run_dir / "units.csv", units))
     hist = {"job": store.job, "meta": store.meta(), "leaderboard": rows,
             "epochs": [{"epoch": e, **s} for e, s in store.epochs().items()],
-            "schedule": MopState(store).schedule_log(),
+            "units": units, "schedule": MopState(store).schedule_log(),
             "visit_orders": gen.visit_orders() if gen else {}, "counters": store.counters(),
             "rejections": store.rejections(100)}
     (run_dir / "history.json").write_text(json.dumps(hist, indent=1, default=str))

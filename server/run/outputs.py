@@ -23,7 +23,14 @@ STEP_COLUMNS = ("step", "step_check_s", "step_wait_s", "step_at_version", "step_
 def collect_history(store: JobStore) -> dict[str, Any]:
     """Per-epoch summaries and per-unit merge records of a job, from Redis."""
     epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
-    units = []
+    return {"job": store.job, "meta": store.meta(), "epochs": epochs, "units": unit_records(store),
+            "counters": store.counters(), "rejections": store.rejections(100)}
+
+
+def unit_records(store: JobStore) -> list[dict[str, Any]]:
+    """A job's per-unit records from Redis, in merge order: each merged unit's (the rows
+    of ``units.csv``) and each failed one's reason."""
+    units: list[dict[str, Any]] = []
     for m in store.metrics():
         if m["kind"] == "merge":
             units.append({k: m.get(k) for k in (
@@ -36,8 +43,7 @@ def collect_history(store: JobStore) -> dict[str, Any]:
                 *UNIT_TIMINGS, *STEP_COLUMNS)})
         elif m["kind"] == "failed":
             units.append({"unit": m.get("unit"), "failed": m.get("reason")})
-    return {"job": store.job, "meta": store.meta(), "epochs": epochs, "units": units,
-            "counters": store.counters(), "rejections": store.rejections(100)}
+    return units
 
 
 def write_history(run_dir: Path, hist: dict[str, Any]) -> list[Path]:
@@ -45,15 +51,21 @@ def write_history(run_dir: Path, hist: dict[str, Any]) -> list[Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = [run_dir / "history.json", run_dir / "epochs.csv", run_dir / "units.csv"]
     out[0].write_text(json.dumps(hist, indent=1, default=str))
-    for path, rows in ((out[1], hist["epochs"]), (out[2], hist["units"])):
-        keys: list[str] = []
-        for r in rows:
-            keys += [k for k in r if k not in keys]
-        with path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys or ["epoch"])
-            w.writeheader()
-            w.writerows(rows)
+    write_rows(out[1], hist["epochs"])
+    write_rows(out[2], hist["units"])
     return out
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """``rows`` as a CSV file, the columns in the order they first appear."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys or ["epoch"])
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 def plot_learning_curve(path: Path, curves: dict[str, list[dict[str, Any]]], title: str) -> Path:
