@@ -69,7 +69,7 @@ def prestart_local_backend(store: JobStore, run_dir: Path, resume: bool) -> None
     """Start the local backend's fork server before the job is prepared, so that its
     TensorFlow import runs beside the run's own (the initial model): start-up pays for one
     import, not two in a row. Not for a resumed job that is over (no backend starts)."""
-    if resume and store.meta().get("status") in FINISHED:
+    if resumes_finished(store, resume):
         return
     start_fork_server(run_dir)
 
@@ -272,15 +272,19 @@ def earlier_summary(run_dir: Path) -> dict[str, Any]:
     return {k: data[k] for k in ("elapsed_s", "backend", "planner") if k in data}
 
 
+def resumes_finished(store: JobStore, resume: bool) -> bool:
+    """A ``--resume`` of a job an earlier run finished: nothing to train, outputs to write."""
+    return resume and store.meta().get("status") in FINISHED
+
+
 def finished_earlier(store: JobStore, name: str, run_dir: Path, resume: bool,
                      console: Console) -> dict[str, Any] | None:
     """For a ``--resume`` of a job an earlier run finished: say so and return what that run
     recorded (:func:`earlier_summary`), which the outputs written again keep; ``None`` when
     the job still has to run."""
-    status = store.meta().get("status")
-    if not resume or status not in FINISHED:
+    if not resumes_finished(store, resume):
         return None
-    console.print(f"job {name} already {status}: writing its outputs")
+    console.print(f"job {name} already {store.meta()['status']}: writing its outputs")
     return earlier_summary(run_dir)
 
 
