@@ -84,6 +84,11 @@ def test_minimal_spec_says_what_it_chose_and_prints_a_line_per_epoch(finished) -
     # P = 1), not the spec's default 4 x 2 (it predicted 0.06 s for a 0.28 s epoch so).
     assert summary["planner"]["configuration"] == {"workers": 1, "slots": 2, "assimilators": 1}
     assert set(merges(tmp / "runs" / "mine").values()) == {1} and len(merges(tmp / "runs" / "mine")) == 2 * 2
+    # One run trained the job: its totals are this run's, and the summary says no more.
+    job = summary["job"]
+    assert job["runs"] == 1 and job["merged"] == 4 and job["resubmitted"] == 0, job
+    assert summary["elapsed_s"] - 1.0 <= job["active_s"] <= summary["elapsed_s"] + 1.0, summary
+    assert " runs" not in out and "re-submitted" not in out, out
     # (How well the defaults learn is bench/bench_learning.py's to measure: against Keras.)
 
 
@@ -168,7 +173,9 @@ def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
     spec = user_files(tmp_path, MINIMAL.replace("epochs: 2", "epochs: 3"))
     args = [BDL, "run", str(spec), *SMALL]
     # Two runs of one spec started together: exactly one proceeds.
+    a_started = time.time()
     a = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    b_started = time.time()
     b = subprocess.Popen(args, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first_done = None
     deadline = time.time() + 120
@@ -186,6 +193,8 @@ def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
     # Frozen mid-run (so that it cannot finish meanwhile), it still owns its directory:
     # neither a plain run nor --resume touches it.
     running.send_signal(signal.SIGSTOP)
+    started = min(a_started, b_started)
+    frozen_at = time.time()
     for extra in ([], ["--resume"]):
         res = bdl("run", str(spec), *SMALL, *extra, cwd=tmp_path, timeout=120)
         one_line_error(res, "in use by another boinc-dl run")
@@ -199,6 +208,28 @@ def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
     assert len(m) == 3 * 2 and set(m.values()) == {1}, m  # every unit merged, none twice
     hist = json.loads((run_dir / "history.json").read_text())
     assert [e["epoch"] for e in hist["epochs"]] == [1, 2, 3]
+
+    # The summary tells the job's story, not the resuming process's: two runs, every unit
+    # merged (some by the first), the units re-submitted on resuming, and the job's run
+    # time: the killed run's up to its last heartbeat plus this one's, the frozen minutes
+    # and the pause between them not counted.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    job = summary["job"]
+    said = re.search(r"resumed: (\d+) unit\(s\) in flight re-submitted", res.stdout)
+    assert job["runs"] == 2 and job["merged"] == 6 and job["resubmitted"] == (int(said[1]) if said else 0), job
+    assert summary["backend"]["merged"] < 6, summary  # the first run merged epoch 1's
+    # the first run's clock at its epoch-1 line, as the line itself says
+    first_line = next(ln for ln in lines.lines if ln.startswith("epoch 1/3"))
+    at_epoch_1 = float(re.search(r" - ([\d.]+) s", first_line)[1])
+    first_run = job["active_s"] - summary["elapsed_s"]
+    assert at_epoch_1 - 1.0 <= first_run <= frozen_at - started + 1.0, (first_run, at_epoch_1, job, summary)
+    out = " ".join(res.stdout.split())
+    assert f"{job['active_s']:.1f} s in 2 runs ({summary['elapsed_s']:.1f} s this run)" in out, res.stdout
+    assert f"6 merged ({summary['backend']['merged']} by this run)" in out, res.stdout
+    st = json.loads(bdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert st["run_time_s"] == pytest.approx(job["active_s"], abs=0.01) and st["counters"]["runs"] == 2, st
+    text = " ".join(bdl("status", str(run_dir), cwd=tmp_path).stdout.split())
+    assert f"2 runs, {job['active_s']:.1f} s of run time" in text, text
 
 
 # ---- validate: clear refusals, quiet with keras imported at the top -----------------------------
@@ -350,6 +381,12 @@ def test_mop_run_sigkilled_mid_run_resumes_and_trains_each_sub_epoch_once(tmp_pa
     assert Counter((r["model"], r["shard"], r["epoch"]) for r in rows) == Counter(
         {(m, str(p), str(e)): 1 for m, p, e in visits}), rows
     assert all(float(r["wall_s"]) > 0 and float(r["cpu_s"]) > 0 for r in rows)
+    # The summary counts the job's two runs: every sub-epoch merged, the units the resume
+    # re-submitted as it said, and both runs' time.
+    job = json.loads((tmp_path / "runs" / "sel" / "summary.json").read_text())["job"]
+    said = re.search(r"resumed: (\d+) unit\(s\) in flight re-submitted", res.stdout)
+    assert job["runs"] == 2 and job["merged"] == 16 and job["resubmitted"] == (int(said[1]) if said else 0), job
+    assert job["active_s"] > json.loads((tmp_path / "runs" / "sel" / "summary.json").read_text())["elapsed_s"]
     # A --resume of the finished job writes its outputs again and keeps the finishing run's
     # story: its elapsed time and backend counters, not this process's (a MOP resume once
     # rewrote them as 0.0 s and an empty backend).

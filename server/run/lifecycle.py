@@ -27,6 +27,7 @@ from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.spec_defaults import describe
 from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.run.failfast import FailFastWatch
+from boinc_dl.server.run.jobclock import JobClock
 from boinc_dl.server.run.signals import RunStopped, raise_if_stopped
 from boinc_dl.server.work_generator.prepare import derived_settings, n_shards
 
@@ -48,6 +49,9 @@ class RunResult:
     exit_code: int = 0
     planner: dict[str, Any] | None = None  # predicted vs actual epoch time (VC-ASGD)
     job: str = ""  # the job's name (``--new`` numbers it)
+    #: The job's totals over every run that trained it (:func:`~boinc_dl.server.run.jobclock.job_totals`);
+    #: ``backend`` and ``elapsed_s`` are this process's.
+    totals: dict[str, Any] = field(default_factory=dict)
 
 
 def default_run_dir(spec: JobSpec) -> Path:
@@ -121,9 +125,10 @@ def owner_fields() -> dict[str, Any]:
     return {"owner_pid": os.getpid(), "owner_host": socket.gethostname(), "heartbeat_at": time.time()}
 
 
-def record_heartbeat(store: JobStore) -> None:
-    """Say that this process owns the running job and is alive now (read by ``status``)."""
-    store.set_meta(**owner_fields())
+def record_heartbeat(store: JobStore, clock: JobClock | None = None) -> None:
+    """Say that this process owns the running job and is alive now (read by ``status``),
+    and, with ``clock``, how long the job has been run by every process so far."""
+    store.set_meta(**owner_fields(), **(clock.fields() if clock else {}))
 
 
 def stop_reason(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -147,9 +152,10 @@ class RunWatch:
     """What the run's loop does besides stepping the generator, every ``every_s``: push
     fault counters, beat the heartbeat, and fail the job fast when no unit can succeed."""
 
-    def __init__(self, spec: JobSpec, store: JobStore, backend: LocalJobSystem, gen: object, every_s: float = 0.5):
+    def __init__(self, spec: JobSpec, store: JobStore, backend: LocalJobSystem, gen: object, clock: JobClock,
+                 every_s: float = 0.5):
         self.store, self.gen, self.every_s = store, gen, every_s
-        self.backend = backend
+        self.backend, self.clock = backend, clock
         self.sync = CounterSync(store, backend)
         self.fail_fast = FailFastWatch(backend, k=min(3, n_shards(spec)))
         self.last = 0.0
@@ -165,7 +171,7 @@ class RunWatch:
             return False
         self.last = now
         self.sync.push()
-        record_heartbeat(self.store)
+        record_heartbeat(self.store, self.clock)
         verdict = self.fail_fast.check()
         if verdict and self.store.meta().get("status") == "running":
             fail_job(self.store, self.gen, verdict)
@@ -269,7 +275,7 @@ def earlier_summary(run_dir: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         return {}
-    return {k: data[k] for k in ("elapsed_s", "backend", "planner") if k in data}
+    return {k: data[k] for k in ("elapsed_s", "backend", "job", "planner") if k in data}
 
 
 def resumes_finished(store: JobStore, resume: bool) -> bool:
@@ -301,13 +307,25 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
         if last.get("client_val_acc_mean") is not None:
             t.add_row("last epoch, units", f"mean {last['client_val_acc_mean']:.4f} ± {last['client_val_acc_std']:.4f}")
     b = res.backend
+    job = res.totals
+    # A job several runs trained (--resume): its own totals, this run's share beside them;
+    # this process's counters alone would misreport it.
+    resumed = int(job.get("runs", 1)) > 1
+    if b or resumed:
+        c = job if resumed else b
+        merged = f"{c.get('merged', 0)} merged" + (f" ({b.get('merged', 0)} by this run)" if resumed else "")
+        again = f", {job['resubmitted']} re-submitted on resuming" if resumed and job.get("resubmitted") else ""
+        t.add_row("units", f"{merged}{again}, {c.get('reissued', 0)} re-issued, "
+                           f"{c.get('timed_out', 0)} timed out, {c.get('rejected', 0)} rejected, "
+                           f"{c.get('given_up', 0)} given up")
     if b:
         busy = b.get("slot_busy_s", 0.0)
-        t.add_row("units", f"{b.get('merged', 0)} merged, {b.get('reissued', 0)} re-issued, "
-                           f"{b.get('timed_out', 0)} timed out, {b.get('rejected', 0)} rejected, "
-                           f"{b.get('given_up', 0)} given up")
         t.add_row("slot utilisation", f"{busy / max(1e-9, b.get('elapsed_s', 0) * b.get('slots', 1)):.0%}")
-    t.add_row("elapsed", f"{res.elapsed_s:.1f} s")
+    if resumed:
+        t.add_row("elapsed", f"{float(job.get('active_s', 0)):.1f} s in {job['runs']} runs "
+                             f"({res.elapsed_s:.1f} s this run)")
+    else:
+        t.add_row("elapsed", f"{res.elapsed_s:.1f} s")
     if res.planner:
         startup = res.planner.get("startup_s")
         after = f" after {startup:.1f} s start-up" if startup else ""

@@ -22,6 +22,7 @@ from boinc_dl.server.backends.local import LocalJobSystem
 from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.common.workunit import parse_unit_name
+from boinc_dl.server.run.jobclock import JobClock, end_clock
 from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
@@ -34,7 +35,7 @@ from boinc_dl.server.run.lifecycle import (
     start_local_backend,
     stop_reason,
 )
-from boinc_dl.server.run.outputs import unit_records, write_rows
+from boinc_dl.server.run.outputs import unit_records, write_json, write_rows
 from boinc_dl.server.work_generator.mop.assignment import round_robin_availability
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator, model_file
@@ -158,7 +159,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
             "units": units, "schedule": MopState(store).schedule_log(),
             "visit_orders": gen.visit_orders() if gen else {}, "counters": store.counters(),
             "rejections": store.rejections(100)}
-    (run_dir / "history.json").write_text(json.dumps(hist, indent=1, default=str))
+    write_json(run_dir / "history.json", hist)
     out["history"] = str(run_dir / "history.json")
     return out
 
@@ -219,6 +220,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     exit_code = 0
     snap: dict[str, Any] = {}
     earlier: dict[str, Any] | None = None
+    clock: JobClock | None = None
     try:
         console.print(f"[bold]boinc-dl[/] preparing MOP job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
         prestart_local_backend(store, run_dir, resume)
@@ -233,8 +235,11 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
             store.set_meta(status="running", reason="", **owner_fields())
             backend = start_local_backend(spec, run_dir, redis_url, backend_opts)
             gen = MOPWorkGenerator(store, spec, run_dir, backend, avail, host_of, search_path)
-            gen.recover(resubmit_in_progress=True)
-            watch = RunWatch(spec, store, backend, gen)
+            recovered = gen.recover(resubmit_in_progress=True)
+            if recovered:
+                console.print(f"resumed: {recovered} unit(s) in flight re-submitted")
+            clock = JobClock(store, t0, recovered)
+            watch = RunWatch(spec, store, backend, gen, clock)
             drive(gen, watch, lambda: _table(store, spec, backend, t0), console, live, refresh_per_second=2,
                   report=MOPProgressLines(spec, store, console, t0) if lines and not live else None)
         status = store.meta().get("status", "running")
@@ -255,6 +260,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     res = RunResult(status=status, run_dir=run_dir, backend=earlier.get("backend", snap),
                     elapsed_s=earlier.get("elapsed_s", time.time() - t0),
                     reason=store.meta().get("reason", ""), exit_code=exit_code)
+    res.totals = earlier.get("job") or end_clock(store, clock)
     res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
     res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
     lb = leaderboard(store)
@@ -266,7 +272,7 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
         t.add_row(r["config"], str(r["status"]) + note, str(r["epochs"]),
                   f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-", r["model"])
     console.print(t)
-    (run_dir / "summary.json").write_text(json.dumps(
-        {"status": status, "elapsed_s": res.elapsed_s, "backend": res.backend, "reason": res.reason,
-         "best": lb[0] if lb else None, "outputs": res.outputs}, indent=1, default=str))
+    write_json(run_dir / "summary.json",
+        {"status": status, "elapsed_s": res.elapsed_s, "backend": res.backend, "job": res.totals,
+         "reason": res.reason, "best": lb[0] if lb else None, "outputs": res.outputs})
     return res

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,21 @@ def unit_records(store: JobStore) -> list[dict[str, Any]]:
     return units
 
 
+def write_json(path: Path, data: Any) -> Path:
+    """``data`` as indented JSON at ``path``, whole or not at all: a run killed while
+    writing leaves the earlier file (a ``--resume`` of a finished job reads its
+    ``summary.json`` back), never a truncated one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
 def write_history(run_dir: Path, hist: dict[str, Any]) -> list[Path]:
     """history.json plus epochs.csv and units.csv; returns the paths written."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = [run_dir / "history.json", run_dir / "epochs.csv", run_dir / "units.csv"]
-    out[0].write_text(json.dumps(hist, indent=1, default=str))
+    write_json(out[0], hist)
     write_rows(out[1], hist["epochs"])
     write_rows(out[2], hist["units"])
     return out

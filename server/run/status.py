@@ -17,6 +17,7 @@ from boinc_dl.server.backends.boinc.spotcheck import spot_checks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.procs import pid_alive
 from boinc_dl.server.common.spec import spec_from_json
+from boinc_dl.server.run.jobclock import RUN_COUNTERS, describe_runs
 
 #: A running job's owner (``boinc-dl run``) writes ``heartbeat_at`` about twice a
 #: second; one older than this means the process that ran it is gone (crashed,
@@ -79,6 +80,8 @@ def job_status(store: JobStore) -> dict[str, Any]:
         "best_val_acc": max((e["val_acc"] for e in epochs.values()), default=None),
         "units": dict(states),
         "counters": store.counters(),
+        # seconds `boinc-dl run` processes have trained the job, over every resume
+        "run_time_s": _float(meta.get("active_s")),
         "weights_version": {m: store.version(m) for m in store.models()},
         "rejections": store.rejections(10),
         # the hosts' loss ledgers (BOINC host id -> balance; refused past the limit)
@@ -115,7 +118,10 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
     if st["best_val_acc"] is not None:
         t.add_row("best val accuracy", f"{st['best_val_acc']:.4f}")
     t.add_row("weights versions", ", ".join(f"{m}: {v}" for m, v in st["weights_version"].items()) or "-")
-    c = st["counters"]
+    counters = st["counters"]
+    if counters.get("runs"):  # a local run's job: the runs that trained it, in words
+        t.add_row("runs", describe_runs({**counters, "active_s": st.get("run_time_s") or 0.0}))
+    c = {k: v for k, v in counters.items() if k not in RUN_COUNTERS}
     if c:
         t.add_row("counters", ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
     check = st.get("loss_check")
@@ -163,3 +169,11 @@ def render_status(console: Console, st: dict[str, Any]) -> None:
         for k, v in sorted(st["failed"].items())[:10]:
             f.add_row(k, v)
         console.print(f)
+
+
+def _float(value: str | None) -> float | None:
+    """A meta field as a number (``None`` when absent or not a number)."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

@@ -8,7 +8,6 @@ curve and summary. Ctrl-C stops cleanly; ``--resume`` continues from Redis.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import threading
@@ -29,6 +28,7 @@ from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.planner.runcheck import predict_epoch
 from boinc_dl.server.run.eta import EtaEstimator, format_eta
+from boinc_dl.server.run.jobclock import JobClock, end_clock
 from boinc_dl.server.run.lifecycle import (
     RunResult,
     RunWatch,
@@ -46,6 +46,7 @@ from boinc_dl.server.run.outputs import (
     plot_learning_curve,
     save_final_model,
     write_history,
+    write_json,
 )
 from boinc_dl.server.work_generator.prepare import (
     derived_settings,
@@ -152,6 +153,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
     status = "interrupted"
     exit_code = 0
     earlier: dict[str, Any] = {}
+    clock: JobClock | None = None
     try:
         console.print(f"[bold]boinc-dl[/] preparing job [cyan]{spec.name}[/] in {run_dir}", soft_wrap=True)
         prestart_local_backend(store, run_dir, resume)
@@ -172,7 +174,8 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
             recovered = gen.recover(resubmit_in_progress=True)
             if recovered:
                 console.print(f"resumed: {recovered} unit(s) in flight re-submitted")
-            _drive(gen, spec, store, backend, console, live, lines, t0)
+            clock = JobClock(store, t0, recovered)
+            _drive(gen, spec, store, backend, clock, console, live, lines, t0)
         status = store.meta().get("status", "running")
     except KeyboardInterrupt as e:
         stopped, exit_code = stop_reason(e)
@@ -192,6 +195,7 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
     result = RunResult(status=status, run_dir=run_dir, backend=earlier.get("backend", snap),
                        elapsed_s=earlier.get("elapsed_s", time.time() - t0),
                        reason=store.meta().get("reason", ""), exit_code=exit_code)
+    result.totals = earlier.get("job") or end_clock(store, clock)
     hist = collect_history(store)
     hist["backend"] = snap
     result.epochs = hist["epochs"]
@@ -210,11 +214,11 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
                 "merge_rule": spec.vcasgd.merge_rule, "alpha": spec.vcasgd.alpha,
                 "learning_rate": spec.training.learning_rate,
                 "batch_size": spec.training.batch_size, "derived": [c.field for c in derived_settings(store)]}
-    (run_dir / "summary.json").write_text(json.dumps(
-        {"status": status, "elapsed_s": result.elapsed_s, "backend": result.backend, "reason": result.reason,
-         "planner": result.planner, "settings": settings,
+    write_json(run_dir / "summary.json",
+        {"status": status, "elapsed_s": result.elapsed_s, "backend": result.backend, "job": result.totals,
+         "reason": result.reason, "planner": result.planner, "settings": settings,
          "final_val_acc": result.epochs[-1]["val_acc"] if result.epochs else None,
-         "outputs": result.outputs}, indent=1))
+         "outputs": result.outputs})
     return result
 
 
@@ -240,10 +244,10 @@ def start_checker(spec: JobSpec, store: JobStore, run_dir: Path, redis_url: str)
     return stop
 
 
-def _drive(gen: VCASGDWorkGenerator, spec: JobSpec, store: JobStore, backend: LocalJobSystem,
+def _drive(gen: VCASGDWorkGenerator, spec: JobSpec, store: JobStore, backend: LocalJobSystem, clock: JobClock,
            console: Console, live: bool, lines: bool, t0: float) -> None:
     """Step the work generator until the job finishes, refreshing the progress view."""
-    watch = RunWatch(spec, store, backend, gen, every_s=0.25 if live else 0.5)
+    watch = RunWatch(spec, store, backend, gen, clock, every_s=0.25 if live else 0.5)
     eta = EtaEstimator(n_shards(spec) * spec.training.epochs)
     report = ProgressLines(spec, store, backend, console, t0, EtaEstimator(n_shards(spec) * spec.training.epochs)) \
         if lines and not live else None
