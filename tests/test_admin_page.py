@@ -365,8 +365,11 @@ def test_page_shows_mop_models_with_hyper_parameters(page: PhpServer, redis_tcp)
     state = MopState(JobStore(r, "cifar-mop"))
     state.put_config("0", {"params": {"lr": 0.1, "units": 32}, "status": "running"})
     state.put_config("1", {"params": {"lr": 0.01, "units": 64}, "status": "stopped", "reason": "successive halving"})
-    for e, (a0, a1) in enumerate([(0.5, 0.6), (0.7, 0.65)], start=1):
+    # model 2 peaked at epoch 1 (0.8) but its weights now score 0.62: ranked by those
+    state.put_config("2", {"params": {"lr": 1.0, "units": 8}, "status": "running"})
+    for e, (a0, a1, a2) in enumerate([(0.5, 0.6, 0.8), (0.7, 0.65, 0.62)], start=1):
         state.put_model_result(e, "0", {"val_acc": a0, "val_loss": 1.0})
+        state.put_model_result(e, "2", {"val_acc": a2, "val_loss": 1.0})
         if e == 1:
             state.put_model_result(e, "1", {"val_acc": a1, "val_loss": 1.0})
     state.put_results(1, {"0": {"val_acc": 0.5}, "1": {"val_acc": 0.6}})
@@ -376,14 +379,15 @@ def test_page_shows_mop_models_with_hyper_parameters(page: PhpServer, redis_tcp)
     models = t.tables["bdl-models"][1:]
     # rank  hyper-parameters  model  status  epochs done  last  best  weights version  note
     assert models[0][:7] == ["1", "lr=0.1, units=32", "0", "running", "2", "0.7", "0.7"]
-    assert models[1][:7] == ["2", "lr=0.01, units=64", "1", "stopped", "1", "0.6", "0.6"]
-    assert models[1][8] == "successive halving"
+    assert models[1][:7] == ["2", "lr=1, units=8", "2", "running", "2", "0.62", "0.8"]
+    assert models[2][:7] == ["3", "lr=0.01, units=64", "1", "stopped", "1", "0.6", "0.6"]
+    assert models[2][8] == "successive halving"
     meta = dict(row for row in t.tables["bdl-meta"] if len(row) == 2)
     assert meta["weights of model lr=0.1, units=32"].startswith("version 0")
     svg = html[html.index('<svg id="bdl-model-curves"'):]
     svg = svg[: svg.index("</svg>")]
-    assert svg.count('<g class="model">') == 2 and svg.count("<polyline") == 1  # model 0: 2 epochs
-    assert svg.count("<circle") == 3
+    assert svg.count('<g class="model">') == 3 and svg.count("<polyline") == 2  # models 0 and 2: 2 epochs
+    assert svg.count("<circle") == 5
 
 
 def test_page_shows_the_cloud_cost(page: PhpServer, redis_tcp) -> None:

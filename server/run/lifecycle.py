@@ -52,6 +52,8 @@ class RunResult:
     #: The job's totals over every run that trained it (:func:`~boinc_dl.server.run.jobclock.job_totals`);
     #: ``backend`` and ``elapsed_s`` are this process's.
     totals: dict[str, Any] = field(default_factory=dict)
+    #: MOP: the leaderboard's first row (the configuration ``best_model.keras`` holds).
+    best: dict[str, Any] | None = None
 
 
 def default_run_dir(spec: JobSpec) -> Path:
@@ -298,7 +300,13 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
     """The one-screen summary printed at the end of a run."""
     t = Table(title=f"{res.job or spec.name}: {res.status}" + (f" ({res.reason})" if res.reason else ""),
               show_header=False)
-    if res.epochs:
+    if res.best is not None:  # model selection: the configuration it selected, by its kept weights
+        t.add_row("epochs closed", f"{len(res.epochs)} of {spec.training.epochs}")
+        b = res.best
+        acc = f"val accuracy {b['final_val_acc']:.4f}" if b.get("final_val_acc") is not None else "no result"
+        t.add_row("best configuration", f"{b['config']}: {acc} after {b['epochs']} epoch(s) "
+                                        f"(model {b['model']}, best_model.keras)")
+    elif res.epochs:
         last = res.epochs[-1]
         best = max(res.epochs, key=lambda e: e["val_acc"])
         t.add_row("epochs closed", f"{len(res.epochs)} of {spec.training.epochs}")

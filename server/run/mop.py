@@ -67,12 +67,29 @@ def format_params(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={value(v)}" for k, v in params.items()) or "(no parameters)"
 
 
+def _acc(v: float | None) -> str:
+    return f"{v:.4f}" if v is not None else "-"
+
+
+def _short(reason: str, width: int = 24) -> str:
+    """A reason as the printed leaderboard shows it: whole when short, else its first
+    clause (``exploited: replaced by a copy of c43...`` -> ``exploited``); leaderboard.csv
+    keeps it whole."""
+    return reason if len(reason) <= width else reason.split(":")[0][:width]
+
+
 #: Reasons that say nothing beyond the status (every model of a finished grid search).
 _PLAIN_REASONS = ("", "search finished")
 
 
 def leaderboard(store: JobStore) -> list[dict[str, Any]]:
-    """One row per configuration, best validation accuracy first."""
+    """One row per configuration, best first: by the validation accuracy of the weights
+    it ends with (``final_val_acc``, what ``best_model.keras`` holds for the first row),
+    ties by its best accuracy at any epoch, then by epochs trained.
+
+    Ranking by the best epoch instead would name a model whose weights no longer score
+    that: only each configuration's latest weights are kept (a PBT run's top row read
+    0.9930 where its saved weights scored 0.9859)."""
     state = MopState(store)
     configs = state.configs()
     results = state.results()
@@ -84,8 +101,16 @@ def leaderboard(store: JobStore) -> list[dict[str, Any]]:
                      "params": json.dumps(c.get("params", {}), sort_keys=True),
                      "config": format_params(c.get("params", {})), "parent": c.get("parent"),
                      "reason": c.get("reason", ""), "curve": curve})
-    rows.sort(key=lambda r: -(r["best_val_acc"] if r["best_val_acc"] is not None else -1.0))
+    rows.sort(key=_rank)
     return rows
+
+
+def _rank(row: dict[str, Any]) -> tuple[float, float, int]:
+    """Sort key of a leaderboard row (ascending: best first); rows without a result last."""
+    def acc(v: float | None) -> float:
+        return -v if v is not None else 1.0
+
+    return acc(row["final_val_acc"]), acc(row["best_val_acc"]), -int(row["epochs"])
 
 
 def curves_figure(rows: list[dict[str, Any]], title: str) -> Any:
@@ -138,7 +163,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
     fig.savefig(png)
     plt.close(fig)
     out["learning_curves"] = str(png)
-    best = next((r for r in rows if r["best_val_acc"] is not None), None)
+    best = next((r for r in rows if r["final_val_acc"] is not None), None)
     if best is not None:
         from boinc_dl.server.run.outputs import save_final_model
 
@@ -168,13 +193,13 @@ def _table(store: JobStore, spec: JobSpec, backend: LocalJobSystem, t0: float) -
     meta = store.meta()
     snap = backend.snapshot()
     t = Table(title=f"boinc-dl · {spec.name} · MOP, {backend.n_hosts} hosts x {backend.n_slots} slots", box=None)
-    t.add_column("configuration")
+    t.add_column("configuration", overflow="fold")
     t.add_column("status")
     t.add_column("epochs")
+    t.add_column("val acc")
     t.add_column("best val acc")
     for r in leaderboard(store)[:12]:
-        t.add_row(r["config"], str(r["status"]), str(r["epochs"]),
-                  f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-")
+        t.add_row(r["config"], str(r["status"]), str(r["epochs"]), _acc(r["final_val_acc"]), _acc(r["best_val_acc"]))
     closed = int(float(meta.get("closed_epoch", 0)))
     t.caption = (f"epochs {closed} / {spec.training.epochs} closed · running {snap['running']}, queued "
                  f"{snap['unsent']} · re-issued {snap['reissued']} · {time.time() - t0:.0f} s")
@@ -195,13 +220,13 @@ class MOPProgressLines:
             return
         rows = leaderboard(self.store)
         live = sum(1 for r in rows if r["status"] == "running")
-        best = next((r for r in rows if r["best_val_acc"] is not None), None)
+        best = next((r for r in rows if r["final_val_acc"] is not None), None)
         for e in range(self.closed + 1, closed + 1):
             text = f"epoch {e}/{self.spec.training.epochs} - {len(rows)} configurations"
             if live and not final:
                 text += f", {live} training"
             if best is not None and e == closed:
-                text += f" - best val_acc {best['best_val_acc']:.4f}: {best['config']}"
+                text += f" - best val_acc {best['final_val_acc']:.4f}: {best['config']}"
             self.console.print(f"{text} - {time.time() - self.t0:.1f} s", highlight=False, soft_wrap=True)
         self.closed = closed
 
@@ -264,13 +289,18 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
     res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
     res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
     lb = leaderboard(store)
-    t = Table(title=f"leaderboard ({len(lb)} configurations)")
-    for col in ("configuration", "status", "epochs", "best val acc", "model"):
-        t.add_column(col)
+    res.best = lb[0] if lb else None
+    t = Table(title=f"leaderboard ({len(lb)} configurations; val acc: of the weights kept, best first)")
+    # The configuration whole, folded rather than cut: its values are what tells rows apart.
+    # (The model ids are in leaderboard.csv: 80 columns hold the rest unbroken.)
+    t.add_column("configuration", overflow="fold", min_width=22)
+    t.add_column("status", no_wrap=True)
+    for col in ("epochs", "val acc", "best"):
+        t.add_column(col, no_wrap=True)
     for r in lb[:20]:
-        note = f" ({r['reason']})" if r["reason"] not in _PLAIN_REASONS else ""
-        t.add_row(r["config"], str(r["status"]) + note, str(r["epochs"]),
-                  f"{r['best_val_acc']:.4f}" if r["best_val_acc"] is not None else "-", r["model"])
+        note = f" ({_short(r['reason'])})" if r["reason"] not in _PLAIN_REASONS else ""
+        t.add_row(r["config"], str(r["status"]) + note, str(r["epochs"]), _acc(r["final_val_acc"]),
+                  _acc(r["best_val_acc"]))
     console.print(t)
     write_json(run_dir / "summary.json",
         {"status": status, "elapsed_s": res.elapsed_s, "backend": res.backend, "job": res.totals,

@@ -1060,7 +1060,9 @@ function bdl_quorum_table($q) {
                    . "&lt;one_result_per_user_per_wu&gt; (boinc-dl boinc install --min-quorum 2 does).</p>\n" : '');
 }
 
-/** MOP: every model with its hyper-parameters, state and accuracy, best first. */
+/** MOP: every model with its hyper-parameters, state and accuracy, best first: by the
+ *  accuracy of the weights it keeps (its last epoch's), then its best epoch's, then epochs
+ *  done, as `boinc-dl run`'s leaderboard ranks them (only the latest weights are kept). */
 function bdl_models_table($j) {
     $rows = array();
     $models = array_unique(array_merge(array_keys($j['configs']), array_keys($j['model_results'])));
@@ -1072,14 +1074,17 @@ function bdl_models_table($j) {
             if (!isset($x['val_acc']) || !is_numeric($x['val_acc'])) continue;
             $a = (float)$x['val_acc'];
             if ($best === null || $a > $best) $best = $a;
-            $last = $a; $last_e = $e;
+            if ($last_e === null || (int)$e > (int)$last_e) { $last = $a; $last_e = $e; }
         }
         $rows[] = array('m' => $m, 'cfg' => $cfg, 'best' => $best, 'last' => $last, 'last_e' => $last_e);
     }
     usort($rows, function ($a, $b) {
-        $x = $a['best'] === null ? -1.0 : $a['best'];
-        $y = $b['best'] === null ? -1.0 : $b['best'];
-        return $x == $y ? strcmp($a['m'], $b['m']) : ($x < $y ? 1 : -1);
+        foreach (array('last', 'best', 'last_e') as $k) {
+            $x = $a[$k] === null ? -1.0 : (float)$a[$k];
+            $y = $b[$k] === null ? -1.0 : (float)$b[$k];
+            if ($x != $y) return $x < $y ? 1 : -1;
+        }
+        return strcmp($a['m'], $b['m']);
     });
     $o = "<table id=\"bdl-models\"><tr><th>#</th><th class=l>hyper-parameters</th><th class=l>model</th>"
        . "<th class=l>status</th><th>epochs done</th><th>val acc (last)</th><th>val acc (best)</th>"
