@@ -232,6 +232,36 @@ def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
     assert f"2 runs, {job['active_s']:.1f} s of run time" in text, text
 
 
+def test_cancel_stops_a_running_job_and_leaves_a_finished_one_alone(tmp_path: Path, finished) -> None:
+    """``boinc-dl cancel`` from another terminal: the run ends as cancelled with the weights
+    it had (final_model.keras) and no unit left "in progress"; a finished job keeps its
+    status (a cancel once turned a done job into a cancelled one)."""
+    spec = user_files(tmp_path, MINIMAL.replace("epochs: 2", "epochs: 40"))
+    proc = subprocess.Popen([BDL, "run", str(spec), *SMALL], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines = _Lines(proc)
+    lines.wait_for("epoch 1/40", proc)
+    res = bdl("cancel", "mine", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == "job mine cancelled", (res.stdout, res.stderr)
+    assert proc.wait(timeout=120) == 1
+    time.sleep(0.2)  # the reader thread drains the last lines
+    out = "".join(lines.lines)
+    assert "job mine cancelled: cancelled by the user" in out, out
+    run_dir = tmp_path / "runs" / "mine"
+    st = json.loads(bdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert st["status"] == "cancelled" and st["closed_epochs"] < 40, st
+    assert set(st["units"]) <= {"assimilated", "cancelled"}, st["units"]  # nothing left in progress
+    assert (run_dir / "final_model.keras").stat().st_size > 0 and "final_model.keras" in out
+    again = bdl("cancel", "mine", cwd=tmp_path)
+    assert again.returncode == 0 and again.stdout.strip() == "job mine already cancelled: nothing to cancel"
+    # the finished run of the fixture: done it stays
+    done_dir, _res = finished
+    res = bdl("cancel", "mine", "--run-dir", str(done_dir / "runs" / "mine"), cwd=done_dir)
+    assert res.returncode == 0 and res.stdout.strip() == "job mine already done: nothing to cancel", res.stdout
+    st = json.loads(bdl("status", str(done_dir / "runs" / "mine"), "--json", cwd=done_dir).stdout)
+    assert st["status"] == "done" and st["reason"] == "2 epochs done", st
+
+
 # ---- validate: clear refusals, quiet with keras imported at the top -----------------------------
 
 @pytest.mark.parametrize(("extra", "field"), [

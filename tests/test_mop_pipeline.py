@@ -186,3 +186,36 @@ def test_a_finished_assignment_is_logged_once_across_a_restart(redis_client) -> 
     assert st.log_assignment("sel__m0_e0002_p1", rec) is False  # the restart's second sight
     assert st.log_assignment("sel__m1_e0002_p1", {**rec, "model": "m1"}) is True
     assert [r["model"] for r in st.schedule_log()] == ["m0", "m1"]
+
+
+def test_a_job_cancelled_from_outside_leaves_nothing_open(tmp_path, redis_server) -> None:
+    """``boinc-dl cancel`` sets the status from another process: the generator's next step
+    cancels the units in flight (in the job system and in Redis) and ends the
+    configurations still training, so status and the leaderboard say the job is over."""
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.store import JobStore
+    from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator
+    from boinc_dl.server.work_generator.prepare import prepare_job
+    from tests.test_mop_run import _spec
+
+    class Cancelling(_Recorder):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cancelled: list[str] = []
+
+        def cancel(self, unit: str) -> None:
+            self.cancelled.append(unit)
+
+    spec = _spec("cancelme")
+    store = JobStore(connect(redis_server.url), "cancelme")
+    prepare_job(spec, store, tmp_path, search_path=REPO / "examples")
+    backend = Cancelling()
+    gen = MOPWorkGenerator(store, spec, tmp_path, backend, None, search_path=REPO / "examples")
+    assert gen.step() and backend.submitted
+    assert store.cancel() is None  # what `boinc-dl cancel` does
+    assert gen.step() is False
+    assert sorted(backend.cancelled) == sorted(backend.submitted)
+    assert set(store.unit_states().values()) == {"cancelled"}
+    configs = gen.state.configs().values()
+    assert {c["status"] for c in configs} == {"stopped"} and {c["reason"] for c in configs} == {"job cancelled"}
+    assert store.cancel() == "cancelled"  # a second cancel changes nothing

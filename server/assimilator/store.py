@@ -95,6 +95,7 @@ from boinc_dl.server.assimilator.retained import RetainedInput
 from boinc_dl.server.assimilator.retry import Backoff, is_transient
 from boinc_dl.server.assimilator.shards import ShardLayout, Snapshot
 from boinc_dl.server.common.errors import StoreUnavailable, UnknownJob
+from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.common.weights import Fingerprint
 
 PREFIX = "bdl"
@@ -215,6 +216,24 @@ class JobStore(ShardMerging):
     def set_meta(self, **fields: Any) -> None:
         fields = {k: (json.dumps(v) if isinstance(v, dict | list) else v) for k, v in fields.items()}
         self.call(lambda: self.r.hset(self.k("meta"), mapping=fields))
+
+    # Cancelling is a compare-and-set: a job that finished meanwhile (the run's last epoch
+    # closing as the user cancels) keeps its status.
+    _CANCEL = """
+    local status = redis.call('HGET', KEYS[1], 'status')
+    for i = 3, #ARGV do if status == ARGV[i] then return status end end
+    redis.call('HSET', KEYS[1], 'status', 'cancelled', 'stopping', 1, 'finished_at', ARGV[1], 'reason', ARGV[2])
+    return ''
+    """
+
+    def cancel(self, reason: str = "cancelled by the user") -> str | None:
+        """End the job as cancelled unless it has finished already; returns the status it
+        had finished with (``done``, ``failed``, ``cancelled``), or ``None`` when this call
+        cancelled it."""
+        script = self._script("cancel", self._CANCEL)
+        was = self.call(lambda: script(keys=[self.k("meta")], args=[time.time(), reason, *FINISHED]))
+        was = was.decode() if isinstance(was, bytes) else str(was or "")
+        return was or None
 
     def fingerprint(self, model: str = "0") -> Fingerprint:
         """Model ``model``'s fingerprint (parsed once per text: a 700-tensor model's

@@ -239,11 +239,12 @@ def cancel(
     from boinc_dl.server.backends.boinc.submit import cancel_job
 
     try:
-        n = cancel_job(project, job)
+        was, n = cancel_job(project, job)
     except BoincDLError as e:
         _fail(e)
         return
-    typer.echo(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")
+    done = f"job {job} already {was}: not cancelled" if was else f"job {job} cancelled"
+    typer.echo(f"{done} ({n} workunit(s) cancelled in BOINC)")
 
 
 @boinc_app.command()

@@ -202,13 +202,14 @@ def cancel(
         if project is not None:
             from boinc_dl.server.backends.boinc.submit import cancel_job
 
-            n = cancel_job(project, job)
-            console.print(f"job {job} cancelled ({n} workunit(s) cancelled in BOINC)")
+            was, n = cancel_job(project, job)
+            done = f"job {job} already {was}: not cancelled" if was else f"job {job} cancelled"
+            console.print(f"{done} ({n} workunit(s) cancelled in BOINC)")
             return
         with _open_store_redis(run_dir or Path("runs") / job, redis_url) as r:
-            store = JobStore(r, job).require()
-            store.set_meta(status="cancelled", stopping=1, reason="cancelled by the user")
-        console.print(f"job {job} cancelled")
+            was = JobStore(r, job).require().cancel()
+        # A finished job keeps its status (and its outputs' story): nothing left to stop.
+        console.print(f"job {job} already {was}: nothing to cancel" if was else f"job {job} cancelled")
     except BoincDLError as e:
         _fail(e)
 

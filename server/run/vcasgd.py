@@ -205,9 +205,11 @@ def run_vcasgd(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, store
         png = plot_learning_curve(run_dir / "learning_curve.png", {"VC-ASGD": hist["epochs"]},
                                   f"{spec.name}: validation accuracy per epoch")
         result.outputs["learning_curve"] = str(png)
-    if status == "done":
+    if status in ("done", "cancelled"):
+        # A cancelled job keeps what it learned: the server's weights when it was stopped.
         flat, _ = store.get_weights("0")
         result.outputs["final_model"] = str(save_final_model(run_dir, files.model, flat))
+    if status == "done":
         result.planner = earlier["planner"] if "planner" in earlier else predict_epoch(
             spec, hist["units"], int(flat.size), result.elapsed_s, len(result.epochs), backend_opts)
     settings = {"n_subsets": spec.vcasgd.n_subsets, "local_epochs": spec.training.local_epochs,

@@ -48,6 +48,7 @@ from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
 from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, unit_training
+from boinc_dl.server.work_generator.settle import cancel_open_units
 from boinc_dl.server.work_generator.vcasgd import unit_seed
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,12 @@ class MOPWorkGenerator:
 
     def _set_config(self, cid: str, **fields: Any) -> None:
         self.state.update_config(cid, **fields)
+
+    def _end_running_configs(self, reason: str) -> None:
+        """Configurations still training when the job ended: ``stopped``, with why."""
+        for cid, c in self._configs().items():
+            if c.get("status") == "running":
+                self._set_config(cid, status="stopped", reason=reason)
 
     def _results(self) -> dict[int, dict[str, dict[str, Any]]]:
         return self.state.results()
@@ -392,6 +399,10 @@ class MOPWorkGenerator:
         """One pass: absorb results, close the epoch when complete, create units."""
         meta = self.store.meta()
         if meta.get("status") in FINISHED:
+            # ended by someone else (``boinc-dl cancel``): nothing left open, and no
+            # configuration shown as still running
+            cancel_open_units(self.store, self.backend)
+            self._end_running_configs(f"job {meta['status']}")
             return False
         self._poll_results()
         if self.pipelined:

@@ -63,6 +63,7 @@ from boinc_dl.server.common.workunit import (
     unit_name,
 )
 from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, n_shards, unit_training
+from boinc_dl.server.work_generator.settle import cancel_open_units
 
 log = logging.getLogger(__name__)
 
@@ -384,10 +385,7 @@ class VCASGDWorkGenerator:
     def _finish(self, status: str, reason: str) -> None:
         """End the job: cancel units still in flight (of later epochs) and record why."""
         self.store.set_meta(stopping=1)
-        for unit, state in self.store.unit_states().items():
-            if state in ("created", "in_progress"):
-                self.backend.cancel(unit)
-                self.store.transition_unit(unit, state, "cancelled")
+        cancel_open_units(self.store, self.backend)
         self.store.set_meta(status=status, finished_at=time.time(), reason=reason)
         log.info("job %s %s: %s", self.spec.name, status, reason)
 
@@ -423,6 +421,8 @@ class VCASGDWorkGenerator:
     def _step(self) -> bool:
         self.close_epochs()
         if self.status() in FINISHED:
+            # ended here, or by someone else (``boinc-dl cancel``): nothing left open
+            cancel_open_units(self.store, self.backend)
             return False
         self.service_regenerations()
         window = self.current_window()

@@ -87,8 +87,8 @@ def test_finished_job_is_swept_and_cancel(installed, tiny_boinc_job) -> None:
     store.r.sadd(BoincRegistry(store).created_key, *units)
     for u in units:
         store.transition_unit(u, "created", "in_progress")
-    n = cancel_job(installed.root, spec.name)
-    assert n == 4  # 2 in BOINC + 2 never created
+    was, n = cancel_job(installed.root, spec.name)
+    assert was is None and n == 4  # 2 in BOINC + 2 never created
     assert sorted(c["argv"][1] for c in calls(installed.root, "cancel_jobs")) == units
     assert all(fake_db(installed.root)["workunits"][u]["error_mask"] & 16 for u in units)
     meta = store.meta()
@@ -100,6 +100,9 @@ def test_finished_job_is_swept_and_cancel(installed, tiny_boinc_job) -> None:
     from boinc_dl.server.backends.boinc.jobsystem import BoincJobSystem
 
     assert finalize_job(store, BoincJobSystem(installed, store.r)) == 0
+    # cancelling it again changes nothing: it says how it had ended
+    assert cancel_job(installed.root, spec.name) == ("cancelled", 0)
+    assert store.meta()["finished_at"] == meta["finished_at"]
 
 
 def test_cancel_unknown_job(installed) -> None:

@@ -39,6 +39,7 @@ from boinc_dl.server.common import diskfaults
 from boinc_dl.server.common.errors import BoincDLError, StoreUnavailable
 from boinc_dl.server.common.spec import spec_from_json
 from boinc_dl.server.common.states import FINISHED
+from boinc_dl.server.work_generator.settle import cancel_open_units
 
 log = logging.getLogger("boinc-dl.work_generator")
 
@@ -56,21 +57,10 @@ SWEEP_GRACE_S = 600.0
 WAKE_S = 0.25
 
 
-def cancel_in_flight(store: JobStore, backend: BoincJobSystem) -> int:
-    """Cancel (in BOINC and in Redis) the job's units still created or in progress."""
-    n = 0
-    for unit, state in store.unit_states().items():
-        if state in ("created", "in_progress"):
-            backend.cancel(unit)
-            store.transition_unit(unit, state, "cancelled")
-            n += 1
-    return n
-
-
 def finalize_job(store: JobStore, backend: BoincJobSystem) -> int:
     """A finished job: cancel its units in flight and every workunit BOINC may still
     send (regenerated or superseded ones included), unstage its files (once)."""
-    n = cancel_in_flight(store, backend)
+    n = cancel_open_units(store, backend)
     n += backend.cancel_all(store.job)
     if store.meta().get("boinc_finalized") != "1":
         removed = backend.unstage_job(store.job)

@@ -20,7 +20,6 @@ from boinc_dl.server.backends.boinc.project import BoincProject
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.filelock import FileLock, LockBusy
 from boinc_dl.server.common.spec import JobSpec
-from boinc_dl.server.common.states import FINISHED
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +59,12 @@ def submit_job(spec: JobSpec, project_dir: str | Path, resume: bool = False,
     return job_dir
 
 
-def cancel_job(project_dir: str | Path, job: str) -> int:
-    """Stop ``job`` and cancel its workunits in BOINC; returns how many were cancelled."""
+def cancel_job(project_dir: str | Path, job: str) -> tuple[str | None, int]:
+    """Stop ``job`` and cancel its workunits in BOINC: (the status it had already finished
+    with, ``None`` when this call cancelled it; how many workunits were cancelled)."""
     project = BoincProject(project_dir).require()
     r = connect(project.redis_url())
     store = JobStore(r, job).require()
-    meta = store.meta()
-    if meta.get("status") not in FINISHED:
-        store.set_meta(status="cancelled", stopping=1, finished_at=time.time(), reason="cancelled by the user")
+    was = store.cancel()
     backend = BoincJobSystem(project, r)
-    return finalize_job(store, backend)
+    return was, finalize_job(store, backend)
