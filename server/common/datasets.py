@@ -92,13 +92,31 @@ def load_arrays(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
     if len(x) == 0:
         raise DatasetError(f"{p}: empty dataset")
     if not np.issubdtype(np.asarray(y).dtype, np.integer):
-        raise DatasetError(f"{p}: labels 'y' must be integers, got {y.dtype}")
+        raise DatasetError(f"{p}: labels 'y' must be integers, got {y.dtype}{label_hint(y)}")
     check_arrays(str(p), x, y)
     return np.asarray(x, dtype=np.float32), np.asarray(y, dtype=np.int32)
 
 
 #: Labels are class indices: far more classes than this is a mistake, not a dataset.
 MAX_CLASSES = 1_000_000
+
+
+def label_hint(y: np.ndarray) -> str:
+    """How to turn common label layouts into class indices, for the error that refuses
+    them: one-hot rows, a column of indices, whole numbers stored as floats."""
+    y = np.asarray(y)
+    if y.dtype.kind in "US" and y.ndim == 1:
+        return ": class names; save np.unique(y, return_inverse=True)[1] instead (the class indices)"
+    if not np.issubdtype(y.dtype, np.number) or y.size == 0:
+        return ""
+    with np.errstate(all="ignore"):
+        if y.ndim == 2 and y.shape[1] > 1 and np.isin(y, (0, 1)).all() and (y.sum(axis=1) == 1).all():
+            return ": the rows are one-hot; save y.argmax(axis=1) instead"
+        if y.ndim == 2 and y.shape[1] == 1:
+            return ": one column; save y[:, 0] (or y.ravel()) instead"
+        if np.issubdtype(y.dtype, np.floating) and np.isfinite(y).all() and (y == np.round(y)).all():
+            return ": whole numbers stored as floats; save y.astype('int64') instead"
+    return ""
 
 
 def check_arrays(source: str, x: np.ndarray, y: np.ndarray) -> None:
@@ -113,7 +131,8 @@ def check_arrays(source: str, x: np.ndarray, y: np.ndarray) -> None:
         if np.issubdtype(x.dtype, np.floating) and x.size and float(np.abs(x).max()) > 3.0e38:
             raise DatasetError(f"{source}: features 'x' hold values beyond float32's range")
     if y.ndim != 1:
-        raise DatasetError(f"{source}: labels 'y' must be one class index per example, got shape {y.shape}")
+        raise DatasetError(f"{source}: labels 'y' must be one class index per example, got shape {y.shape}"
+                           f"{label_hint(y)}")
     if y.size and int(y.min()) < 0:
         raise DatasetError(f"{source}: labels 'y' must be class indices >= 0, found {int(y.min())}")
     if y.size and int(y.max()) >= MAX_CLASSES:
