@@ -133,6 +133,9 @@ def test_a_second_run_offers_resume_new_overwrite(finished) -> None:
     assert st.returncode == 0, st.stderr
     assert "job mine (vcasgd)" in st.stdout and "job mine-2 (vcasgd)" in st.stdout, st.stdout
     assert re.search(r"run directory\s+│ runs/mine\s", st.stdout) and "runs/mine-2" in st.stdout, st.stdout
+    # --json: one document, an array of both jobs (it printed two objects one after the other)
+    st = bdl("status", "--json", cwd=tmp)
+    assert st.returncode == 0 and [j["job"] for j in json.loads(st.stdout)] == ["mine", "mine-2"], st.stdout
 
     (first / "notes.txt").write_text("the user's own file")
     over = bdl("run", "job.yaml", "--overwrite", "--epochs", "1", *SMALL, cwd=tmp)
@@ -256,10 +259,11 @@ def test_cancel_stops_a_running_job_and_leaves_a_finished_one_alone(tmp_path: Pa
     assert again.returncode == 0 and again.stdout.strip() == "job mine already cancelled: nothing to cancel"
     # the finished run of the fixture: done it stays
     done_dir, _res = finished
+    before = json.loads(bdl("status", str(done_dir / "runs" / "mine"), "--json", cwd=done_dir).stdout)
     res = bdl("cancel", "mine", "--run-dir", str(done_dir / "runs" / "mine"), cwd=done_dir)
     assert res.returncode == 0 and res.stdout.strip() == "job mine already done: nothing to cancel", res.stdout
     st = json.loads(bdl("status", str(done_dir / "runs" / "mine"), "--json", cwd=done_dir).stdout)
-    assert st["status"] == "done" and st["reason"] == "2 epochs done", st
+    assert before["status"] == st["status"] == "done" and st["reason"] == before["reason"], st
 
 
 # ---- validate: clear refusals, quiet with keras imported at the top -----------------------------

@@ -165,7 +165,7 @@ def status(
             dirs = sorted(p.parent for p in Path("runs").glob("*/redis")) or [None]
             if dirs == [None]:
                 raise BoincDLError("no runs found under ./runs; give a job name, --run-dir or --redis-url")
-        found = False
+        found: list[dict] = []
         for d in dirs:
             with _open_store_redis(d, redis_url) as r:
                 from boinc_dl.server.assimilator.store import JobStore
@@ -175,15 +175,16 @@ def status(
                     st = job_status(JobStore(r, name).require())
                     if d is not None:
                         st["run_dir"] = str(d)
-                    found = True
-                    if as_json:
-                        import json
-
-                        console.print_json(json.dumps(st, default=str))
-                    else:
+                    found.append(st)
+                    if not as_json:
                         render_status(console, st)
         if not found:
             raise UnknownJob(f"no job {job!r} found" if job else "no jobs found")
+        if as_json:
+            import json
+
+            # one JSON document whatever was found: a job's object, or an array of them
+            console.print_json(json.dumps(found[0] if len(found) == 1 else found, default=str))
     except BoincDLError as e:
         _fail(e)
 
