@@ -10,3 +10,6 @@ FINISHED: tuple[str, ...] = ("done", "failed", "cancelled")
 #: A unit's state once its result will never be merged (again): merged, given up, or
 #: cancelled with its job.
 SETTLED: tuple[str, ...] = ("assimilated", "failed", "cancelled")
+
+#: A unit's state while its result may still be merged: registered, or handed to hosts.
+OPEN: tuple[str, ...] = ("created", "in_progress")

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.backends.base import JobSystem
-
-#: Unit states that can still lead to a merge.
-OPEN = ("created", "in_progress")
+from boinc_dl.server.common.states import OPEN
 
 
 def cancel_open_units(store: JobStore, backend: JobSystem) -> int:

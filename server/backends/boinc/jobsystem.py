@@ -92,7 +92,7 @@ from boinc_dl.server.backends.boinc.registry import BoincRegistry
 from boinc_dl.server.backends.boinc.spotcheck import SpotChecks
 from boinc_dl.server.common.errors import BoincDLError
 from boinc_dl.server.common.spec import JobSpec, spec_from_json
-from boinc_dl.server.common.states import SETTLED
+from boinc_dl.server.common.states import OPEN, SETTLED
 from boinc_dl.server.common.workunit import (
     WEIGHTS_IN,
     WU_JSON,
@@ -329,7 +329,7 @@ class BoincJobSystem(JobSystem):
         out, done = [], []
         for wu, unit in pending.items():
             rec = current.get(unit)
-            if states.get(unit) not in ("created", "in_progress"):
+            if states.get(unit) not in OPEN:
                 done.append(wu)  # settled meanwhile
             elif rec and rec.get("name") == wu:
                 if states.get(unit) == "in_progress":
