@@ -219,3 +219,66 @@ def test_a_job_cancelled_from_outside_leaves_nothing_open(tmp_path, redis_server
     configs = gen.state.configs().values()
     assert {c["status"] for c in configs} == {"stopped"} and {c["reason"] for c in configs} == {"job cancelled"}
     assert store.cancel() == "cancelled"  # a second cancel changes nothing
+
+
+class _Killed(BaseException):
+    """Stands for a SIGKILL: nothing after it runs (not an Exception: no handler sees it)."""
+
+
+@pytest.mark.slow
+def test_a_kill_inside_an_epoch_close_is_finished_by_the_restart_not_decided_again(tmp_path, redis_server) -> None:
+    """PBT keeps the epoch barrier: the close records the epoch's results, the search decides
+    (stop the worst, clone the best), then the scheduler is saved. Killed in between, the
+    restart's replay had already fed those results to the search, and closing the epoch
+    again asked it to decide epoch 1 twice: "expected results of epoch 2, got epoch 1", a
+    crash on every --resume. Found by SIGKILLing `boinc-dl run` of a PBT job at random."""
+    import json
+
+    from boinc_dl.server.assimilator.connection import connect
+    from boinc_dl.server.assimilator.store import JobStore
+    from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
+    from boinc_dl.server.work_generator.mop_generator import MOPWorkGenerator
+    from boinc_dl.server.work_generator.prepare import prepare_job
+    from tests.test_mop_run import _spec
+
+    spec = _spec("pbtkill", mop={"partitions": 2, "search": "pbt", "budget": 4,
+                                 "param_grid": {"hidden": [8, 16], "learning_rate": {"loguniform": [0.001, 0.1]}},
+                                 "search_options": {"quantile": 0.5}})
+    store = JobStore(connect(redis_server.url), "pbtkill")
+    prepare_job(spec, store, tmp_path, search_path=REPO / "examples")
+
+    def finish_flight(gen: MOPWorkGenerator) -> None:
+        for a in gen.sched.in_flight():
+            store.r.hset(store.k("assimilated"), gen._unit(a), json.dumps({"val_acc": 0.5}))
+
+    gen = MOPWorkGenerator(store, spec, tmp_path, _Recorder(), None, search_path=REPO / "examples")
+    assert not gen.pipelined
+    for _ in range(2):  # epoch 1: each model on both partitions
+        gen.step()
+        finish_flight(gen)
+    gen._poll_results()
+    assert gen.sched.epoch_done()
+    killed = MOPScheduler.start_epoch
+
+    def kill(self, *a, **k):
+        raise _Killed
+
+    MOPScheduler.start_epoch = kill
+    try:
+        with pytest.raises(_Killed):
+            gen.step()  # closes epoch 1: results recorded, decision taken, killed before the save
+    finally:
+        MOPScheduler.start_epoch = killed
+    decided = store.epochs()[1]
+    assert decided["stopped"] and decided["added"]  # PBT did stop and clone at epoch 1
+
+    backend = _Recorder()
+    again = MOPWorkGenerator(store, spec, tmp_path, backend, None, search_path=REPO / "examples")
+    assert again.step()  # it crashed here
+    assert store.epochs()[1] == decided and int(store.meta()["epoch"]) == 2  # closed once, same decision
+    live = set(again.sched.models)
+    assert live == (set(gen.sched.models) - set(decided["stopped"])) | set(decided["added"])
+    assert backend.submitted and all("_e0002_" in u and any(m in u for m in live) for u in backend.submitted)
+    configs = again.state.configs()
+    assert all(configs[m]["status"] == "stopped" for m in decided["stopped"])
+    assert all(configs[m]["status"] == "running" for m in live)

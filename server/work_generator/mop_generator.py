@@ -45,7 +45,7 @@ from boinc_dl.server.common.workunit import (
 from boinc_dl.server.work_generator.mop.assignment import Assignment
 from boinc_dl.server.work_generator.mop.procedures import make_search
 from boinc_dl.server.work_generator.mop.scheduler import MOPScheduler
-from boinc_dl.server.work_generator.mop.search import Config, SearchProcedure
+from boinc_dl.server.work_generator.mop.search import Config, Decision, SearchProcedure
 from boinc_dl.server.work_generator.mop.state import MopState
 from boinc_dl.server.work_generator.prepare import JobFiles, effective_spec, unit_training
 from boinc_dl.server.work_generator.settle import cancel_open_units
@@ -93,6 +93,10 @@ class MOPWorkGenerator:
         self.limits = RetryLimits(spec.units.timeout_s, spec.units.max_error_results, spec.units.max_total_results)
         self._evaluators: dict[str, Any] = {}
         self.search = build_search(spec)
+        #: The search's decisions rebuilt from the recorded epoch results on a restart, by
+        #: epoch: an epoch whose results were recorded but whose close a kill interrupted is
+        #: closed with that decision, never decided again (see :meth:`_record_epoch`).
+        self._replayed: dict[int, Decision] = {}
         #: Models go on to their next epoch as soon as they finish one (no search decision
         #: at epoch boundaries): no host waits for the slowest model of an epoch.
         self.pipelined = not self.search.epoch_barrier
@@ -126,7 +130,8 @@ class MOPWorkGenerator:
         saved = self.state.sched()
         if saved is not None:
             # Restart: rebuild the search by replaying the recorded epoch results.
-            self.search.replay(self._results().items())
+            history = sorted(self._results().items())
+            self._replayed = dict(zip((e for e, _ in history), self.search.replay(history), strict=True))
             return MOPScheduler.from_state(saved)
         configs = self.search.initial()
         live = [c.id for c in configs if self._add_model(c, None)]
@@ -355,7 +360,9 @@ class MOPWorkGenerator:
 
     def _close_epoch(self) -> None:
         epoch = self.sched.epoch
-        results = {m: self._evaluate(m, epoch) for m in self.sched.models}
+        # results recorded before a kill interrupted this close: those, not evaluated again
+        results = self._results()[epoch] if epoch in self._replayed else {
+            m: self._evaluate(m, epoch) for m in self.sched.models}
         live = self._record_epoch(epoch, results)
         if self.store.meta().get("status") in FINISHED:
             return
@@ -368,8 +375,15 @@ class MOPWorkGenerator:
 
         Finishes the job when the search is done or the last epoch closed.
         """
-        self.state.put_results(epoch, results)
-        decision = self.search.on_epoch_end(epoch, results)
+        if epoch in self._replayed:
+            # Killed between recording the results and saving the scheduler: the restart's
+            # replay made this decision already; the steps below are safe to repeat (the
+            # epoch's summary is recorded once, statuses are set again, the clones are made
+            # again from parents that have not trained since).
+            decision = self._replayed[epoch]
+        else:
+            self.state.put_results(epoch, results)
+            decision = self.search.on_epoch_end(epoch, results)
         summary = {"val_acc": max((r["val_acc"] for r in results.values()), default=0.0),
                    "models": len(results), "stopped": decision.stop, "added": [c.id for c, _ in decision.add],
                    "ended_at": time.time(), "elapsed_s": time.time() - float(self.store.meta().get("created_at", 0))}
