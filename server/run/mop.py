@@ -142,14 +142,20 @@ def curves_figure(rows: list[dict[str, Any]], title: str) -> Any:
     return fig
 
 
-def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | None, title: str) -> dict[str, str]:
+def selected(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The configuration a leaderboard selects: its first row with a result (rows are
+    ranked best first, those without a result last); ``None`` when none has one."""
+    return rows[0] if rows and rows[0]["final_val_acc"] is not None else None
+
+
+def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | None, title: str,
+                      rows: list[dict[str, Any]]) -> dict[str, str]:
     """leaderboard.csv, learning_curves.png, best_model.keras, units.csv, history.json."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = leaderboard(store)
     out: dict[str, str] = {}
     lb = run_dir / "leaderboard.csv"
     with lb.open("w", newline="") as f:
@@ -163,7 +169,7 @@ def write_mop_outputs(run_dir: Path, store: JobStore, gen: MOPWorkGenerator | No
     fig.savefig(png)
     plt.close(fig)
     out["learning_curves"] = str(png)
-    best = next((r for r in rows if r["final_val_acc"] is not None), None)
+    best = selected(rows)
     if best is not None:
         from boinc_dl.server.run.outputs import save_final_model
 
@@ -220,7 +226,7 @@ class MOPProgressLines:
             return
         rows = leaderboard(self.store)
         live = sum(1 for r in rows if r["status"] == "running")
-        best = next((r for r in rows if r["final_val_acc"] is not None), None)
+        best = selected(rows)
         for e in range(self.closed + 1, closed + 1):
             text = f"epoch {e}/{self.spec.training.epochs} - {len(rows)} configurations"
             if live and not final:
@@ -286,10 +292,10 @@ def run_mop_job(spec: JobSpec, run_dir: Path, resume: bool, redis_url: str, stor
                     elapsed_s=earlier.get("elapsed_s", time.time() - t0),
                     reason=store.meta().get("reason", ""), exit_code=exit_code)
     res.totals = earlier.get("job") or end_clock(store, clock)
-    res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model")
-    res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
     lb = leaderboard(store)
-    res.best = lb[0] if lb else None
+    res.outputs = write_mop_outputs(run_dir, store, gen, f"{spec.name}: validation accuracy per model", lb)
+    res.epochs = [{"epoch": e, **s} for e, s in store.epochs().items()]
+    res.best = selected(lb)
     t = Table(title=f"leaderboard ({len(lb)} configurations; val acc: of the weights kept, best first)")
     # The configuration whole, folded rather than cut: its values are what tells rows apart.
     # (The model ids are in leaderboard.csv: 80 columns hold the rest unbroken.)
