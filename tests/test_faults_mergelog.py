@@ -24,6 +24,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import WeightsFile, write_weights
 from tests.support.audit import audit_job
 from tests.support.chaos import kill_redis_checking, merge_while_killing
+from tests.support.procs import mp_context, process
 from tests.test_merge_log import ALPHA, FP, SHARD_BYTES, N, merge_file, new_job, result_file
 
 STEPS = ["retained", "intent", "shard:1", "shard:2", "shard:3", "shard:4", "finalized"]
@@ -68,8 +69,7 @@ def test_sigkill_at_every_step_of_a_merge(tmp_path: Path, monkeypatch, step: str
             assert merge_file(store, result_file(tmp_path / "r", "lj", f"u{i}", i), f"u{i}") == "merged"
         path = result_file(tmp_path / "r", "lj", "u3", 3)
         marker = str(tmp_path / "hit")
-        ctx = mp.get_context("fork")
-        child = ctx.Process(target=_victim_merge, args=(srv.url, str(path), "u3", step, victim, srv.pid, marker))
+        child = process(_victim_merge, srv.url, str(path), "u3", step, victim, srv.pid, marker)
         child.start()
         deadline = time.monotonic() + 60
         while not Path(marker).exists() and child.is_alive() and time.monotonic() < deadline:
@@ -122,9 +122,9 @@ def test_no_acknowledged_logged_merge_lost_when_redis_is_killed_twice(tmp_path: 
         files.mkdir()
         for i in range(n):
             write_weights(files / f"u{i}.h5", WeightsFile(np.ones(N, np.float32), FP, job="lj", model="0", unit=f"u{i}"))
-        ctx = mp.get_context("fork")
+        ctx = mp_context()
         acks: mp.Queue = ctx.Queue()
-        procs = [ctx.Process(target=_ack_merger, args=(srv.url, [f"u{i}" for i in range(k, n, 4)], str(files), acks))
+        procs = [process(_ack_merger, srv.url, [f"u{i}" for i in range(k, n, 4)], str(files), acks)
                  for k in range(4)]
         acked = merge_while_killing(procs, acks, kill_redis_checking(srv, "lj", 0.2), every=35,
                                     deadline_s=180, join_s=60)

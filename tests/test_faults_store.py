@@ -28,6 +28,7 @@ from boinc_dl.server.common.errors import StoreUnavailable
 from tests.support.audit import audit_job
 from tests.support.chaos import kill_redis_checking, merge_while_killing
 from tests.support.net import free_port
+from tests.support.procs import mp_context, process
 from tests.support.proxy import FaultyProxy
 
 from .conftest import tiny_fingerprint, tiny_spec
@@ -178,9 +179,9 @@ def test_no_acknowledged_merge_lost_when_redis_is_killed(tmp_path: Path, fsync: 
         store = _new_job(srv.url, units=0)
         for i in range(n):
             store.register_unit(f"m{i}", {"epoch": 1, "shard": i, "model": "0"}, 1)
-        ctx = mp.get_context("fork")
+        ctx = mp_context()
         acks: mp.Queue = ctx.Queue()
-        procs = [ctx.Process(target=_ack_merger, args=(srv.url, [f"m{i}" for i in range(k, n, 4)], acks))
+        procs = [process(_ack_merger, srv.url, [f"m{i}" for i in range(k, n, 4)], acks)
                  for k in range(4)]
         acked = merge_while_killing(procs, acks, kill_redis_checking(srv, "tiny", 0.3), every=40,
                                     deadline_s=120, join_s=30)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import glob
 import json
-import multiprocessing as mp
 import os
 import shutil
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.spec import JobSpec, parse_spec
 from boinc_dl.server.common.weights import WeightsFile, fingerprint_of, write_weights
 from tests.support.audit import audit_job
+from tests.support.procs import process
 from tests.support.results import assimilate_files, finish_retained
 
 N = 2000
@@ -121,9 +121,8 @@ def test_logged_merges_keep_the_bytes_out_of_the_aof_and_come_back_bitwise(env) 
     for i in range(40):
         result_file(tmp / "results", "lj", f"u{i}", i)
     aof_before = aof_bytes(tmp / "redis")
-    ctx = mp.get_context("fork")
     units = [f"u{i}" for i in range(40)]
-    ps = [ctx.Process(target=_worker, args=(srv.url, "lj", units[k::2], str(tmp / "results"))) for k in range(2)]
+    ps = [process(_worker, srv.url, "lj", units[k::2], str(tmp / "results")) for k in range(2)]
     for p in ps:
         p.start()
     for p in ps:

@@ -30,6 +30,7 @@ from boinc_dl.server.assimilator.store import JobStore
 from boinc_dl.server.common.weights import fingerprint_of
 from tests.support.audit import audit_job
 from tests.support.chaos import merge_while_killing
+from tests.support.procs import mp_context, process
 
 N = 2000            # parameters of the test model
 SHARD_BYTES = "800"  # -> 10 shards of 200 float32
@@ -113,8 +114,7 @@ def _merger(url: str, job: str, units: list[str], alpha: float, strict: bool, ac
 
 
 def _run(url: str, job: str, units: list[str], procs: int, alpha: float, strict: bool) -> None:
-    ctx = mp.get_context("fork")
-    ps = [ctx.Process(target=_merger, args=(url, job, units[i::procs], alpha, strict)) for i in range(procs)]
+    ps = [process(_merger, url, job, units[i::procs], alpha, strict) for i in range(procs)]
     for p in ps:
         p.start()
     for p in ps:
@@ -168,8 +168,7 @@ def test_assimilator_killed_between_shards_is_finished_by_the_retry(engine, job_
     process) applies the other shards only, then the unit's global mark, once."""
     url = engine
     store = _job(url, 2, job_name)
-    ctx = mp.get_context("fork")
-    p = ctx.Process(target=_merger, args=(url, job_name, ["m0"], 0.5, True, None, k))
+    p = process(_merger, url, job_name, ["m0"], 0.5, True, None, k)
     p.start()
     p.join(30)
     assert p.exitcode == -signal.SIGKILL
@@ -193,10 +192,10 @@ def test_cluster_master_killed_and_restarted_loses_no_acknowledged_merge(tmp_pat
     try:
         n = 80
         store = _job(cl.url, n, "sharded")
-        ctx = mp.get_context("fork")
+        ctx = mp_context()
         acks: mp.Queue = ctx.Queue()
         units = [f"m{i}" for i in range(n)]
-        ps = [ctx.Process(target=_merger, args=(cl.url, "sharded", units[i::4], 0.99, True, acks)) for i in range(4)]
+        ps = [process(_merger, cl.url, "sharded", units[i::4], 0.99, True, acks) for i in range(4)]
         acked = merge_while_killing(ps, acks, _kill_master(cl), every=20, deadline_s=60, join_s=30)
         cl.wait_ok()
         store = JobStore(connect(cl.url), "sharded")
@@ -251,10 +250,10 @@ def test_cluster_master_rebuilds_its_shards_from_its_own_log(tmp_path: Path, mon
         files.mkdir()
         for i in range(n):
             write_weights(files / f"u{i}.h5", WeightsFile(np.ones(LN, np.float32), FP, job="lj", model="0", unit=f"u{i}"))
-        ctx = mp.get_context("fork")
+        ctx = mp_context()
         acks: mp.Queue = ctx.Queue()
         units = [f"u{i}" for i in range(n)]
-        ps = [ctx.Process(target=_logged_merger, args=(cl.url, units[k::4], str(files), acks)) for k in range(4)]
+        ps = [process(_logged_merger, cl.url, units[k::4], str(files), acks) for k in range(4)]
         acked = merge_while_killing(ps, acks, _kill_master(cl), every=15, deadline_s=120, join_s=60)
         cl.wait_ok()
         store = JobStore(connect(cl.url), "lj")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import numpy as np
 import pytest
 
 from boinc_dl.server.assimilator.connection import connect
 from boinc_dl.server.assimilator.core import merge_into
 from boinc_dl.server.assimilator.store import JobStore
+from tests.support.procs import process
 
 
 def test_merge_arithmetic_and_idempotency(tiny_job) -> None:
@@ -61,8 +60,7 @@ def _run_concurrent(store: JobStore, url: str, n_units: int, procs: int, alpha: 
     units = [f"c{i}" for i in range(n_units)]
     for u in units:
         store.register_unit(u, {"epoch": 1, "shard": 0, "model": "0"}, 1)
-    ctx = mp.get_context("fork")
-    ps = [ctx.Process(target=_merge_worker, args=(url, store.job, units[i::procs], alpha, strict, 1.0))
+    ps = [process(_merge_worker, url, store.job, units[i::procs], alpha, strict, 1.0)
           for i in range(procs)]
     for p in ps:
         p.start()
@@ -103,8 +101,7 @@ def test_eventual_mode_may_lose_updates_but_marks_all(tiny_job, redis_server) ->
 def test_duplicate_under_concurrency_is_merged_once(tiny_job, redis_server, strict: bool) -> None:
     """Every process tries to merge the same unit: exactly one merge lands (strict)."""
     store, _spec, _fp = tiny_job
-    ctx = mp.get_context("fork")
-    ps = [ctx.Process(target=_merge_worker, args=(redis_server.url, store.job, ["u3"], 0.5, True, 1.0))
+    ps = [process(_merge_worker, redis_server.url, store.job, ["u3"], 0.5, True, 1.0)
           for _ in range(4)]
     for p in ps:
         p.start()
