@@ -109,7 +109,8 @@ class FleetController:
                 log.info("%s %s (%s, %s) is gone without a notice", self.provider.name, rec.name, rec.type,
                          rec.zone)
         targets = {r.uid: r for r in recs.values() if r.doomed and r.settled_ms is None}
-        targets.update({r.uid: r for r in rebalanced})
+        # a reclaim learnt after its life was settled as gone still counts for its jobs
+        targets.update({r.uid: r for r in [*doomed, *rebalanced]})
         jobs = FleetState.known_jobs(self.state.r)
         filed = self.reclaims.reissue(targets.values(), c, now, jobs) if targets else []
         self._commit(c, now)

@@ -143,13 +143,15 @@ class Reclaims:
                     if not parsed or parsed["job"] not in jobs:
                         continue
                     job, sent = parsed["job"], ms(f.sent_time)
-                    if job not in rec.lost_since:
-                        if rec.reclaim_ms is not None:
-                            c.ledger[(job, "reclaims")] += 1  # once per instance and job
+                    if job not in rec.lost_since or sent < rec.lost_since[job]:
                         rec.lost_since[job] = sent
                         changed = True
-                    elif sent < rec.lost_since[job]:
-                        rec.lost_since[job] = sent
+                if rec.reclaim_ms is not None:
+                    # once per instance and job, also when the reclaim is learnt only after
+                    # the instance was handled as gone (its jobs are in lost_since by then)
+                    for job in sorted(set(rec.lost_since) - set(rec.reclaims_counted)):
+                        c.ledger[(job, "reclaims")] += 1
+                        rec.reclaims_counted.append(job)
                         changed = True
             if changed:
                 c.records[rec.uid] = rec

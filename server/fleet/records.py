@@ -55,6 +55,9 @@ class InstanceRecord:
     terminated_ms: int | None = None
     #: per job, the earliest send time of a result of that job it held when doomed
     lost_since: dict[str, int] = field(default_factory=dict)
+    #: the jobs this life's reclaim was counted for (once each: an instance first known
+    #: only as gone is counted when its warning or preemption comes after)
+    reclaims_counted: list[str] = field(default_factory=list)
     #: per job, [ms, nano-dollars, on-demand nano-dollars] charged provisionally: the
     #: cloud may still waive them (AWS: a spot instance EC2 reclaims in its first hour)
     pending: dict[str, list[int]] = field(default_factory=dict)
@@ -88,6 +91,8 @@ class InstanceRecord:
     @classmethod
     def loads(cls, raw: str | bytes) -> InstanceRecord:
         data: dict[str, Any] = json.loads(raw)
+        if "reclaims_counted" not in data:  # written before the field: a reclaimed life's jobs were counted
+            data["reclaims_counted"] = sorted(data.get("lost_since", {})) if data.get("reclaim_ms") is not None else []
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 

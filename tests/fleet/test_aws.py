@@ -256,6 +256,32 @@ def test_rebalance_then_warning_is_one_reclaim(aws_session, moto_url, boinc_db, 
     assert cost_report(r, store.job)["reclaims"] == 3  # not 6
 
 
+def test_an_instance_gone_without_a_notice_then_warned_counts_its_reclaim_once(
+        aws_session, moto_url, boinc_db, project, redis_server) -> None:
+    """EC2 ends an instance whose warning the controller has not read yet (a controller
+    down when it came, its message not visible again until the queue's timeout): the
+    instance is first known only as gone, its units re-issued; the warning that follows
+    makes it a reclaim, counted for the job once (it was not counted at all)."""
+    r = connect(redis_server.url)
+    store, units = boinc_job(r, project, n_units=4)
+    fleet = make_fleet(aws_session, moto_url, 2)
+    ctl = controller(aws_config(moto_url, fleet, str(project.root)), aws_session, project, r)
+    instances = ctl.provider.observe().instances
+    lay_out(boinc_db, instances, units, time.time())
+    ctl.step()
+    victim = instances[0].uid
+    ec2_reclaim(aws_session, moto_url, [victim])
+    assert sorted(ctl.step().reissued) == sorted(units[:2])
+    assert ctl.state.records()[victim].vanished and cost_report(r, store.job)["reclaims"] == 0
+    put_interruptions(aws_session, moto_url, [(victim, "warning", time.time() - 5)])
+    assert ctl.step().reissued == []  # filed already
+    assert len(ctl.state.reclaims_since(0)) == 1
+    assert cost_report(r, store.job)["reclaims"] == 1
+    put_interruptions(aws_session, moto_url, [(victim, "warning", time.time() - 5)])  # delivered again
+    ctl.step()
+    assert len(ctl.state.reclaims_since(0)) == 1 and cost_report(r, store.job)["reclaims"] == 1
+
+
 def test_a_warning_is_acknowledged_only_once_handled(aws_session, moto_url, boinc_db, project, redis_server,
                                                      monkeypatch) -> None:
     """A controller dying after filing the units and before marking the reclaim: the

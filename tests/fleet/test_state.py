@@ -105,3 +105,18 @@ def test_redis_gone_is_a_clear_error_after_the_retry_window(redis_server) -> Non
     with pytest.raises(StoreUnavailable, match="fleet gpu"):
         st.records()
     assert time.monotonic() - t0 < 5
+
+
+def test_a_record_written_before_reclaims_counted_keeps_its_count() -> None:
+    """A reclaimed life stored by an earlier release had its jobs counted already: read
+    back, they are not counted again; a life known only as gone has none counted."""
+    import json
+
+    base = InstanceRecord(uid="i-1", name="h", type="t", market="spot", zone="z", launched_ms=1, charged_from_ms=1,
+                          charged_ms=1, seen_ms=1, lost_since={"jobA": 5, "jobB": 7})
+    old = json.loads(base.dumps())
+    del old["reclaims_counted"]
+    assert InstanceRecord.loads(json.dumps({**old, "reclaim_ms": 9})).reclaims_counted == ["jobA", "jobB"]
+    assert InstanceRecord.loads(json.dumps({**old, "vanished": True})).reclaims_counted == []
+    again = InstanceRecord.loads(base.dumps())
+    assert again == base
