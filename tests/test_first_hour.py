@@ -281,6 +281,13 @@ def test_validate_refuses_settings_that_cannot_train(tmp_path: Path, extra: str,
         one_line_error(bdl(cmd, "job.yaml", cwd=tmp_path), field)
 
 
+def test_a_misnamed_field_is_named_with_the_one_meant(tmp_path: Path) -> None:
+    user_files(tmp_path, MINIMAL.replace("dataset: {train: data.npz}", "dataset: {path: data.npz}"))
+    for cmd in ("validate", "run"):
+        err = one_line_error(bdl(cmd, "job.yaml", cwd=tmp_path), "dataset.path")
+        assert err.endswith("dataset.path: unknown field (did you mean train?)"), err
+
+
 def test_validate_refuses_too_few_training_examples(tmp_path: Path) -> None:
     user_files(tmp_path, MINIMAL.replace("dataset: {train: data.npz}", "dataset: {train: data.npz, limit: 3}"))
     err = one_line_error(bdl("validate", "job.yaml", cwd=tmp_path), "dataset.limit")

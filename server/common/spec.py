@@ -340,12 +340,50 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(parts) or "(top level)"
 
 
+#: Fields users write for one the spec names otherwise (``dataset: {path: ...}``).
+_SYNONYMS = {"path": "train", "file": "train", "data": "train", "train_file": "train", "lr": "learning_rate",
+             "epoch": "epochs", "batch": "batch_size", "subsets": "n_subsets", "workers_per_host": "slots"}
+
+
+def _section(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The spec section (a model class) holding the field at ``loc``, if ``loc`` is one."""
+    import typing
+
+    cls: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        options = [field.annotation, *typing.get_args(field.annotation)]
+        nxt = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nxt is None:
+            return None
+        cls = nxt
+    return cls
+
+
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """'unknown field', with the field meant when it is a likely slip, else the known ones."""
+    import difflib
+
+    cls = _section(loc)
+    if cls is None or not loc:
+        return "unknown field"
+    known = sorted(cls.model_fields)
+    name = str(loc[-1])
+    guess = _SYNONYMS.get(name.lower()) if _SYNONYMS.get(name.lower()) in known else None
+    guess = guess or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)
+    if guess is not None:
+        return f"unknown field (did you mean {guess}?)"
+    return f"unknown field (the fields here: {', '.join(known)})"
+
+
 def _format_error(err: ValidationError) -> str:
     """All errors on one line, one entry per field; a union's alternatives joined by 'or'."""
     by_field: dict[str, list[str]] = {}
     for e in err.errors():
         msgs = by_field.setdefault(_field_path(e["loc"]), [])
-        m = _plain(e)
+        m = _unknown_field(e["loc"]) if e["type"] == "extra_forbidden" else _plain(e)
         if e["loc"] == ("backend",) and e.get("input") in ("local", "boinc"):
             m = f"must be a mapping: write backend: {{kind: {e['input']}}}"  # the one a user guesses
         if m not in msgs:
