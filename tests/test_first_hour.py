@@ -120,8 +120,16 @@ def test_a_second_run_offers_resume_new_overwrite(finished) -> None:
     both = bdl("run", "job.yaml", "--resume", "--new", cwd=tmp)
     one_line_error(both, "do not go together")
 
+    # The run that finished the job killed before it wrote its summary: a --resume writes
+    # the outputs with the job's story from its store (it said "elapsed 0.0 s", its own).
+    story = json.loads(before)
+    (first / "summary.json").unlink()
     done = bdl("run", "job.yaml", "--resume", *SMALL, cwd=tmp)
     assert done.returncode == 0 and "already done" in done.stdout, (done.stdout, done.stderr)
+    told = json.loads((first / "summary.json").read_text())
+    assert told["job"] == story["job"] and abs(told["elapsed_s"] - story["elapsed_s"]) < 1.0, (told, story)
+    assert re.search(rf"elapsed\s+│ {told['elapsed_s']:.1f} s", done.stdout), done.stdout
+    before = (first / "summary.json").read_text()
 
     new = bdl("run", "job.yaml", "--new", "--epochs", "1", *SMALL, cwd=tmp)
     assert new.returncode == 0, (new.stdout, new.stderr)

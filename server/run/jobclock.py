@@ -52,8 +52,9 @@ class JobClock:
             store.incr_counter("resubmitted", resubmitted)
 
     def fields(self, now: float | None = None) -> dict[str, float]:
-        """The job-meta fields to write now: the job's run time so far."""
-        return {"active_s": round(self.base + max(0.0, (now or time.time()) - self.t0), 3)}
+        """The job-meta fields to write now: the job's run time so far, and this run's."""
+        mine = max(0.0, (now or time.time()) - self.t0)
+        return {"active_s": round(self.base + mine, 3), "last_run_s": round(mine, 3)}
 
 
 def job_totals(store: JobStore) -> dict[str, Any]:
@@ -70,6 +71,20 @@ def job_totals(store: JobStore) -> dict[str, Any]:
     return {"runs": max(1, counters.get("runs", 1)), "active_s": round(active, 3),
             "merged": states.get("assimilated", 0), "resubmitted": counters.get("resubmitted", 0),
             **{k: counters.get(k, 0) for k in FAULT_COUNTERS}}
+
+
+def recorded_story(store: JobStore) -> dict[str, Any]:
+    """What a finished job's summary holds of its runs, from its store: for a ``--resume``
+    of a job whose finishing run was killed before it wrote ``summary.json``. ``elapsed_s``
+    is the last run's time (as that run's summary would have said), ``job`` the totals."""
+    totals = job_totals(store)
+    try:
+        last = float(store.meta().get("last_run_s", "") or "nan")
+    except ValueError:
+        last = float("nan")
+    if last != last:  # a store written before last_run_s: one run's time is the job's
+        last = totals["active_s"] if totals["runs"] == 1 else 0.0
+    return {"elapsed_s": last, "job": totals}
 
 
 def describe_runs(totals: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ from boinc_dl.server.common.spec import JobSpec, local_options
 from boinc_dl.server.common.spec_defaults import describe
 from boinc_dl.server.common.states import FINISHED
 from boinc_dl.server.run.failfast import FailFastWatch
-from boinc_dl.server.run.jobclock import JobClock
+from boinc_dl.server.run.jobclock import JobClock, recorded_story
 from boinc_dl.server.run.signals import RunStopped, raise_if_stopped
 from boinc_dl.server.work_generator.prepare import derived_settings, n_shards
 
@@ -293,7 +293,10 @@ def finished_earlier(store: JobStore, name: str, run_dir: Path, resume: bool,
     if not resumes_finished(store, resume):
         return None
     console.print(f"job {name} already {store.meta()['status']}: writing its outputs")
-    return earlier_summary(run_dir)
+    earlier = earlier_summary(run_dir)
+    if "job" not in earlier:  # the finishing run died before its summary: the store knows its runs
+        earlier = {**recorded_story(store), **earlier}
+    return earlier
 
 
 def summary_table(res: RunResult, spec: JobSpec) -> Table:
@@ -319,8 +322,8 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
     # A job several runs trained (--resume): its own totals, this run's share beside them;
     # this process's counters alone would misreport it.
     resumed = int(job.get("runs", 1)) > 1
-    if b or resumed:
-        c = job if resumed else b
+    if b or resumed or job:
+        c = job if resumed or not b else b  # no counters of its own: the job's (a rewrite of a finished one)
         merged = f"{c.get('merged', 0)} merged" + (f" ({b.get('merged', 0)} by this run)" if resumed else "")
         again = f", {job['resubmitted']} re-submitted on resuming" if resumed and job.get("resubmitted") else ""
         t.add_row("units", f"{merged}{again}, {c.get('reissued', 0)} re-issued, "
