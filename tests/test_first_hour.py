@@ -180,6 +180,77 @@ class _Lines:
         pytest.fail(f"no line {prefix!r}: {''.join(self.lines)}")
 
 
+def _busy_slot(run_pid: int) -> int | None:
+    """A slot process of the run training a unit now: a child of its fork server with
+    TensorFlow's thread pools up, busy on the CPU over the last half second."""
+    def kids(pid: int) -> list[int]:
+        try:
+            return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                    for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+        except OSError:
+            return []
+
+    def cpu(pid: int) -> tuple[int, int]:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            threads = int(Path(f"/proc/{pid}/status").read_text().split("Threads:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            return 0, 0
+        return int(stat[11]) + int(stat[12]), threads
+
+    workers = [k for fs in kids(run_pid) for k in kids(fs)]
+    before = {k: cpu(k)[0] for k in workers}
+    time.sleep(0.5)
+    busy = [(cpu(k)[0] - before[k], k) for k in workers if cpu(k)[1] >= 4]  # an assimilator runs 2 threads
+    busy = [b for b in busy if b[0] >= 10]  # clock ticks: at least a fifth of a core
+    return max(busy)[1] if busy else None
+
+
+def test_a_slot_process_killed_or_crashed_mid_unit_is_not_left_to_its_deadline(tmp_path: Path) -> None:
+    """A slot's process SIGKILLed mid-unit (a user, the out-of-memory killer) restarts in
+    its slot from its checkpoint, as BOINC's client restarts an app killed so; one that
+    crashes (SIGSEGV) is a client error, issued again at once. Neither waits for the
+    unit's deadline (units.timeout_s, 300 s by default; a killed slot held its unit that
+    long), and every unit is merged once."""
+    import random
+
+    rng = random.Random(os.getpid())
+    # units of a few seconds (1,600 examples, 20 passes), so that kills land inside them
+    spec = user_files(tmp_path, MINIMAL.replace("epochs: 2", "epochs: 14, local_epochs: 20"), n=4000)
+    t0 = time.time()
+    proc = subprocess.Popen([BDL, "run", str(spec), *SMALL], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = tmp_path / "runs" / "mine" / "boinc-dl.log"
+    try:
+        for sig, said in ((signal.SIGKILL, "restarting it there from its checkpoint"),
+                          (signal.SIGSEGV, "a client error, issued again")):
+            landed, give_up = False, time.time() + 180
+            while not landed and time.time() < give_up:  # until one lands mid-unit, at a random moment of it
+                time.sleep(rng.uniform(0, 1.5))
+                victim = _busy_slot(proc.pid)
+                assert proc.poll() is None, proc.stdout.read()
+                if victim is None:
+                    continue
+                os.kill(victim, sig)
+                end = time.time() + 15
+                while not landed and time.time() < end:
+                    landed = said in (log.read_text() if log.exists() else "")
+                    time.sleep(0.2)
+            assert landed, f"no {sig.name} landed mid-unit: {log.read_text()[-3000:]}"
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.time() - t0
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / "mine"
+    m = merges(run_dir)
+    assert len(m) == 14 * 2 and set(m.values()) == {1}, m
+    backend = json.loads((run_dir / "summary.json").read_text())["backend"]
+    assert backend["app_restarts"] >= 1 and backend["client_errors"] >= 1 and backend["reissued"] >= 1, backend
+    assert backend["timed_out"] == 0 and took < 300, (took, backend)
+
+
 def test_one_run_per_directory_and_resume_after_sigkill(tmp_path: Path) -> None:
     spec = user_files(tmp_path, MINIMAL.replace("epochs: 2", "epochs: 3"))
     args = [BDL, "run", str(spec), *SMALL]

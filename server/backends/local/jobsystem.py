@@ -198,7 +198,7 @@ class LocalJobSystem(UnitBook, SlotPool, SimulatedPreemption, AssimilatorPool, J
             "merged", "duplicates", "given_up", "late_results", "slot_restarts", "lost_reported",
             "notices", "notice_unreported", "restarted_in_slot", "redone_batches", "batches_done",
             "regen_requested", "regenerated", "regen_fallback", "assimilator_restarts", "redelivered",
-            "quarantined", "server_faults")}
+            "quarantined", "server_faults", "app_restarts")}
         #: The first server-side I/O fault (a full disk under the run directory), if any:
         #: dispatching stops, nothing is charged to a unit, and the run pauses.
         self.server_fault: ServerResourceError | None = None

@@ -33,6 +33,16 @@ _EXTRA_KEYS = ("batches", "redone_batches", "restarts", "resumed_at_batch")
 # start: after _FAST_DEATHS_FREE such deaths in a row its respawns back off.
 _FAST_DEATH_S = 10.0
 _FAST_DEATHS_FREE = 3
+#: Signals by which BOINC's client takes an app as killed from outside (a user, an
+#: out-of-memory killer, a shutdown), not as failed: it restarts the task from its
+#: checkpoint (client/app_control.cpp). Any other death is a computation error,
+#: reported at once, and the server issues another instance.
+_EXTERNAL_KILLS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGKILL, signal.SIGTERM,
+                             signal.SIGSTOP})
+#: Restarts in place of one instance before its deaths count as an error (BOINC's client
+#: never stops restarting one killed so; a slot killed over and over by the kernel's
+#: out-of-memory killer would then hold its unit for ever).
+_APP_RESTARTS = 3
 
 
 
@@ -354,14 +364,18 @@ class SlotPool:
     def _slot_died(self, slot: _Slot, now: float) -> None:
         if slot.conn is not None:
             self._drain_slot(slot)
-        lost = slot.busy
-        if lost and slot.resume != lost:
-            self.slot_busy_s += now - slot.busy_since
-            self._mark_lost(lost, now)
-            slot.busy = None
         if slot.proc.is_alive():
             self._kill_slot(slot)
         slot.proc.join(timeout=1)
+        lost = slot.busy
+        if lost and slot.resume != lost:
+            inst = self.instances.get(lost)
+            if inst is not None and inst.lost_at is None and inst.state == "in_progress":
+                self._app_died(slot, inst, slot.proc.exitcode, now)  # no simulated host loss: its app died
+            else:
+                self.slot_busy_s += now - slot.busy_since
+                self._mark_lost(lost, now)  # a simulated host loss: the deadline tells
+                slot.busy = None
         early = not slot.started and now - slot.spawned_at < _FAST_DEATH_S
         slot.fast_deaths = slot.fast_deaths + 1 if early else 0
         slot.last_exit = slot.proc.exitcode
@@ -372,6 +386,28 @@ class SlotPool:
         slot.proc, slot.conn, slot.ready = None, None, False
         slot.respawn_at = now + _respawn_delay(slot.fast_deaths)
         self.counters["slot_restarts"] += 1
+
+    def _app_died(self, slot: _Slot, inst: Any, code: int | None, now: float) -> None:
+        """A slot's process died mid-unit on a host that lives on, as BOINC's client sees
+        an app's death: killed from outside (:data:`_EXTERNAL_KILLS`), the unit restarts in
+        the same slot from its checkpoint, with its deadline; otherwise (a crash, an exit
+        status) it is a client error, and another instance is issued now. Waiting for the
+        deadline, as for a lost host, would hold the unit ``units.timeout_s`` for nothing."""
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit {code}"
+        if code is not None and code < 0 and -code in _EXTERNAL_KILLS and inst.app_restarts < _APP_RESTARTS:
+            inst.app_restarts += 1
+            slot.resume = inst.name
+            self.counters["app_restarts"] += 1
+            log.warning("slot h%d/s%d: its process was killed (%s) running %s: restarting it there from its "
+                        "checkpoint", slot.host, slot.index, how, inst.name)
+            return
+        self.slot_busy_s += now - slot.busy_since
+        slot.busy = None
+        self.counters["client_errors"] += 1
+        log.warning("slot h%d/s%d: its process died (%s) running %s: a client error, issued again", slot.host,
+                    slot.index, how, inst.name)
+        self._log_failure(inst.unit, f"client error: the slot's process died ({how})")
+        self._instance_failed(inst, "client_error")
 
     def _send_resume(self, slot: _Slot) -> None:
         name = slot.resume

@@ -28,6 +28,7 @@ class _Instance:
     deadline: float = 0.0
     outcome: str = ""  # success | no_reply | client_error | invalid | lost | cancelled
     lost_at: float | None = None  # when its host was reclaimed (kill or notice), if known
+    app_restarts: int = 0  # its process killed from outside and restarted in its slot
 
 
 @dataclass
