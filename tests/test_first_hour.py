@@ -180,15 +180,18 @@ class _Lines:
         pytest.fail(f"no line {prefix!r}: {''.join(self.lines)}")
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def _busy_slot(run_pid: int) -> int | None:
     """A slot process of the run training a unit now: a child of its fork server with
     TensorFlow's thread pools up, busy on the CPU over the last half second."""
-    def kids(pid: int) -> list[int]:
-        try:
-            return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-                    for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-        except OSError:
-            return []
+    kids = _children
 
     def cpu(pid: int) -> tuple[int, int]:
         try:
@@ -237,7 +240,16 @@ def test_a_slot_process_killed_or_crashed_mid_unit_is_not_left_to_its_deadline(t
                     landed = said in (log.read_text() if log.exists() else "")
                     time.sleep(0.2)
             assert landed, f"no {sig.name} landed mid-unit: {log.read_text()[-3000:]}"
+        # The fork server itself: it reports its children dead (exit 255) while they run on,
+        # orphaned; they are killed, and their units restart in place.
+        while _busy_slot(proc.pid) is None and proc.poll() is None:
+            time.sleep(0.1)
+        server = next(k for k in _children(proc.pid) if b"forkserver" in Path(f"/proc/{k}/cmdline").read_bytes())
+        orphans = _children(server)
+        os.kill(server, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
+        assert orphans and not [k for k in orphans if Path(f"/proc/{k}/cmdline").exists()
+                                and Path(f"/proc/{k}/cmdline").read_bytes()], orphans
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

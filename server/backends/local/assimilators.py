@@ -16,6 +16,7 @@ from boinc_dl.server.backends.local.slots import (
     _exit_with,
     _inbox,
     _respawn_delay,
+    settled_exit,
 )
 from boinc_dl.server.backends.local.units import _Unit
 
@@ -238,7 +239,7 @@ class AssimilatorPool:
         if a.proc.is_alive():  # its pipe broke: it cannot be trusted to carry on
             a.proc.kill()
         a.proc.join(timeout=1)
-        exitcode = a.proc.exitcode
+        exitcode = settled_exit(a.proc)  # an orphan of a dead fork server must not merge on
         early = not a.ready and now - a.spawned_at < _FAST_DEATH_S
         a.fast_deaths = a.fast_deaths + 1 if early else 0
         a.proc, a.conn, a.ready = None, None, False

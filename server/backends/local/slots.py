@@ -52,6 +52,28 @@ def _respawn_delay(fast_deaths: int) -> float:
 
 # ---- processes ----------------------------------------------------------------------------
 
+def settled_exit(proc: Any) -> int | None:
+    """The exit code of a child the job system sees as dead, once it is really gone.
+
+    A fork server that dies first reports every child of its own as exited with 255 (it
+    can no longer tell), while the child may go on running, orphaned: such a child is
+    SIGKILLed here, and its exit given as that kill (a death from outside)."""
+    code = proc.exitcode
+    if code != 255 or proc.pid is None:
+        return code
+    try:  # still a fork-server child (its command line), not a pid reused by another program
+        alive = b"multiprocessing.forkserver" in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    except OSError:
+        alive = False
+    if not alive:
+        return code  # it did exit with 255
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+    except OSError:
+        return code
+    return -signal.SIGKILL
+
+
 def _slot_paths(base: Path, host: int, slot: int) -> tuple[Path, Path]:
     """(slot directory, notice file) of a simulated host slot."""
     h = base / "hosts" / f"h{host:02d}"
@@ -367,21 +389,22 @@ class SlotPool:
         if slot.proc.is_alive():
             self._kill_slot(slot)
         slot.proc.join(timeout=1)
+        code = settled_exit(slot.proc)
         lost = slot.busy
         if lost and slot.resume != lost:
             inst = self.instances.get(lost)
             if inst is not None and inst.lost_at is None and inst.state == "in_progress":
-                self._app_died(slot, inst, slot.proc.exitcode, now)  # no simulated host loss: its app died
+                self._app_died(slot, inst, code, now)  # no simulated host loss: its app died
             else:
                 self.slot_busy_s += now - slot.busy_since
                 self._mark_lost(lost, now)  # a simulated host loss: the deadline tells
                 slot.busy = None
         early = not slot.started and now - slot.spawned_at < _FAST_DEATH_S
         slot.fast_deaths = slot.fast_deaths + 1 if early else 0
-        slot.last_exit = slot.proc.exitcode
+        slot.last_exit = code
         if slot.fast_deaths >= _FAST_DEATHS_FREE:
             log.error("slot h%d/s%d keeps dying at start (exit %s, %d times): next start in %.1f s",
-                      slot.host, slot.index, slot.proc.exitcode, slot.fast_deaths,
+                      slot.host, slot.index, code, slot.fast_deaths,
                       _respawn_delay(slot.fast_deaths))
         slot.proc, slot.conn, slot.ready = None, None, False
         slot.respawn_at = now + _respawn_delay(slot.fast_deaths)
