@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from .support.procs import busy_slot, children
 from .support.userjob import MINIMAL, MODEL, user_files
 
 # The installed command: beside this interpreter (a virtualenv), else on PATH.
@@ -180,35 +181,6 @@ class _Lines:
         pytest.fail(f"no line {prefix!r}: {''.join(self.lines)}")
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _busy_slot(run_pid: int) -> int | None:
-    """A slot process of the run training a unit now: a child of its fork server with
-    TensorFlow's thread pools up, busy on the CPU over the last half second."""
-    kids = _children
-
-    def cpu(pid: int) -> tuple[int, int]:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            threads = int(Path(f"/proc/{pid}/status").read_text().split("Threads:")[1].split()[0])
-        except (OSError, IndexError, ValueError):
-            return 0, 0
-        return int(stat[11]) + int(stat[12]), threads
-
-    workers = [k for fs in kids(run_pid) for k in kids(fs)]
-    before = {k: cpu(k)[0] for k in workers}
-    time.sleep(0.5)
-    busy = [(cpu(k)[0] - before[k], k) for k in workers if cpu(k)[1] >= 4]  # an assimilator runs 2 threads
-    busy = [b for b in busy if b[0] >= 10]  # clock ticks: at least a fifth of a core
-    return max(busy)[1] if busy else None
-
-
 def test_a_slot_process_killed_or_crashed_mid_unit_is_not_left_to_its_deadline(tmp_path: Path) -> None:
     """A slot's process SIGKILLed mid-unit (a user, the out-of-memory killer) restarts in
     its slot from its checkpoint, as BOINC's client restarts an app killed so; one that
@@ -230,7 +202,7 @@ def test_a_slot_process_killed_or_crashed_mid_unit_is_not_left_to_its_deadline(t
             landed, give_up = False, time.time() + 180
             while not landed and time.time() < give_up:  # until one lands mid-unit, at a random moment of it
                 time.sleep(rng.uniform(0, 1.5))
-                victim = _busy_slot(proc.pid)
+                victim = busy_slot(proc.pid)
                 assert proc.poll() is None, proc.stdout.read()
                 if victim is None:
                     continue
@@ -242,10 +214,10 @@ def test_a_slot_process_killed_or_crashed_mid_unit_is_not_left_to_its_deadline(t
             assert landed, f"no {sig.name} landed mid-unit: {log.read_text()[-3000:]}"
         # The fork server itself: it reports its children dead (exit 255) while they run on,
         # orphaned; they are killed, and their units restart in place.
-        while _busy_slot(proc.pid) is None and proc.poll() is None:
+        while busy_slot(proc.pid) is None and proc.poll() is None:
             time.sleep(0.1)
-        server = next(k for k in _children(proc.pid) if b"forkserver" in Path(f"/proc/{k}/cmdline").read_bytes())
-        orphans = _children(server)
+        server = next(k for k in children(proc.pid) if b"forkserver" in Path(f"/proc/{k}/cmdline").read_bytes())
+        orphans = children(server)
         os.kill(server, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
         assert orphans and not [k for k in orphans if Path(f"/proc/{k}/cmdline").exists()

@@ -6,9 +6,10 @@ bad spec is one clear line, never a traceback.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -342,19 +343,17 @@ def _field_path(loc: tuple[Any, ...]) -> str:
 
 #: Fields users write for one the spec names otherwise (``dataset: {path: ...}``).
 _SYNONYMS = {"path": "train", "file": "train", "data": "train", "train_file": "train", "lr": "learning_rate",
-             "epoch": "epochs", "batch": "batch_size", "subsets": "n_subsets", "workers_per_host": "slots"}
+             "epoch": "epochs", "batch": "batch_size", "subsets": "n_subsets"}
 
 
 def _section(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """The spec section (a model class) holding the field at ``loc``, if ``loc`` is one."""
-    import typing
-
     cls: type[BaseModel] = JobSpec
     for part in loc[:-1]:
         field = cls.model_fields.get(str(part))
         if field is None:
             return None
-        options = [field.annotation, *typing.get_args(field.annotation)]
+        options = [field.annotation, *get_args(field.annotation)]
         nxt = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
         if nxt is None:
             return None
@@ -364,8 +363,6 @@ def _section(loc: tuple[Any, ...]) -> type[BaseModel] | None:
 
 def _unknown_field(loc: tuple[Any, ...]) -> str:
     """'unknown field', with the field meant when it is a likely slip, else the known ones."""
-    import difflib
-
     cls = _section(loc)
     if cls is None or not loc:
         return "unknown field"

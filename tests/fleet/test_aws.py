@@ -256,18 +256,25 @@ def test_rebalance_then_warning_is_one_reclaim(aws_session, moto_url, boinc_db, 
     assert cost_report(r, store.job)["reclaims"] == 3  # not 6
 
 
-def test_an_instance_gone_without_a_notice_then_warned_counts_its_reclaim_once(
-        aws_session, moto_url, boinc_db, project, redis_server) -> None:
-    """EC2 ends an instance whose warning the controller has not read yet (a controller
-    down when it came, its message not visible again until the queue's timeout): the
-    instance is first known only as gone, its units re-issued; the warning that follows
-    makes it a reclaim, counted for the job once (it was not counted at all)."""
+def _two_hosts(aws_session, moto_url, boinc_db, project, redis_server):  # noqa: ANN001, ANN202
+    """A fleet of 2 hosts, each holding 2 results of a 4-unit job: Redis, the job's store,
+    its units, the controller, the instances and the fleet's resources."""
     r = connect(redis_server.url)
     store, units = boinc_job(r, project, n_units=4)
     fleet = make_fleet(aws_session, moto_url, 2)
     ctl = controller(aws_config(moto_url, fleet, str(project.root)), aws_session, project, r)
     instances = ctl.provider.observe().instances
     lay_out(boinc_db, instances, units, time.time())
+    return r, store, units, ctl, instances, fleet
+
+
+def test_an_instance_gone_without_a_notice_then_warned_counts_its_reclaim_once(
+        aws_session, moto_url, boinc_db, project, redis_server) -> None:
+    """EC2 ends an instance whose warning the controller has not read yet (a controller
+    down when it came, its message not visible again until the queue's timeout): the
+    instance is first known only as gone, its units re-issued; the warning that follows
+    makes it a reclaim, counted for the job once (it was not counted at all)."""
+    r, store, units, ctl, instances, _fleet = _two_hosts(aws_session, moto_url, boinc_db, project, redis_server)
     ctl.step()
     victim = instances[0].uid
     ec2_reclaim(aws_session, moto_url, [victim])
@@ -321,12 +328,7 @@ def test_a_warning_for_an_instance_never_seen(aws_session, moto_url, boinc_db, p
     """Warned and reclaimed while no controller watched: the instance is no longer in the
     group, but EC2 still knows it (tagged with the group's name): its units are re-issued.
     A warning for an instance of no fleet of ours is dropped."""
-    r = connect(redis_server.url)
-    store, units = boinc_job(r, project, n_units=4)
-    fleet = make_fleet(aws_session, moto_url, 2)
-    ctl = controller(aws_config(moto_url, fleet, str(project.root)), aws_session, project, r)
-    instances = ctl.provider.observe().instances
-    lay_out(boinc_db, instances, units, time.time())
+    r, store, units, ctl, instances, fleet = _two_hosts(aws_session, moto_url, boinc_db, project, redis_server)
     gone = instances[0].uid
     ec2_reclaim(aws_session, moto_url, [gone])  # the group drops it and launches another
     stranger = aws_session.client("ec2", endpoint_url=moto_url).run_instances(

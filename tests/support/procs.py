@@ -1,4 +1,4 @@
-"""Child processes for tests that merge from several real processes at once.
+"""Child processes for tests: mergers from a clean fork server, and a run's own processes.
 
 A test worker may already hold TensorFlow's threads (an earlier test in the same
 xdist worker trained a model): a child *forked* from it inherits their locks in
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 #: imported once by the fork server, so its children do not import them again
@@ -41,3 +43,36 @@ def _with_env(env: dict[str, str], target: Callable[..., Any], args: tuple[Any, 
 def process(target: Callable[..., Any], *args: Any) -> BaseProcess:
     """A not yet started child running ``target(*args)`` in this process's current environment."""
     return mp_context().Process(target=_with_env, args=(dict(os.environ), target, args))
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s children (Linux ``/proc``; none once it is gone)."""
+    try:
+        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _cpu_and_threads(pid: int) -> tuple[int, int]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        threads = int(Path(f"/proc/{pid}/status").read_text().split("Threads:")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+    return int(stat[11]) + int(stat[12]), threads
+
+
+def busy_slot(run_pid: int) -> int | None:
+    """A slot process of the ``boinc-dl run`` ``run_pid`` training a unit now: a child of
+    its fork server with TensorFlow's thread pools up (an assimilator runs 2 threads),
+    busy on the CPU over the last half second."""
+    workers = [k for fs in children(run_pid) for k in children(fs)]
+    before = {k: _cpu_and_threads(k)[0] for k in workers}
+    time.sleep(0.5)
+    busy = []
+    for k in workers:
+        ticks, threads = _cpu_and_threads(k)
+        if threads >= 4 and ticks - before[k] >= 10:  # clock ticks: at least a fifth of a core
+            busy.append((ticks - before[k], k))
+    return max(busy)[1] if busy else None
