@@ -56,3 +56,27 @@ def before_after_args(doc: str | None, baseline_ref: str) -> Any:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--baseline-ref", default=baseline_ref)
     return ap.parse_args()
+
+
+def cli_env(code: tuple[Path, str] | None) -> tuple[dict[str, str], str]:
+    """The environment and module prefix to run ``boinc-dl`` as ``python -m
+    <prefix>server.cli`` with the code :func:`export_ref` exported (None: the installed
+    code): one thread per slot, no TF_ settings of the caller's."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
+    env.update(BDL_THREADS="1", COLUMNS="120")
+    if code is None:
+        return env, "boinc_dl."
+    env["PYTHONPATH"] = str(code[0])
+    return env, code[1]
+
+
+def interleaved(sides: dict[str, Any], repeats: int, run: Any) -> dict[str, list[Any]]:
+    """``run(side, i)`` for each side, ``repeats`` times, the order flipped every repeat
+    (load changes and a warm page cache favour neither side); each side's results."""
+    out: dict[str, list[Any]] = {side: [] for side in sides}
+    for i in range(repeats):
+        for side in list(sides) if i % 2 == 0 else list(reversed(sides)):
+            out[side].append(run(side, i))
+    return out

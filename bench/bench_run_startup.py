@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import before_after_args, emit, export_ref, machine, median  # noqa: E402
+from bench._common import before_after_args, cli_env, emit, export_ref, interleaved, machine, median  # noqa: E402
 from tests.support.userjob import user_files  # noqa: E402  (the user's own files, as the tests write them)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,11 +38,7 @@ def run_once(code: tuple[Path, str] | None, work: Path) -> dict[str, float]:
     """One ``boinc-dl run`` of the job in ``work`` (a fresh run directory), timed, with the
     code of :func:`export_ref`'s ``code`` (None: the installed code)."""
     shutil.rmtree(work / "runs", ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
-    env.update(BDL_THREADS="1", COLUMNS="120")
-    prefix = "boinc_dl."
-    if code is not None:
-        env["PYTHONPATH"], prefix = str(code[0]), code[1]
+    env, prefix = cli_env(code)
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", f"{prefix}server.cli", "run", "job.yaml", *ARGS], cwd=work, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
@@ -60,13 +56,7 @@ def main() -> None:
         sides = {"before": (base, tmp / "before"), "after": (None, tmp / "after")}
         for _, work in sides.values():
             user_files(work)
-        runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
-        # Interleaved, order flipped every repeat: load changes and a warm page cache
-        # favour neither side.
-        for i in range(args.repeats):
-            order = list(sides) if i % 2 == 0 else list(reversed(sides))
-            for side in order:
-                runs[side].append(run_once(*sides[side]))
+        runs = interleaved(sides, args.repeats, lambda side, _i: run_once(*sides[side]))
     med = {side: {k: round(median([r[k] for r in rs]), 3) for k in rs[0]} for side, rs in runs.items()}
     print(f"{'':14}{'before':>10}{'after':>10}")
     for k in ("wall_s", "startup_s", "val_acc"):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import before_after_args, emit, export_ref, machine, median  # noqa: E402
+from bench._common import before_after_args, cli_env, emit, export_ref, interleaved, machine, median  # noqa: E402
 from tests.support.procs import busy_slot  # noqa: E402  (a run's slot training now, from /proc)
 from tests.support.userjob import MINIMAL, user_files  # noqa: E402
 
@@ -45,11 +45,7 @@ def run_once(code: tuple[Path, str] | None, work: Path, kills: bool, seed: int) 
     """One ``boinc-dl run`` of the job in ``work``, with :data:`KILLS` of busy slots (or
     none), with the code of :func:`export_ref`'s ``code`` (None: the installed code)."""
     shutil.rmtree(work / "runs", ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
-    env.update(BDL_THREADS="1", COLUMNS="120")
-    prefix = "boinc_dl."
-    if code is not None:
-        env["PYTHONPATH"], prefix = str(code[0]), code[1]
+    env, prefix = cli_env(code)
     rng = random.Random(seed)
     t = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", f"{prefix}server.cli", "run", "job.yaml", *ARGS], cwd=work,
@@ -83,12 +79,9 @@ def main() -> None:
         sides = {"before": (base, tmp / "before"), "after": (None, tmp / "after")}
         for _, work in sides.values():
             user_files(work, SPEC, n=4000)
-        runs: dict[str, list[dict[str, float]]] = {"before": [], "after": [], "no kills": []}
-        runs["no kills"].append(run_once(None, tmp / "after", False, 0))
-        for i in range(args.repeats):  # interleaved, order flipped every repeat
-            order = list(sides) if i % 2 == 0 else list(reversed(sides))
-            for side in order:
-                runs[side].append(run_once(*sides[side], True, seed=i))
+        clean = [run_once(None, tmp / "after", False, 0)]
+        runs = {**interleaved(sides, args.repeats, lambda side, i: run_once(*sides[side], True, seed=i)),
+                "no kills": clean}
     med = {side: {k: round(median([r[k] for r in rs]), 3) for k in rs[0]} for side, rs in runs.items()}
     print(f"{'':12}" + "".join(f"{s:>12}" for s in med))
     for k in med["after"]:
