@@ -3,6 +3,7 @@ stop_daemons file and on SIGHUP/SIGTERM, and logs; submit/cancel against a proje
 
 from __future__ import annotations
 
+import select
 import signal
 import subprocess
 import sys
@@ -32,21 +33,27 @@ def installed(project, redis_server):
 
 
 def start_daemon(project) -> subprocess.Popen[str]:
+    """The daemon as bin/start runs it, returned once it has said it started (its signal
+    handlers are installed before that line; a fixed wait lost the race on a loaded
+    machine, and a SIGHUP during start-up ends a process by the default action)."""
     p = subprocess.Popen([str(project.root / "bin" / "bdl_work_generator")], cwd=project.tmp_dir,
                          env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        assert p.poll() is None, p.stdout.read()
-        time.sleep(0.3)
-        if (project.root / "boinc-dl").exists() or time.monotonic() > deadline - 55:
-            break
-    return p
+        ready, _, _ = select.select([p.stdout], [], [], 1.0)
+        line = p.stdout.readline() if ready else ""
+        seen.append(line)
+        if "work generator for" in line and "started" in line:
+            return p
+        assert p.poll() is None or line, "".join(seen) + p.stdout.read()
+    p.kill()
+    pytest.fail("the daemon never said it started: " + "".join(seen))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
 def test_exits_on_signal(installed, sig) -> None:
     p = start_daemon(installed)
-    time.sleep(2.0)
     assert p.poll() is None
     p.send_signal(sig)
     out, _ = p.communicate(timeout=30)
@@ -56,7 +63,6 @@ def test_exits_on_signal(installed, sig) -> None:
 
 def test_exits_on_stop_daemons_file(installed) -> None:
     p = start_daemon(installed)
-    time.sleep(2.0)
     (installed.root / "stop_daemons").write_text("<stop/>\n")  # what bin/stop writes
     out, _ = p.communicate(timeout=30)
     assert p.returncode == 0, out
