@@ -368,8 +368,8 @@ def _unknown_field(loc: tuple[Any, ...]) -> str:
         return "unknown field"
     known = sorted(cls.model_fields)
     name = str(loc[-1])
-    guess = _SYNONYMS.get(name.lower()) if _SYNONYMS.get(name.lower()) in known else None
-    guess = guess or next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)
+    meant = _SYNONYMS.get(name.lower())
+    guess = meant if meant in known else next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None)
     if guess is not None:
         return f"unknown field (did you mean {guess}?)"
     return f"unknown field (the fields here: {', '.join(known)})"

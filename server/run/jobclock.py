@@ -78,12 +78,12 @@ def recorded_story(store: JobStore) -> dict[str, Any]:
     of a job whose finishing run was killed before it wrote ``summary.json``. ``elapsed_s``
     is the last run's time (as that run's summary would have said), ``job`` the totals."""
     totals = job_totals(store)
+    # A store written before last_run_s: one run's time is the job's.
+    last = totals["active_s"] if totals["runs"] == 1 else 0.0
     try:
-        last = float(store.meta().get("last_run_s", "") or "nan")
-    except ValueError:
-        last = float("nan")
-    if last != last:  # a store written before last_run_s: one run's time is the job's
-        last = totals["active_s"] if totals["runs"] == 1 else 0.0
+        last = float(store.meta()["last_run_s"])
+    except (KeyError, ValueError):
+        pass
     return {"elapsed_s": last, "job": totals}
 
 

@@ -322,8 +322,8 @@ def summary_table(res: RunResult, spec: JobSpec) -> Table:
     # A job several runs trained (--resume): its own totals, this run's share beside them;
     # this process's counters alone would misreport it.
     resumed = int(job.get("runs", 1)) > 1
-    if b or resumed or job:
-        c = job if resumed or not b else b  # no counters of its own: the job's (a rewrite of a finished one)
+    if b or job:
+        c = b if b and not resumed else job  # no counters of its own (a rewrite of a finished one): the job's
         merged = f"{c.get('merged', 0)} merged" + (f" ({b.get('merged', 0)} by this run)" if resumed else "")
         again = f", {job['resubmitted']} re-submitted on resuming" if resumed and job.get("resubmitted") else ""
         t.add_row("units", f"{merged}{again}, {c.get('reissued', 0)} re-issued, "

@@ -20,8 +20,9 @@ import time
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 #: imported once by the fork server, so its children do not import them again
 PRELOAD = ["numpy", "redis", "boinc_dl.server.assimilator.store", "boinc_dl.server.common.weights"]
@@ -46,21 +47,20 @@ def process(target: Callable[..., Any], *args: Any) -> BaseProcess:
 
 
 def children(pid: int) -> list[int]:
-    """The pids of ``pid``'s children (Linux ``/proc``; none once it is gone)."""
+    """The pids of ``pid``'s children (none once it is gone)."""
     try:
-        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
-                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
-    except OSError:
+        return [c.pid for c in psutil.Process(pid).children()]
+    except psutil.Error:
         return []
 
 
-def _cpu_and_threads(pid: int) -> tuple[int, int]:
+def _cpu_and_threads(pid: int) -> tuple[float, int]:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        threads = int(Path(f"/proc/{pid}/status").read_text().split("Threads:")[1].split()[0])
-    except (OSError, IndexError, ValueError):
-        return 0, 0
-    return int(stat[11]) + int(stat[12]), threads
+        p = psutil.Process(pid)
+        t = p.cpu_times()
+        return t.user + t.system, p.num_threads()
+    except psutil.Error:
+        return 0.0, 0
 
 
 def busy_slot(run_pid: int) -> int | None:
@@ -72,7 +72,7 @@ def busy_slot(run_pid: int) -> int | None:
     time.sleep(0.5)
     busy = []
     for k in workers:
-        ticks, threads = _cpu_and_threads(k)
-        if threads >= 4 and ticks - before[k] >= 10:  # clock ticks: at least a fifth of a core
-            busy.append((ticks - before[k], k))
+        cpu, threads = _cpu_and_threads(k)
+        if threads >= 4 and cpu - before[k] >= 0.1:  # at least a fifth of a core
+            busy.append((cpu - before[k], k))
     return max(busy)[1] if busy else None
